@@ -1,0 +1,235 @@
+//! Text generation with full attention: prompt prefill in chunks, then sampled decode steps,
+//! streamed token by token.
+
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+use kvdb_model::{FullAttention, Logits, Model, Tokenizer};
+
+/// Tokens prefilled per forward call: bounds the memory of attention scores.
+const PREFILL_CHUNK: usize = 512;
+
+/// Sampling and stopping parameters.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// Most new tokens.
+    pub max_tokens: usize,
+    /// 0 for greedy decoding.
+    pub temperature: f64,
+    /// Nucleus sampling threshold (1 = off).
+    pub top_p: f64,
+    /// Sampling seed.
+    pub seed: u64,
+    /// Generation stops before any of these strings; they are not printed.
+    pub stop: Vec<String>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self {
+            max_tokens: 128,
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 299_792_458,
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model produced an end-of-generation token.
+    EndOfText,
+    /// A stop string appeared.
+    StopString,
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// The model's context is full.
+    ContextFull,
+}
+
+/// What a generation produced.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Prompt tokens (BOS included).
+    pub prompt_tokens: usize,
+    /// Generated token ids (the end-of-text token excluded).
+    pub tokens: Vec<u32>,
+    /// The generated text (stop string excluded).
+    pub text: String,
+    /// Why it ended.
+    pub stop: StopReason,
+    /// Seconds spent on the prompt.
+    pub prefill_seconds: f64,
+    /// Seconds spent generating.
+    pub decode_seconds: f64,
+}
+
+/// Runs `prompt` through `model` and samples up to `options.max_tokens` tokens, calling
+/// `on_text` with each newly decoded piece of text.
+pub fn generate(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    prompt: &str,
+    options: &GenerateOptions,
+    on_text: &mut dyn FnMut(&str) -> anyhow::Result<()>,
+) -> anyhow::Result<Generation> {
+    let context = model.config().context_length;
+    let prompt_ids = tokenizer.encode(prompt, tokenizer.prompt_options())?;
+    if prompt_ids.is_empty() {
+        anyhow::bail!("the prompt is empty and the model adds no BOS token: give it some text");
+    }
+    if prompt_ids.len() >= context {
+        return Err(kvdb_model::ModelError::ContextOverflow {
+            tokens: prompt_ids.len() + 1,
+            context,
+        }
+        .into());
+    }
+    let sampling = if options.temperature <= 0.0 {
+        Sampling::ArgMax
+    } else if options.top_p < 1.0 {
+        Sampling::TopP {
+            p: options.top_p,
+            temperature: options.temperature,
+        }
+    } else {
+        Sampling::All {
+            temperature: options.temperature,
+        }
+    };
+    let mut sampler = LogitsProcessor::from_sampling(options.seed, sampling);
+    let mut cache = FullAttention::new(model.config());
+
+    let started = std::time::Instant::now();
+    let mut logits = None;
+    for (i, chunk) in prompt_ids.chunks(PREFILL_CHUNK).enumerate() {
+        let last = (i + 1) * PREFILL_CHUNK >= prompt_ids.len();
+        let want = if last { Logits::Last } else { Logits::None };
+        logits = model.forward(chunk, i * PREFILL_CHUNK, &mut cache, &want)?;
+    }
+    let prefill_seconds = started.elapsed().as_secs_f64();
+
+    let started = std::time::Instant::now();
+    let mut decoder = tokenizer.stream_decoder();
+    let mut stops = StopMatcher::new(&options.stop);
+    let mut tokens = Vec::new();
+    let mut text = String::new();
+    let mut position = prompt_ids.len();
+    let stop = loop {
+        if tokens.len() >= options.max_tokens {
+            break StopReason::MaxTokens;
+        }
+        let Some(row) = logits.take() else {
+            anyhow::bail!("the model returned no logits");
+        };
+        let next = sampler.sample(&row.squeeze(0)?)?;
+        if tokenizer.is_end_of_generation(next) {
+            break StopReason::EndOfText;
+        }
+        tokens.push(next);
+        let piece = decoder.push(next)?;
+        let (emit, stopped) = stops.push(&piece);
+        text.push_str(&emit);
+        on_text(&emit)?;
+        if stopped {
+            break StopReason::StopString;
+        }
+        if tokens.len() >= options.max_tokens {
+            break StopReason::MaxTokens;
+        }
+        if position >= context {
+            break StopReason::ContextFull;
+        }
+        logits = model.forward(&[next], position, &mut cache, &Logits::Last)?;
+        position += 1;
+    };
+    if stop != StopReason::StopString {
+        let rest = stops.finish(&decoder.finish());
+        text.push_str(&rest);
+        on_text(&rest)?;
+    }
+    Ok(Generation {
+        prompt_tokens: prompt_ids.len(),
+        tokens,
+        text,
+        stop,
+        prefill_seconds,
+        decode_seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// Holds back streamed text that could still turn into a stop string.
+#[derive(Debug)]
+struct StopMatcher<'a> {
+    stops: &'a [String],
+    pending: String,
+}
+
+impl<'a> StopMatcher<'a> {
+    fn new(stops: &'a [String]) -> Self {
+        Self {
+            stops,
+            pending: String::new(),
+        }
+    }
+
+    /// Adds text; returns what can be shown now and whether a stop string was found (the
+    /// text before it is returned, the stop string and anything after it are dropped).
+    fn push(&mut self, piece: &str) -> (String, bool) {
+        self.pending.push_str(piece);
+        let first_stop = self
+            .stops
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min();
+        if let Some(at) = first_stop {
+            let emit = self.pending[..at].to_string();
+            self.pending.clear();
+            return (emit, true);
+        }
+        // Keep the longest suffix that is a prefix of some stop string.
+        let keep = self
+            .stops
+            .iter()
+            .flat_map(|s| {
+                (1..s.len())
+                    .filter(|&n| s.is_char_boundary(n) && self.pending.ends_with(&s[..n]))
+                    .max()
+            })
+            .max()
+            .unwrap_or(0);
+        let cut = self.pending.len() - keep;
+        let emit = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (emit, false)
+    }
+
+    fn finish(&mut self, tail: &str) -> String {
+        self.pending.push_str(tail);
+        std::mem::take(&mut self.pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_are_held_back_and_cut() {
+        let stops = vec!["\n\n".to_string(), "END".to_string()];
+        let mut m = StopMatcher::new(&stops);
+        assert_eq!(m.push("Hello"), ("Hello".to_string(), false));
+        assert_eq!(m.push(" wor\n"), (" wor".to_string(), false));
+        assert_eq!(m.push("ld"), ("\nld".to_string(), false));
+        assert_eq!(m.push(" EN"), (" ".to_string(), false));
+        assert_eq!(m.push("Dtail"), (String::new(), true));
+    }
+
+    #[test]
+    fn text_without_stops_passes_through() {
+        let mut m = StopMatcher::new(&[]);
+        assert_eq!(m.push("abc"), ("abc".to_string(), false));
+        assert_eq!(m.finish("d"), "d");
+    }
+}

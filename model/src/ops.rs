@@ -1,0 +1,508 @@
+//! The fused MLP gate `act(gate) * up` on the CPU: one parallel pass instead of candle's two
+//! element-wise ops, and GELU in its exact sigmoid form `x·σ(2u)` (= `½x(1 + tanh u)`), whose
+//! `exp` is several times cheaper than libm's `tanh`.
+
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::config::Activation;
+use crate::error::Result;
+
+/// `√(2/π)`, GELU's tanh-approximation constant.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
+/// Elements per parallel task: large enough to amortise scheduling.
+const CHUNK: usize = 1 << 14;
+
+struct GatedActivation(Activation);
+
+/// `eˣ` for f32 in straight-line arithmetic (no libm call), so that loops over slices
+/// vectorise: `eˣ = 2ⁿ·eʳ` with `n = round(x/ln 2)`, `|r| ≤ ln2/2`, and a degree-6 Taylor
+/// polynomial for `eʳ` (relative error below 2e-7 over the clamped range).
+#[inline(always)]
+pub(crate) fn fast_exp(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    // 2ⁿ built from its exponent bits (n is within [-126, 127] after the clamp).
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+#[inline(always)]
+fn act(kind: Activation, x: f32) -> f32 {
+    match kind {
+        // 0.5·x·(1 + tanh u) = x / (1 + e^(−2u)), u = √(2/π)(x + 0.044715x³).
+        Activation::GeluTanh => {
+            let u = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
+            x / (1.0 + fast_exp(-2.0 * u))
+        }
+        Activation::Silu => x / (1.0 + fast_exp(-x)),
+    }
+}
+
+impl CustomOp2 for GatedActivation {
+    fn name(&self) -> &'static str {
+        "gated-activation"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("gated-activation needs contiguous inputs")
+        };
+        let (CpuStorage::F32(gate), CpuStorage::F32(up)) = (s1, s2) else {
+            candle_core::bail!("gated-activation needs f32 inputs")
+        };
+        let (gate, up) = (&gate[a0..a1], &up[b0..b1]);
+        let mut out = vec![0f32; gate.len()];
+        let kind = self.0;
+        out.par_chunks_mut(CHUNK)
+            .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
+            .for_each(|(o, (g, u))| {
+                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                    *o = act(kind, g) * u;
+                }
+            });
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// `act(gate) * up`, element-wise; both `[rows, width]` f32.
+pub(crate) fn gated_activation(kind: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.device().is_cpu() {
+        let (gate, up) = (gate.contiguous()?, up.contiguous()?);
+        return Ok(gate.apply_op2_no_bwd(&up, &GatedActivation(kind))?);
+    }
+    let gate = match kind {
+        Activation::GeluTanh => gate.gelu()?,
+        Activation::Silu => candle_nn::ops::silu(gate)?,
+    };
+    Ok((gate * up)?)
+}
+
+/// Row-wise softmax of attention scores under a causal (optionally sliding-window) mask, in
+/// one parallel pass: each row's visible keys are a contiguous range, so no mask tensor is
+/// built and masked entries cost nothing.
+struct CausalSoftmax {
+    /// Query rows per head (the block's tokens); rows are `[heads][tokens]` major.
+    tokens: usize,
+    /// Position of the block's first query.
+    first_query: usize,
+    /// Position of the first key column.
+    first_key: usize,
+    window: Option<usize>,
+}
+
+impl candle_core::CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "causal-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let Some((start, end)) = l.contiguous_offsets() else {
+            candle_core::bail!("causal-softmax needs a contiguous input")
+        };
+        let CpuStorage::F32(scores) = s else {
+            candle_core::bail!("causal-softmax needs f32 scores")
+        };
+        let scores = &scores[start..end];
+        let keys = l.dims().last().copied().unwrap_or(0);
+        let mut out = vec![0f32; scores.len()];
+        if keys > 0 {
+            out.par_chunks_mut(keys)
+                .zip(scores.par_chunks(keys))
+                .enumerate()
+                .for_each(|(row, (o, x))| {
+                    let p = self.first_query + row % self.tokens;
+                    let lo = self.window.map_or(0, |w| (p + 1).saturating_sub(w));
+                    let a = lo.saturating_sub(self.first_key).min(keys);
+                    let b = (p + 1).saturating_sub(self.first_key).min(keys);
+                    if a >= b {
+                        return;
+                    }
+                    let (x, o) = (&x[a..b], &mut o[a..b]);
+                    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut sum = 0f32;
+                    for (o, &v) in o.iter_mut().zip(x) {
+                        *o = fast_exp(v - max);
+                    }
+                    for &v in o.iter() {
+                        sum += v;
+                    }
+                    let inv = 1.0 / sum;
+                    o.iter_mut().for_each(|v| *v *= inv);
+                });
+        }
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+}
+
+/// Softmax over the last dim of `scores` (`[.., heads * tokens, keys]`, rows `[head][token]`)
+/// where query `i` of the block sits at position `first_query + i`, key column `j` at
+/// `first_key + j`, and a query sees keys at positions `p - window < k <= p`.
+pub(crate) fn causal_softmax(
+    scores: &Tensor,
+    tokens: usize,
+    first_query: usize,
+    first_key: usize,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let op = CausalSoftmax {
+        tokens,
+        first_query,
+        first_key,
+        window,
+    };
+    if scores.device().is_cpu() {
+        return Ok(scores.contiguous()?.apply_op1_no_bwd(&op)?);
+    }
+    // Other devices: an explicit mask and candle's softmax.
+    let keys = scores.dim(candle_core::D::Minus1)?;
+    let mut mask = vec![0f32; tokens * keys];
+    for (r, row) in mask.chunks_mut(keys).enumerate() {
+        let p = first_query + r;
+        for (j, m) in row.iter_mut().enumerate() {
+            let k = first_key + j;
+            if k > p || window.is_some_and(|w| p - k >= w) {
+                *m = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let rows = scores.elem_count() / keys;
+    let mask = Tensor::from_vec(mask, (1, tokens, keys), scores.device())?;
+    let masked = scores
+        .reshape((rows / tokens, tokens, keys))?
+        .broadcast_add(&mask)?
+        .reshape(scores.shape())?;
+    Ok(candle_nn::ops::softmax_last_dim(&masked)?)
+}
+
+/// Weight rows per parallel task of [`small_matmul`].
+const GEMV_ROWS: usize = 64;
+
+/// Dot product with 16 independent lanes, which the compiler turns into SIMD FMAs (a plain
+/// iterator sum is sequential: floating-point addition does not reassociate).
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (a16, a_rest) = a.split_at(a.len() - a.len() % 16);
+    let (b16, b_rest) = b.split_at(a16.len());
+    for (x, y) in a16.chunks_exact(16).zip(b16.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    let tail: f32 = a_rest.iter().zip(b_rest).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `x Wᵀ` for a few rows of `x` (`[m, k]`) and a row-major weight `w` (`[n, k]`), both f32
+/// and contiguous: each weight row is read once for all `m` rows. For decode, where a
+/// general matrix product spends its time packing and synchronising.
+pub(crate) fn small_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (m, k) = x.dims2()?;
+    let (n, k2) = w.dims2()?;
+    if k != k2 {
+        return Err(
+            candle_core::Error::Msg(format!("small_matmul: [{m}, {k}] x [{n}, {k2}]ᵀ")).into(),
+        );
+    }
+    let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+    let (storage, layout) = w.storage_and_layout();
+    let candle_core::Storage::Cpu(CpuStorage::F32(ws)) = &*storage else {
+        return Err(candle_core::Error::Msg("small_matmul needs an f32 CPU weight".into()).into());
+    };
+    let Some((w0, w1)) = layout.contiguous_offsets() else {
+        return Err(
+            candle_core::Error::Msg("small_matmul needs a contiguous weight".into()).into(),
+        );
+    };
+    let ws = &ws[w0..w1];
+    // Output laid out [n, m] while computing (weight-row major), transposed at the end.
+    let mut out = vec![0f32; n * m];
+    out.par_chunks_mut(GEMV_ROWS * m)
+        .zip(ws.par_chunks(GEMV_ROWS * k))
+        .for_each(|(o, wblock)| {
+            for (orow, wrow) in o.chunks_mut(m).zip(wblock.chunks(k)) {
+                for (oj, xrow) in orow.iter_mut().zip(xs.chunks(k)) {
+                    *oj = dot(wrow, xrow);
+                }
+            }
+        });
+    drop(storage);
+    Ok(Tensor::from_vec(out, (n, m), x.device())?
+        .t()?
+        .contiguous()?)
+}
+
+/// Matrix products `a · b` (`transpose_b = false`, `b` `[.., k, n]`) or `a · bᵀ` (`b`
+/// `[.., n, k]`) of f32 CPU tensors, 2-D or batched 3-D. With feature `openblas` they run
+/// through the system OpenBLAS; otherwise (or for other devices) through candle.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Result<Tensor> {
+    #[cfg(feature = "openblas")]
+    if a.device().is_cpu()
+        && a.dtype() == candle_core::DType::F32
+        && b.dtype() == candle_core::DType::F32
+    {
+        return blas::matmul(a, b, transpose_b);
+    }
+    let b = if transpose_b { b.t()? } else { b.clone() };
+    Ok(a.matmul(&b)?)
+}
+
+#[cfg(feature = "openblas")]
+mod blas {
+    use candle_core::{CpuStorage, Storage, Tensor};
+    use rayon::prelude::*;
+
+    use crate::error::Result;
+
+    /// Rows below which a product is not split further.
+    const MIN_ROWS_PER_TASK: usize = 32;
+
+    extern "C" {
+        fn openblas_set_num_threads(n: std::ffi::c_int);
+    }
+
+    /// OpenBLAS runs on the calling thread only; parallelism comes from rayon.
+    fn single_threaded_blas() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        // SAFETY: a plain setter of OpenBLAS's global thread count, called once.
+        ONCE.call_once(|| unsafe { openblas_set_num_threads(1) });
+    }
+
+    fn bail<T>(msg: String) -> Result<T> {
+        Err(candle_core::Error::Msg(msg).into())
+    }
+
+    /// The f32 data of a contiguous CPU tensor, copied only when it is not contiguous.
+    fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+        let t = t.contiguous()?;
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
+            return bail("BLAS matmul needs f32 CPU tensors".into());
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return bail("BLAS matmul needs contiguous tensors".into());
+        };
+        f(&data[start..end])
+    }
+
+    pub(super) fn matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Result<Tensor> {
+        let (batch, m, k) = match a.dims() {
+            [m, k] => (None, *m, *k),
+            [bt, m, k] => (Some(*bt), *m, *k),
+            d => return bail(format!("BLAS matmul: lhs of rank {}", d.len())),
+        };
+        let (bb, r, c) = match b.dims() {
+            [r, c] => (None, *r, *c),
+            [bt, r, c] => (Some(*bt), *r, *c),
+            d => return bail(format!("BLAS matmul: rhs of rank {}", d.len())),
+        };
+        let (kb, n) = if transpose_b { (c, r) } else { (r, c) };
+        if kb != k || bb != batch {
+            return bail(format!(
+                "BLAS matmul: {:?} x {:?} (transpose_b {transpose_b})",
+                a.dims(),
+                b.dims()
+            ));
+        }
+        let batches = batch.unwrap_or(1);
+        let mut out = vec![0f32; batches * m * n];
+        if m * n * k > 0 {
+            single_threaded_blas();
+            let (trans, ldb) = if transpose_b {
+                (cblas_sys::CBLAS_TRANSPOSE::CblasTrans, k)
+            } else {
+                (cblas_sys::CBLAS_TRANSPOSE::CblasNoTrans, n)
+            };
+            // Rows split over rayon's threads, each a single-threaded product: OpenBLAS's own
+            // thread pool spins and yields against rayon's and candle's on small machines.
+            let rows = m
+                .div_ceil(rayon::current_num_threads().max(1))
+                .max(MIN_ROWS_PER_TASK);
+            with_slice(a, |a| {
+                with_slice(b, |b| {
+                    out.par_chunks_mut(m * n)
+                        .enumerate()
+                        .flat_map(|(i, o)| {
+                            o.par_chunks_mut(rows * n)
+                                .enumerate()
+                                .map(move |(j, oj)| (i, j, oj))
+                        })
+                        .for_each(|(i, j, o)| {
+                            let mj = o.len() / n;
+                            let ai = &a[i * m * k + j * rows * k..][..mj * k];
+                            let bi = &b[i * k * n..(i + 1) * k * n];
+                            // SAFETY: `ai` holds mj·k, `bi` k·n and `o` mj·n elements, laid
+                            // out row-major with the leading dimensions passed.
+                            unsafe {
+                                cblas_sys::cblas_sgemm(
+                                    cblas_sys::CBLAS_LAYOUT::CblasRowMajor,
+                                    cblas_sys::CBLAS_TRANSPOSE::CblasNoTrans,
+                                    trans,
+                                    mj as i32,
+                                    n as i32,
+                                    k as i32,
+                                    1.0,
+                                    ai.as_ptr(),
+                                    k as i32,
+                                    bi.as_ptr(),
+                                    ldb as i32,
+                                    0.0,
+                                    o.as_mut_ptr(),
+                                    n as i32,
+                                );
+                            }
+                        });
+                    Ok(())
+                })
+            })?;
+        }
+        let shape = match batch {
+            Some(bt) => vec![bt, m, n],
+            None => vec![m, n],
+        };
+        Ok(Tensor::from_vec(out, shape, a.device())?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn fast_exp_is_accurate() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            worst = worst.max(((fast_exp(x) as f64 - want) / want).abs());
+            x += 0.0137;
+        }
+        assert!(worst < 5e-7, "worst relative error {worst}");
+        assert_eq!(fast_exp(f32::NEG_INFINITY), fast_exp(-87.0));
+    }
+
+    #[test]
+    fn causal_softmax_matches_masked_softmax() -> Result<()> {
+        let dev = Device::Cpu;
+        // 2 heads × 5 queries at positions 7..12 over keys at positions 4..12, window 4.
+        let (heads, tokens, keys) = (2, 5, 8);
+        let scores = Tensor::randn(0f32, 1., (1, heads * tokens, keys), &dev)?;
+        let probs = causal_softmax(&scores, tokens, 7, 4, Some(4))?;
+        let rows: Vec<Vec<f32>> = scores.squeeze(0)?.to_vec2()?;
+        let got: Vec<Vec<f32>> = probs.squeeze(0)?.to_vec2()?;
+        for (r, (x, y)) in rows.iter().zip(&got).enumerate() {
+            let p = 7 + r % tokens;
+            let visible: Vec<bool> = (0..keys).map(|j| 4 + j <= p && p - (4 + j) < 4).collect();
+            let max = x
+                .iter()
+                .zip(&visible)
+                .filter(|v| *v.1)
+                .map(|v| *v.0)
+                .fold(f32::MIN, f32::max);
+            let sum: f32 = x
+                .iter()
+                .zip(&visible)
+                .filter(|v| *v.1)
+                .map(|v| (v.0 - max).exp())
+                .sum();
+            for j in 0..keys {
+                let want = if visible[j] {
+                    (x[j] - max).exp() / sum
+                } else {
+                    0.0
+                };
+                assert!(
+                    (y[j] - want).abs() < 1e-6,
+                    "row {r} key {j}: {} vs {want}",
+                    y[j]
+                );
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn matmul_matches_candle() -> Result<()> {
+        let dev = Device::Cpu;
+        for (batch, m, k, n) in [
+            (None, 37, 64, 50),
+            (Some(3), 20, 16, 9),
+            (None, 512, 640, 256),
+        ] {
+            let (ashape, bshape, btshape) = match batch {
+                Some(b) => (vec![b, m, k], vec![b, k, n], vec![b, n, k]),
+                None => (vec![m, k], vec![k, n], vec![n, k]),
+            };
+            let a = Tensor::randn(0f32, 1., ashape, &dev)?;
+            let b = Tensor::randn(0f32, 1., bshape, &dev)?;
+            let bt = Tensor::randn(0f32, 1., btshape, &dev)?;
+            let d1 = (matmul(&a, &b, false)? - a.matmul(&b)?)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            let bt_t = bt.transpose(batch.map_or(0, |_| 1), batch.map_or(1, |_| 2))?;
+            let d2 = (matmul(&a, &bt, true)? - a.matmul(&bt_t)?)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(d1 < 1e-3 && d2 < 1e-3, "{batch:?} {m} {k} {n}: {d1} {d2}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn small_matmul_matches_candle_matmul() -> Result<()> {
+        let dev = Device::Cpu;
+        for (m, k, n) in [(1, 640, 1024), (3, 100, 7), (15, 2048, 130)] {
+            let x = Tensor::randn(0f32, 1., (m, k), &dev)?;
+            let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
+            let reference = x.matmul(&w.t()?)?;
+            let ours = small_matmul(&x, &w)?;
+            let d = (ours - &reference)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(d < 1e-3, "({m},{k},{n}): max |Δ| {d}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn matches_candle_element_wise_ops() -> Result<()> {
+        let xs: Vec<f32> = (0..5000).map(|i| (i as f32 - 2500.0) / 300.0).collect();
+        let gate = Tensor::new(xs.as_slice(), &Device::Cpu)?.reshape((50, 100))?;
+        let up = (gate.sin()? + 1.5)?;
+        for (kind, reference) in [
+            (Activation::GeluTanh, (gate.gelu()? * &up)?),
+            (Activation::Silu, (candle_nn::ops::silu(&gate)? * &up)?),
+        ] {
+            let ours = gated_activation(kind, &gate, &up)?;
+            let d = (ours - reference)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(d < 1e-5, "{kind:?}: max |Δ| {d}");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,125 @@
+//! Rotary position embeddings, applied to `[tokens, heads, head_dim]` tensors.
+//!
+//! Keys reach the attention backends before rotation (kvdb stores them that way), so RoPE is
+//! a value the backends hold and apply when they score, not a step of the forward pass.
+
+use std::ops::Range;
+use std::sync::{Arc, RwLock};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::{RopeConfig, RopeScaling, RopeStyle};
+use crate::error::Result;
+
+/// The RoPE of one layer: its inverse frequencies, pairing style and a shared table of
+/// `cos`/`sin` rows that grows on demand (layers with the same RoPE share one).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f64>,
+    style: RopeStyle,
+    table: Arc<RwLock<Option<Table>>>,
+}
+
+/// `cos` and `sin` for positions `0..len`, `[len, head_dim / 2]`.
+#[derive(Debug)]
+struct Table {
+    cos: Tensor,
+    sin: Tensor,
+    len: usize,
+}
+
+impl Rope {
+    /// Builds the RoPE of `config` for heads of `head_dim` dimensions. `Frequencies` scaling
+    /// takes its divisors from `freq_factors` (one per pair of dimensions).
+    pub fn new(config: &RopeConfig, head_dim: usize, freq_factors: Option<&[f32]>) -> Self {
+        let half = head_dim / 2;
+        let inv_freq = (0..half)
+            .map(|i| {
+                let f = 1.0 / (config.base as f64).powf(2.0 * i as f64 / head_dim as f64);
+                match (&config.scaling, freq_factors) {
+                    (RopeScaling::Linear { factor }, _) => f / *factor as f64,
+                    (RopeScaling::Frequencies(_), Some(factors)) => f / factors[i] as f64,
+                    _ => f,
+                }
+            })
+            .collect();
+        Self {
+            inv_freq,
+            style: config.style,
+            table: Arc::new(RwLock::new(None)),
+        }
+    }
+
+    /// The pairing of dimensions.
+    pub fn style(&self) -> RopeStyle {
+        self.style
+    }
+
+    /// `cos` and `sin` tables `[positions, head_dim / 2]` for consecutive positions.
+    pub fn tables(&self, positions: Range<usize>, device: &Device) -> Result<(Tensor, Tensor)> {
+        let slice = |t: &Table| -> Result<Option<(Tensor, Tensor)>> {
+            if positions.end > t.len || !t.cos.device().same_device(device) {
+                return Ok(None);
+            }
+            Ok(Some((
+                t.cos.narrow(0, positions.start, positions.len())?,
+                t.sin.narrow(0, positions.start, positions.len())?,
+            )))
+        };
+        // A poisoned lock only means another thread panicked mid-update: recompute.
+        if let Ok(guard) = self.table.read() {
+            if let Some(found) = guard.as_ref().map(slice).transpose()?.flatten() {
+                return Ok(found);
+            }
+        }
+        let len = positions.end.next_power_of_two().max(1024);
+        let (cos, sin) = self.compute(0..len, device)?;
+        let table = Table { cos, sin, len };
+        let found = slice(&table)?;
+        if let Ok(mut guard) = self.table.write() {
+            *guard = Some(table);
+        }
+        found.ok_or_else(|| candle_core::Error::Msg("rope table too short".into()).into())
+    }
+
+    /// Computes the tables; angles in f64 so that large positions keep their precision.
+    fn compute(&self, positions: Range<usize>, device: &Device) -> Result<(Tensor, Tensor)> {
+        let n = positions.len();
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for p in positions {
+            for f in &self.inv_freq {
+                let (s, c) = (p as f64 * f).sin_cos();
+                cos.push(c as f32);
+                sin.push(s as f32);
+            }
+        }
+        Ok((
+            Tensor::from_vec(cos, (n, half), device)?,
+            Tensor::from_vec(sin, (n, half), device)?,
+        ))
+    }
+
+    /// Rotates `x` (`[tokens, heads, head_dim]`, f32) whose tokens sit at `positions`.
+    pub fn apply(&self, x: &Tensor, positions: Range<usize>) -> Result<Tensor> {
+        let (cos, sin) = self.tables(positions, x.device())?;
+        self.apply_with(x, &cos, &sin)
+    }
+
+    /// Rotates `x` with tables from [`Rope::tables`] (so that queries and keys share them).
+    pub fn apply_with(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let x = x.to_dtype(DType::F32)?.contiguous()?.unsqueeze(0)?;
+        let y = match self.style {
+            RopeStyle::Halves => candle_nn::rotary_emb::rope_thd(&x, cos, sin)?,
+            RopeStyle::Interleaved => {
+                // candle's interleaved kernel wants [batch, heads, tokens, dim].
+                let x = x.transpose(1, 2)?.contiguous()?;
+                candle_nn::rotary_emb::rope_i(&x, cos, sin)?
+                    .transpose(1, 2)?
+                    .contiguous()?
+            }
+        };
+        Ok(y.squeeze(0)?)
+    }
+}
