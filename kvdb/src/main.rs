@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kvdb::generate::{generate, GenerateOptions, StopReason};
-use kvdb_model::{GgufFile, LayerKind, LoadOptions};
+use kvdb_model::{GgufFile, LayerKind, LoadOptions, RopeScaling, RopeStyle, WeightMode};
 
 /// kvdb: an LLM's KV cache as a persistent vector database, queried with attention as
 /// retrieval.
@@ -64,6 +64,19 @@ struct GenerateArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// How weights are multiplied: `hybrid` (f32 for prefill, quantized kernels for decode:
+    /// fastest), `exact` (f32 everywhere), `quantized` (least memory).
+    #[arg(long, default_value = "hybrid", value_parser = weight_mode)]
+    weights: WeightMode,
+}
+
+fn weight_mode(s: &str) -> Result<WeightMode, String> {
+    match s {
+        "hybrid" => Ok(WeightMode::Hybrid),
+        "exact" => Ok(WeightMode::Dequantized),
+        "quantized" => Ok(WeightMode::Quantized),
+        other => Err(format!("`{other}`: expected hybrid, exact or quantized")),
+    }
 }
 
 fn top_p(s: &str) -> Result<f64, String> {
@@ -156,7 +169,11 @@ fn info(model: Option<PathBuf>) -> Result<()> {
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
-    let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
+    let options = LoadOptions {
+        weights: args.weights,
+        ..LoadOptions::default()
+    };
+    let loaded = kvdb::models::load(args.model.as_deref(), &options)?;
     let options = GenerateOptions {
         max_tokens: args.max_tokens,
         temperature: args.temperature,
