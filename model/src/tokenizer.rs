@@ -36,7 +36,7 @@
 //! order (llama.cpp's order among them is unspecified), and [`Tokenizer::decode`] does not
 //! apply llama.cpp's `clean_up_tokenization_spaces` pass, so that decoding stays lossless.
 
-use std::cmp::Ordering;
+use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap, HashSet};
 
 use candle_core::quantized::gguf_file::Value;
@@ -478,56 +478,103 @@ fn merge_symbols(syms: &mut [Symbol], left: usize, right: usize) {
     }
 }
 
-/// A candidate SentencePiece merge: highest score first, then leftmost.
+/// A candidate merge of the adjacent symbols `left` and `right`: highest priority first,
+/// then leftmost.
 #[derive(Debug)]
-struct SpmBigram {
-    score: f32,
+struct Bigram<P> {
+    priority: P,
     left: usize,
     right: usize,
     size: usize,
 }
 
-impl PartialEq for SpmBigram {
+impl<P: Ord> PartialEq for Bigram<P> {
     fn eq(&self, other: &Self) -> bool {
         self.cmp(other) == Ordering::Equal
     }
 }
-impl Eq for SpmBigram {}
-impl PartialOrd for SpmBigram {
+impl<P: Ord> Eq for Bigram<P> {}
+impl<P: Ord> PartialOrd for Bigram<P> {
     fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
         Some(self.cmp(other))
     }
 }
-impl Ord for SpmBigram {
+impl<P: Ord> Ord for Bigram<P> {
     fn cmp(&self, other: &Self) -> Ordering {
-        self.score
-            .partial_cmp(&other.score)
-            .unwrap_or(Ordering::Equal)
+        self.priority
+            .cmp(&other.priority)
             .then_with(|| other.left.cmp(&self.left))
     }
 }
 
-/// A candidate BPE merge: lowest rank first, then leftmost.
-#[derive(Debug, PartialEq, Eq)]
-struct BpeBigram {
-    rank: u32,
-    left: usize,
-    right: usize,
-    size: usize,
-}
+/// A SentencePiece merge priority: the merged token's score, incomparable scores equal.
+#[derive(Debug, Clone, Copy)]
+struct SpmScore(f32);
 
-impl PartialOrd for BpeBigram {
+impl PartialEq for SpmScore {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for SpmScore {}
+impl PartialOrd for SpmScore {
     fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
         Some(self.cmp(other))
     }
 }
-impl Ord for BpeBigram {
+impl Ord for SpmScore {
     fn cmp(&self, other: &Self) -> Ordering {
-        other
-            .rank
-            .cmp(&self.rank)
-            .then_with(|| other.left.cmp(&self.left))
+        self.0.partial_cmp(&other.0).unwrap_or(Ordering::Equal)
     }
+}
+
+/// Greedy bigram merging over the characters of `text`: repeatedly merges the adjacent pair
+/// of highest priority (ties to the leftmost) until no pair scores, then yields the pieces
+/// in order. `priority(pair, split)` scores the pair `pair[..split]` + `pair[split..]`, or
+/// returns `None` where the pair may not merge.
+fn bigram_merge<P: Ord>(
+    text: &str,
+    mut priority: impl FnMut(&str, usize) -> Option<P>,
+) -> impl Iterator<Item = &str> {
+    let mut syms = char_symbols(text);
+    let mut heap = BinaryHeap::with_capacity(syms.len());
+    let mut try_add =
+        |syms: &[Symbol], heap: &mut BinaryHeap<Bigram<P>>, left: usize, right: usize| {
+            if left == NONE || right == NONE {
+                return;
+            }
+            let (a, b) = (syms[left], syms[right]);
+            let size = a.len + b.len;
+            if let Some(priority) = priority(&text[a.start..a.start + size], a.len) {
+                heap.push(Bigram {
+                    priority,
+                    left,
+                    right,
+                    size,
+                });
+            }
+        };
+    for i in 1..syms.len() {
+        try_add(&syms, &mut heap, i - 1, i);
+    }
+    while let Some(b) = heap.pop() {
+        let (l, r) = (b.left, b.right);
+        if syms[l].len == 0 || syms[r].len == 0 || syms[l].len + syms[r].len != b.size {
+            continue;
+        }
+        merge_symbols(&mut syms, l, r);
+        try_add(&syms, &mut heap, syms[l].prev, l);
+        try_add(&syms, &mut heap, l, syms[l].next);
+    }
+    let mut i = if syms.is_empty() { NONE } else { 0 };
+    std::iter::from_fn(move || {
+        if i == NONE {
+            return None;
+        }
+        let s = syms[i];
+        i = s.next;
+        Some(&text[s.start..s.start + s.len])
+    })
 }
 
 /// A tokenizer read from GGUF metadata; immutable and shareable between threads.
@@ -1059,40 +1106,12 @@ impl Tokenizer {
 
     /// SentencePiece merging over an escaped fragment.
     fn spm_encode(&self, text: &str, out: &mut Vec<u32>) -> Result<()> {
-        let mut syms = char_symbols(text);
-        let mut heap = BinaryHeap::with_capacity(syms.len());
-        let try_add =
-            |syms: &[Symbol], heap: &mut BinaryHeap<SpmBigram>, left: usize, right: usize| {
-                if left == NONE || right == NONE {
-                    return;
-                }
-                let start = syms[left].start;
-                let size = syms[left].len + syms[right].len;
-                if let Some(&id) = self.token_to_id.get(&text[start..start + size]) {
-                    heap.push(SpmBigram {
-                        score: self.scores[id as usize],
-                        left,
-                        right,
-                        size,
-                    });
-                }
-            };
-        for i in 1..syms.len() {
-            try_add(&syms, &mut heap, i - 1, i);
-        }
-        while let Some(b) = heap.pop() {
-            let (l, r) = (b.left, b.right);
-            if syms[l].len == 0 || syms[r].len == 0 || syms[l].len + syms[r].len != b.size {
-                continue;
-            }
-            merge_symbols(&mut syms, l, r);
-            try_add(&syms, &mut heap, syms[l].prev, l);
-            try_add(&syms, &mut heap, l, syms[l].next);
-        }
-        let mut i = if syms.is_empty() { NONE } else { 0 };
-        while i != NONE {
-            let s = syms[i];
-            let piece = &text[s.start..s.start + s.len];
+        let pieces = bigram_merge(text, |pair, _| {
+            self.token_to_id
+                .get(pair)
+                .map(|&id| SpmScore(self.scores[id as usize]))
+        });
+        for piece in pieces {
             match self.token_to_id.get(piece) {
                 Some(&id) => out.push(id),
                 None => {
@@ -1101,7 +1120,6 @@ impl Tokenizer {
                     }
                 }
             }
-            i = s.next;
         }
         Ok(())
     }
@@ -1120,41 +1138,11 @@ impl Tokenizer {
                     continue;
                 }
             }
-            let mut syms = char_symbols(&word);
-            let mut heap = BinaryHeap::with_capacity(syms.len());
-            let try_add =
-                |syms: &[Symbol], heap: &mut BinaryHeap<BpeBigram>, left: usize, right: usize| {
-                    if left == NONE || right == NONE {
-                        return;
-                    }
-                    let (a, b) = (syms[left], syms[right]);
-                    let lt = &word[a.start..a.start + a.len];
-                    let rt = &word[b.start..b.start + b.len];
-                    if let Some(rank) = bpe.rank(lt, rt) {
-                        heap.push(BpeBigram {
-                            rank,
-                            left,
-                            right,
-                            size: a.len + b.len,
-                        });
-                    }
-                };
-            for i in 1..syms.len() {
-                try_add(&syms, &mut heap, i - 1, i);
-            }
-            while let Some(b) = heap.pop() {
-                let (l, r) = (b.left, b.right);
-                if syms[l].len == 0 || syms[r].len == 0 || syms[l].len + syms[r].len != b.size {
-                    continue;
-                }
-                merge_symbols(&mut syms, l, r);
-                try_add(&syms, &mut heap, syms[l].prev, l);
-                try_add(&syms, &mut heap, l, syms[l].next);
-            }
-            let mut i = if syms.is_empty() { NONE } else { 0 };
-            while i != NONE {
-                let s = syms[i];
-                let piece = &word[s.start..s.start + s.len];
+            // Lowest rank first.
+            let pieces = bigram_merge(&word, |pair, split| {
+                bpe.rank(&pair[..split], &pair[split..]).map(Reverse)
+            });
+            for piece in pieces {
                 match self.token_to_id.get(piece) {
                     Some(&id) => out.push(id),
                     None => {
@@ -1166,7 +1154,6 @@ impl Tokenizer {
                         }
                     }
                 }
-                i = s.next;
             }
         }
         Ok(())

@@ -390,6 +390,21 @@ fn gpt2_char(byte: u8) -> char {
     char::from_u32(256 + offset).expect("valid char")
 }
 
+/// Metadata of a `model` ("gpt2", "llama") tokenizer with these tokens and token types.
+fn vocab_metadata(model: &str, tokens: Vec<String>, types: Vec<i32>) -> HashMap<String, Value> {
+    let mut md = HashMap::new();
+    md.insert("tokenizer.ggml.model".into(), Value::String(model.into()));
+    md.insert(
+        "tokenizer.ggml.tokens".into(),
+        Value::Array(tokens.into_iter().map(Value::String).collect()),
+    );
+    md.insert(
+        "tokenizer.ggml.token_type".into(),
+        Value::Array(types.into_iter().map(Value::I32).collect()),
+    );
+    md
+}
+
 fn strings(items: &[&str]) -> Value {
     Value::Array(items.iter().map(|s| Value::String(s.to_string())).collect())
 }
@@ -426,17 +441,8 @@ fn bpe_metadata(pre: &str) -> HashMap<String, Value> {
         "3 4", "h e", "l l", "ll o", "he llo", "Ġ w", "o r", "Ġw or", "Ã ©", "1 2", "4 5",
         "Ġ hello",
     ];
-    let mut md = HashMap::new();
-    md.insert("tokenizer.ggml.model".into(), Value::String("gpt2".into()));
+    let mut md = vocab_metadata("gpt2", tokens, types);
     md.insert("tokenizer.ggml.pre".into(), Value::String(pre.into()));
-    md.insert(
-        "tokenizer.ggml.tokens".into(),
-        Value::Array(tokens.into_iter().map(Value::String).collect()),
-    );
-    md.insert(
-        "tokenizer.ggml.token_type".into(),
-        Value::Array(types.into_iter().map(Value::I32).collect()),
-    );
     md.insert("tokenizer.ggml.merges".into(), strings(&merges));
     md.insert("tokenizer.ggml.bos_token_id".into(), Value::U32(256));
     md.insert("tokenizer.ggml.eos_token_id".into(), Value::U32(257));
@@ -465,40 +471,30 @@ fn bpe_matches_llama_cpp_on_a_trained_vocabulary() -> Result<()> {
         .iter()
         .map(|c| c.as_str().expect("case text"))
         .collect();
-    let strings_of = |v: &serde_json::Value| -> Value {
-        Value::Array(
-            v.as_array()
-                .expect("array")
-                .iter()
-                .map(|s| Value::String(s.as_str().expect("string").to_string()))
-                .collect(),
-        )
+    let strings_of = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|s| s.as_str().expect("string").to_string())
+            .collect()
     };
+    let types: Vec<i32> = vocab["token_type"]
+        .as_array()
+        .expect("token_type")
+        .iter()
+        .map(|t| t.as_i64().expect("type") as i32)
+        .collect();
     let mut compared = 0;
     let mut failures = Vec::new();
     for (pre, runs) in golden["pre"].as_object().expect("pre") {
-        let mut md = HashMap::new();
-        md.insert(
-            "tokenizer.ggml.model".to_string(),
-            Value::String("gpt2".into()),
-        );
+        let mut md = vocab_metadata("gpt2", strings_of(&vocab["tokens"]), types.clone());
         md.insert("tokenizer.ggml.pre".to_string(), Value::String(pre.clone()));
         md.insert(
-            "tokenizer.ggml.tokens".to_string(),
-            strings_of(&vocab["tokens"]),
-        );
-        md.insert(
             "tokenizer.ggml.merges".to_string(),
-            strings_of(&vocab["merges"]),
-        );
-        md.insert(
-            "tokenizer.ggml.token_type".to_string(),
             Value::Array(
-                vocab["token_type"]
-                    .as_array()
-                    .expect("token_type")
-                    .iter()
-                    .map(|t| Value::I32(t.as_i64().expect("type") as i32))
+                strings_of(&vocab["merges"])
+                    .into_iter()
+                    .map(Value::String)
                     .collect(),
             ),
         );
@@ -724,16 +720,7 @@ fn spm_metadata(add_space_prefix: bool) -> HashMap<String, Value> {
         types.push(TYPE_NORMAL);
         scores.push(s);
     }
-    let mut md = HashMap::new();
-    md.insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
-    md.insert(
-        "tokenizer.ggml.tokens".into(),
-        Value::Array(tokens.into_iter().map(Value::String).collect()),
-    );
-    md.insert(
-        "tokenizer.ggml.token_type".into(),
-        Value::Array(types.into_iter().map(Value::I32).collect()),
-    );
+    let mut md = vocab_metadata("llama", tokens, types);
     md.insert(
         "tokenizer.ggml.scores".into(),
         Value::Array(scores.into_iter().map(Value::F32).collect()),
@@ -794,31 +781,30 @@ fn spm_stream_decoder_reassembles_byte_fallback() -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // Metadata errors
 
-fn tokenizer_error(md: &HashMap<String, Value>) -> String {
-    match Tokenizer::from_gguf(md) {
+/// Asserts that `md` fails as `ModelError::Tokenizer` with a message that names `needle`.
+fn assert_tokenizer_error(md: &HashMap<String, Value>, needle: &str) {
+    let msg = match Tokenizer::from_gguf(md) {
         Err(ModelError::Tokenizer(msg)) => msg,
         Err(other) => panic!("expected ModelError::Tokenizer, got {other:?}"),
         Ok(t) => panic!("expected an error, got {t:?}"),
-    }
+    };
+    assert!(msg.contains(needle), "{msg}");
 }
 
 #[test]
 fn missing_token_list_is_a_clear_error() {
     let mut md = spm_metadata(false);
     md.remove("tokenizer.ggml.tokens");
-    let msg = tokenizer_error(&md);
-    assert!(msg.contains("tokenizer.ggml.tokens"), "{msg}");
+    assert_tokenizer_error(&md, "tokenizer.ggml.tokens");
 }
 
 #[test]
 fn unknown_tokenizer_model_is_a_clear_error() {
     let mut md = spm_metadata(false);
     md.insert("tokenizer.ggml.model".into(), Value::String("bert".into()));
-    let msg = tokenizer_error(&md);
-    assert!(msg.contains("unsupported tokenizer model `bert`"), "{msg}");
+    assert_tokenizer_error(&md, "unsupported tokenizer model `bert`");
     md.remove("tokenizer.ggml.model");
-    let msg = tokenizer_error(&md);
-    assert!(msg.contains("tokenizer.ggml.model"), "{msg}");
+    assert_tokenizer_error(&md, "tokenizer.ggml.model");
 }
 
 #[test]
@@ -828,21 +814,18 @@ fn inconsistent_metadata_is_a_clear_error() {
         "tokenizer.ggml.scores".into(),
         Value::Array(vec![Value::F32(0.0)]),
     );
-    let msg = tokenizer_error(&md);
-    assert!(msg.contains("tokenizer.ggml.scores"), "{msg}");
+    assert_tokenizer_error(&md, "tokenizer.ggml.scores");
 
     let mut md = spm_metadata(false);
     md.insert(
         "tokenizer.ggml.tokens".into(),
         Value::String("not a list".into()),
     );
-    let msg = tokenizer_error(&md);
-    assert!(msg.contains("tokenizer.ggml.tokens"), "{msg}");
+    assert_tokenizer_error(&md, "tokenizer.ggml.tokens");
 
     let mut md = bpe_metadata("gpt2");
     md.remove("tokenizer.ggml.merges");
-    let msg = tokenizer_error(&md);
-    assert!(msg.contains("tokenizer.ggml.merges"), "{msg}");
+    assert_tokenizer_error(&md, "tokenizer.ggml.merges");
 }
 
 #[test]

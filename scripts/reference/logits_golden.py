@@ -18,9 +18,7 @@ Usage (from the repository root):
         [--out model/tests/data/gemma3_logits_golden.json]
 """
 
-import argparse
 import gc
-import hashlib
 import json
 import os
 import sys
@@ -32,10 +30,9 @@ import llama_cpp
 import llama_cpp.llama_cpp as llama_api
 from llama_cpp import Llama
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_MODEL = os.path.expanduser("~/.cache/kvdb/models/gemma-3-270m-q4_k_m.gguf")
-DEFAULT_OUT = os.path.join(REPO, "model", "tests", "data", "gemma3_logits_golden.json")
-GPL_PATH = "tests/data/gpl-3.txt"
+from common import GPL_PATH, golden_path, parse_args, read_gpl, sha256
+
+DEFAULT_OUT = golden_path("gemma3_logits_golden.json")
 
 N_TOKENS = 1600
 TEXT_CHARS = 9000  # characters of gpl-3.txt tokenized; must give >= N_TOKENS - 1 tokens
@@ -46,14 +43,6 @@ N_BATCH = 512
 N_THREADS = 2
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def plain_cpu_model_params():
@@ -119,13 +108,9 @@ def run(model, tokens, kv_type):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=os.environ.get("KVDB_MODEL", DEFAULT_MODEL))
-    ap.add_argument("--out", default=DEFAULT_OUT)
-    args = ap.parse_args()
+    args = parse_args(__doc__, DEFAULT_OUT)
 
-    with open(os.path.join(REPO, GPL_PATH), encoding="utf-8") as f:
-        text = f.read()[:TEXT_CHARS]
+    text = read_gpl()[:TEXT_CHARS]
     vocab_llm = Llama(model_path=args.model, vocab_only=True, verbose=False)
     body = vocab_llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
     bos = vocab_llm.token_bos()

@@ -13,9 +13,7 @@ Usage (from the repository root):
         [--out model/tests/data/gemma3_tokenizer_golden.json]
 """
 
-import argparse
 import ctypes
-import hashlib
 import json
 import os
 import random
@@ -24,10 +22,9 @@ import sys
 import llama_cpp
 from llama_cpp import Llama
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_MODEL = os.path.expanduser("~/.cache/kvdb/models/gemma-3-270m-q4_k_m.gguf")
-DEFAULT_OUT = os.path.join(REPO, "model", "tests", "data", "gemma3_tokenizer_golden.json")
-GPL_PATH = "tests/data/gpl-3.txt"  # relative to the repository root
+from common import GPL_PATH, golden_path, parse_args, read_gpl, sha256
+
+DEFAULT_OUT = golden_path("gemma3_tokenizer_golden.json")
 
 RANDOM_CASES = 200
 RANDOM_SEED = 20250601
@@ -109,14 +106,6 @@ def random_cases(n, seed):
     return cases
 
 
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def detokenize(vocab, ids, unparse_special):
     """llama.cpp's detokenization, as raw bytes (no llama-cpp-python post-processing)."""
     arr = (llama_cpp.llama_token * max(1, len(ids)))(*ids)
@@ -129,10 +118,7 @@ def detokenize(vocab, ids, unparse_special):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=os.environ.get("KVDB_MODEL", DEFAULT_MODEL))
-    ap.add_argument("--out", default=DEFAULT_OUT)
-    args = ap.parse_args()
+    args = parse_args(__doc__, DEFAULT_OUT)
 
     llm = Llama(model_path=args.model, vocab_only=True, verbose=False)
     vocab = llm._model.vocab
@@ -154,8 +140,7 @@ def main():
 
     cases = [case(t, s) for t, s in CASES]
     cases += [case(t, s, random_seed=RANDOM_SEED) for t, s in random_cases(RANDOM_CASES, RANDOM_SEED)]
-    with open(os.path.join(REPO, GPL_PATH), encoding="utf-8") as f:
-        gpl = f.read()
+    gpl = read_gpl()
     gpl_case = case(gpl, True, text_file=GPL_PATH)
     # The whole file's decoded text is just the file again; keep the JSON small.
     for k in ("detok_special", "detok_plain"):

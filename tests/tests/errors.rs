@@ -18,11 +18,29 @@ fn tiny() -> Result<TinyFile> {
     .write_temp()
 }
 
+/// The tiny model and its bytes, to edit and open with `open_bytes`.
+fn tiny_bytes() -> Result<(TinyFile, Vec<u8>)> {
+    let file = tiny()?;
+    let bytes = std::fs::read(file.path())?;
+    Ok((file, bytes))
+}
+
 /// Writes `bytes` next to `file` and opens the result.
 fn open_bytes(file: &TinyFile, bytes: &[u8]) -> Result<kvdb_model::Result<GgufFile>> {
     let path = file.dir().join("edited.gguf");
     std::fs::write(&path, bytes)?;
     Ok(GgufFile::open(&path))
+}
+
+/// Opens `bytes` as `open_bytes` does; it must fail as `InvalidGguf`, whose error is returned.
+/// `what` names the case in a failed assertion.
+fn open_invalid(file: &TinyFile, bytes: &[u8], what: &str) -> Result<ModelError> {
+    let err = open_bytes(file, bytes)?.unwrap_err();
+    assert!(
+        matches!(err, ModelError::InvalidGguf { .. }),
+        "{what}: {err:?}"
+    );
+    Ok(err)
 }
 
 fn load(path: &Path) -> kvdb_model::Result<Model> {
@@ -53,8 +71,7 @@ fn missing_file() {
 
 #[test]
 fn truncated_in_tensor_data() -> Result<()> {
-    let file = tiny()?;
-    let bytes = std::fs::read(file.path())?;
+    let (file, bytes) = tiny_bytes()?;
     let data_start = Content::read(&mut File::open(file.path())?)?.tensor_data_offset as usize;
     let cut = data_start + (bytes.len() - data_start) / 2;
     let err = open_bytes(&file, &bytes[..cut])?.unwrap_err();
@@ -85,16 +102,11 @@ fn truncated_in_tensor_data() -> Result<()> {
 
 #[test]
 fn truncated_in_header() -> Result<()> {
-    let file = tiny()?;
-    let bytes = std::fs::read(file.path())?;
+    let (file, bytes) = tiny_bytes()?;
     let data_start = Content::read(&mut File::open(file.path())?)?.tensor_data_offset as usize;
     // Inside the magic, the counts, the metadata (tokenizer arrays) and the tensor infos.
     for cut in [2, 12, 100, data_start / 2, data_start - 40] {
-        let err = open_bytes(&file, &bytes[..cut])?.unwrap_err();
-        assert!(
-            matches!(err, ModelError::InvalidGguf { .. }),
-            "cut at {cut}: {err:?}"
-        );
+        let err = open_invalid(&file, &bytes[..cut], &format!("cut at {cut}"))?;
         let msg = err.to_string();
         assert!(
             msg.contains("not a valid GGUF file") && msg.contains("re-download"),
@@ -106,11 +118,9 @@ fn truncated_in_header() -> Result<()> {
 
 #[test]
 fn bad_magic() -> Result<()> {
-    let file = tiny()?;
-    let mut bytes = std::fs::read(file.path())?;
+    let (file, mut bytes) = tiny_bytes()?;
     bytes[..4].copy_from_slice(b"GGML");
-    let err = open_bytes(&file, &bytes)?.unwrap_err();
-    assert!(matches!(err, ModelError::InvalidGguf { .. }), "{err:?}");
+    let err = open_invalid(&file, &bytes, "bad magic")?;
     let msg = err.to_string();
     assert!(msg.contains("magic") && msg.contains("GGUF"), "{msg}");
     Ok(())
@@ -121,8 +131,7 @@ fn bad_magic() -> Result<()> {
 /// `general.architecture` (20 bytes), a string: its type at 52, its value's length at 56.
 #[test]
 fn huge_lengths_in_header() -> Result<()> {
-    let file = tiny()?;
-    let bytes = std::fs::read(file.path())?;
+    let (file, bytes) = tiny_bytes()?;
     assert_eq!(&bytes[32..52], b"general.architecture");
     let cases: [(&str, usize, u64); 5] = [
         ("tensor count", 8, u64::MAX),
@@ -134,11 +143,7 @@ fn huge_lengths_in_header() -> Result<()> {
     for (what, offset, value) in cases {
         let mut edited = bytes.clone();
         edited[offset..offset + 8].copy_from_slice(&value.to_le_bytes());
-        let err = open_bytes(&file, &edited)?.unwrap_err();
-        assert!(
-            matches!(err, ModelError::InvalidGguf { .. }),
-            "{what}: {err:?}"
-        );
+        let err = open_invalid(&file, &edited, what)?;
         assert!(
             err.to_string().contains("not a valid GGUF file"),
             "{what}: {err}"
@@ -150,8 +155,7 @@ fn huge_lengths_in_header() -> Result<()> {
 /// An array count claiming more elements than the file holds (the tokenizer's token list).
 #[test]
 fn huge_array_count() -> Result<()> {
-    let file = tiny()?;
-    let mut bytes = std::fs::read(file.path())?;
+    let (file, mut bytes) = tiny_bytes()?;
     let key = b"tokenizer.ggml.tokens";
     let at = bytes
         .windows(key.len())
@@ -160,8 +164,7 @@ fn huge_array_count() -> Result<()> {
     // key, value type (u32 = array), element type (u32 = string), then the count.
     let count = at + key.len() + 8;
     bytes[count..count + 8].copy_from_slice(&(1u64 << 60).to_le_bytes());
-    let err = open_bytes(&file, &bytes)?.unwrap_err();
-    assert!(matches!(err, ModelError::InvalidGguf { .. }), "{err:?}");
+    open_invalid(&file, &bytes, "huge array count")?;
     Ok(())
 }
 
@@ -193,20 +196,23 @@ fn prompt_longer_than_context() -> Result<()> {
     assert_eq!(model.config().context_length, 64);
     let tokens = random_tokens(65, model.config().vocab_size, 1);
 
-    let mut cache = FullAttention::new(model.config());
-    let err = model
-        .forward(&tokens, 0, &mut cache, &Logits::Last)
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ModelError::ContextOverflow {
-                tokens: 65,
-                context: 64
-            }
-        ),
-        "{err:?}"
-    );
+    // Forwards `chunk` at `pos`, which must overflow the context: 65 tokens of 64.
+    let overflow = |chunk: &[u32], pos: usize, cache: &mut FullAttention| {
+        let err = model.forward(chunk, pos, cache, &Logits::Last).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ModelError::ContextOverflow {
+                    tokens: 65,
+                    context: 64
+                }
+            ),
+            "{err:?}"
+        );
+        err
+    };
+
+    let err = overflow(&tokens, 0, &mut FullAttention::new(model.config()));
     let msg = err.to_string();
     assert!(
         msg.contains("65") && msg.contains("64") && msg.contains("shorten"),
@@ -216,19 +222,7 @@ fn prompt_longer_than_context() -> Result<()> {
     // The same when the overflow comes from a later chunk, and the cache stays usable.
     let mut cache = FullAttention::new(model.config());
     model.forward(&tokens[..60], 0, &mut cache, &Logits::None)?;
-    let err = model
-        .forward(&tokens[60..], 60, &mut cache, &Logits::Last)
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ModelError::ContextOverflow {
-                tokens: 65,
-                context: 64
-            }
-        ),
-        "{err:?}"
-    );
+    overflow(&tokens[60..], 60, &mut cache);
     let last = model.forward(&tokens[60..64], 60, &mut cache, &Logits::Last)?;
     assert!(last.is_some());
     Ok(())

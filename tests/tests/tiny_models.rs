@@ -184,9 +184,15 @@ fn gemma3_matches_candle_below_window() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn q8_0_dequantized_matches_candle_dequantize_all() -> Result<()> {
-    let _env = CANDLE_ENV.lock().unwrap_or_else(|e| e.into_inner());
+/// Compares each architecture (gemma3 inside its window) with Q8_0 weights in `mode` against
+/// candle, each in a fresh thread, so that candle's thread-local reads
+/// `CANDLE_DEQUANTIZE_ALL` as set (with `dequantize_all`) or not set there.
+fn check_q8_0_parity(
+    mode: WeightMode,
+    dequantize_all: bool,
+    label: &str,
+    tolerance: f32,
+) -> Result<()> {
     for spec in [
         TinyModel::llama(),
         TinyModel::qwen2(),
@@ -197,47 +203,43 @@ fn q8_0_dequantized_matches_candle_dequantize_all() -> Result<()> {
             ..spec
         };
         let arch = spec.arch;
-        // A fresh thread, so that candle's thread-local reads the variable set here.
         let error = std::thread::spawn(move || -> Result<f32> {
-            std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
-            let error = parity(&spec, WeightMode::Dequantized);
-            std::env::remove_var("CANDLE_DEQUANTIZE_ALL");
+            if dequantize_all {
+                std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+            }
+            let error = parity(&spec, mode);
+            if dequantize_all {
+                std::env::remove_var("CANDLE_DEQUANTIZE_ALL");
+            }
             error
         })
         .join()
         .map_err(|_| anyhow::anyhow!("the comparison thread panicked"))??;
-        check(
-            &format!("{arch:?} Q8_0 dequantized"),
-            error,
-            Q8_DEQUANTIZED_TOLERANCE,
-        );
+        check(&format!("{arch:?} Q8_0 {label}"), error, tolerance);
     }
     Ok(())
 }
 
 #[test]
+fn q8_0_dequantized_matches_candle_dequantize_all() -> Result<()> {
+    let _env = CANDLE_ENV.lock().unwrap_or_else(|e| e.into_inner());
+    check_q8_0_parity(
+        WeightMode::Dequantized,
+        true,
+        "dequantized",
+        Q8_DEQUANTIZED_TOLERANCE,
+    )
+}
+
+#[test]
 fn q8_0_quantized_matches_candle_quantized() -> Result<()> {
     let _env = CANDLE_ENV.lock().unwrap_or_else(|e| e.into_inner());
-    for spec in [
-        TinyModel::llama(),
-        TinyModel::qwen2(),
-        gemma3_below_window(),
-    ] {
-        let spec = TinyModel {
-            dtype: GgmlDType::Q8_0,
-            ..spec
-        };
-        let arch = spec.arch;
-        let error = std::thread::spawn(move || parity(&spec, WeightMode::Quantized))
-            .join()
-            .map_err(|_| anyhow::anyhow!("the comparison thread panicked"))??;
-        check(
-            &format!("{arch:?} Q8_0 quantized kernels"),
-            error,
-            QUANTIZED_TOLERANCE,
-        );
-    }
-    Ok(())
+    check_q8_0_parity(
+        WeightMode::Quantized,
+        false,
+        "quantized kernels",
+        QUANTIZED_TOLERANCE,
+    )
 }
 
 /// One-shot prefill, chunked prefill and token-by-token decode agree, on every architecture
