@@ -69,14 +69,44 @@ fn real_tokens(n: usize) -> Vec<u32> {
     ids
 }
 
-/// |Δlogit| allowed between two f32 computations of the same thing that sum in another order
-/// (logits reach about 30; measured differences are below 1e-4).
-const EXACT: f32 = 2e-3;
+/// How far two computations of the same logits may be apart: the largest |Δlogit| and the
+/// mean |Δlogit| over the whole vocabulary (the mean is the robust one; the max is a tail).
+#[derive(Debug, Clone, Copy)]
+struct Tolerance {
+    max: f32,
+    mean: f32,
+}
 
-/// |Δlogit| allowed where one side uses quantized kernels, which round activations to 8 bits
-/// (as llama.cpp does): this model amplifies such rounding to about 1 logit (llama.cpp's own
-/// f16 and f32 KV caches differ by 2.1 on the golden prompt). Wrong maths is off by 5 or more.
-const QUANTIZED_SPREAD: f32 = 1.6;
+/// Two f32 computations that sum in another order (logits reach about 30; measured
+/// differences are below 1e-4).
+const EXACT: Tolerance = Tolerance {
+    max: 2e-3,
+    mean: 2e-4,
+};
+
+/// One side uses quantized kernels, which round activations to 8 bits (as llama.cpp does):
+/// this model amplifies such rounding to about one logit at the extremes (llama.cpp's own
+/// f16 and f32 KV caches differ by 2.1 on the golden prompt), while the mean moves little.
+/// Wrong maths (SiLU for GELU) is off by 13 at the extremes and 4 on average.
+const QUANTIZED_SPREAD: Tolerance = Tolerance {
+    max: 2.5,
+    mean: 0.25,
+};
+
+/// Asserts that `a` and `b` agree within `tol`, printing what was measured.
+fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: Tolerance) -> Result<()> {
+    let diff = (a - b)?.abs()?.flatten_all()?;
+    let max = diff.max(0)?.to_scalar::<f32>()?;
+    let mean = diff.mean(0)?.to_scalar::<f32>()?;
+    eprintln!("{what}: max |Δlogit| {max:.2e}, mean {mean:.2e}");
+    assert!(max < tol.max, "{what}: max |Δlogit| {max} ≥ {}", tol.max);
+    assert!(
+        mean < tol.mean,
+        "{what}: mean |Δlogit| {mean} ≥ {}",
+        tol.mean
+    );
+    Ok(())
+}
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
@@ -245,7 +275,7 @@ fn matches_llama_cpp_on_1600_real_tokens() -> Result<()> {
     // this prompt (the golden's kv_spread). Measured here: worst |Δlogit| about 1.0 at one
     // position, mean |Δlogit| about 0.2, top-1 agreeing at 11 of 14 positions. A wrong
     // activation (SiLU, below) is off by 5-20; the tolerances sit between.
-    const WORST: f32 = QUANTIZED_SPREAD;
+    const WORST: f32 = QUANTIZED_SPREAD.max;
     const MEAN: f32 = 0.4;
     const LSE: f64 = 0.8;
     for (name, model) in [("exact", exact()), ("hybrid", hybrid())] {
@@ -303,8 +333,7 @@ fn chunked_prefill_equals_single_shot() -> Result<()> {
     // 700 tokens: past the 512-token sliding window, so chunks cross it.
     let tokens = real_tokens(700);
     let rows: Vec<usize> = (0..700).step_by(37).chain([511, 512, 699]).collect();
-    // Hybrid: chunks (and logit rows) of under 16 use the quantized kernels; measured 0.24 for
-    // the logits alone and 1.2 for chunks of 8.
+    // Hybrid: chunks (and logit rows) of under 16 use the quantized kernels.
     for (name, model, tolerance) in [
         ("exact", exact(), EXACT),
         ("hybrid", hybrid(), QUANTIZED_SPREAD),
@@ -312,12 +341,12 @@ fn chunked_prefill_equals_single_shot() -> Result<()> {
         let single = logits_at(model, &tokens, tokens.len(), &rows)?;
         for chunk in [300, 97, 64, 8] {
             let chunked = logits_at(model, &tokens, chunk, &rows)?;
-            let d = max_abs_diff(&single, &chunked)?;
-            eprintln!("{name}: chunks of {chunk}: max |Δlogit| {d:.2e}");
-            assert!(
-                d < tolerance,
-                "{name}: chunks of {chunk}: max |Δlogit| {d} ≥ {tolerance}"
-            );
+            assert_close(
+                &format!("{name}: chunks of {chunk}"),
+                &single,
+                &chunked,
+                tolerance,
+            )?;
         }
     }
     Ok(())
@@ -346,12 +375,12 @@ fn decode_after_prefill_equals_longer_prefill() -> Result<()> {
             );
         }
         let decoded = Tensor::cat(&steps, 0)?;
-        let d = max_abs_diff(&reference, &decoded)?;
-        eprintln!("{name}: decode vs prefill: max |Δlogit| {d:.2e}");
-        assert!(
-            d < tolerance,
-            "{name}: decode vs prefill max |Δlogit| {d} ≥ {tolerance}"
-        );
+        assert_close(
+            &format!("{name}: decode vs prefill"),
+            &reference,
+            &decoded,
+            tolerance,
+        )?;
         assert_eq!(
             argmax(&reference.get(rows.len() - 1)?)?,
             argmax(&decoded.get(rows.len() - 1)?)?
