@@ -159,9 +159,18 @@ fn info(model: Option<PathBuf>) -> Result<()> {
         } else {
             format!("{i}-{j}")
         };
+        let style = match l.rope.style {
+            RopeStyle::Halves => "halves",
+            RopeStyle::Interleaved => "interleaved",
+        };
+        let scaling = match &l.rope.scaling {
+            RopeScaling::None => String::new(),
+            RopeScaling::Linear { factor } => format!(", linear scaling x{factor}"),
+            RopeScaling::Frequencies(_) => ", per-frequency scaling (rope_freqs)".to_string(),
+        };
         println!(
-            "  {span:>7}: {kind}, RoPE base {} {:?} {:?}",
-            l.rope.base, l.rope.style, l.rope.scaling
+            "  {span:>7}: {kind}, RoPE base {} ({style} pairs){scaling}",
+            l.rope.base
         );
         i = j + 1;
     }

@@ -90,7 +90,7 @@ const EXACT: Tolerance = Tolerance {
 /// Wrong maths (SiLU for GELU) is off by 13 at the extremes and 4 on average.
 const QUANTIZED_SPREAD: Tolerance = Tolerance {
     max: 2.5,
-    mean: 0.25,
+    mean: 0.3,
 };
 
 /// Asserts that `a` and `b` agree within `tol`, printing what was measured.
@@ -226,9 +226,21 @@ struct GoldenPosition {
     logsumexp: f64,
 }
 
-/// Per golden position: largest |Δlogit| over llama.cpp's top-64 ids, |Δ logsumexp|, top-1
-/// agreement and the mean |Δlogit| over those ids.
-fn compare_with_llama_cpp(model: &Model) -> Result<Vec<(usize, f32, f64, bool, f32)>> {
+/// How our logits at one golden position compare with llama.cpp's.
+#[derive(Debug)]
+struct Agreement {
+    position: usize,
+    /// Largest |Δlogit| over llama.cpp's top-64 ids.
+    max: f32,
+    /// Mean |Δlogit| over those ids.
+    mean: f32,
+    /// |Δ logsumexp| over the whole vocabulary.
+    lse: f64,
+    /// Whether the most likely token is the same.
+    top1: bool,
+}
+
+fn compare_with_llama_cpp(model: &Model) -> Result<Vec<Agreement>> {
     let golden: Golden = serde_json::from_str(include_str!(
         "../../model/tests/data/gemma3_logits_golden.json"
     ))?;
@@ -250,20 +262,19 @@ fn compare_with_llama_cpp(model: &Model) -> Result<Vec<(usize, f32, f64, bool, f
             .iter()
             .map(|&(id, v)| (row[id as usize] - v).abs())
             .collect();
-        let worst = diffs.iter().copied().fold(0f32, f32::max);
-        let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
+
         let ours_top = row
             .iter()
             .enumerate()
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map(|(i, _)| i as u32);
-        out.push((
-            p.position,
-            worst,
-            (lse - p.logsumexp).abs(),
-            ours_top == Some(p.top[0].0),
-            mean,
-        ));
+        out.push(Agreement {
+            position: p.position,
+            max: diffs.iter().copied().fold(0f32, f32::max),
+            mean: diffs.iter().sum::<f32>() / diffs.len() as f32,
+            lse: (lse - p.logsumexp).abs(),
+            top1: ours_top == Some(p.top[0].0),
+        });
     }
     Ok(out)
 }
@@ -272,35 +283,27 @@ fn compare_with_llama_cpp(model: &Model) -> Result<Vec<(usize, f32, f64, bool, f
 fn matches_llama_cpp_on_1600_real_tokens() -> Result<()> {
     // llama.cpp multiplies with activations rounded to 8 bits, and this model is sensitive to
     // such rounding: llama.cpp's own f16 and f32 KV caches differ by up to 2.1 in a logit on
-    // this prompt (the golden's kv_spread). Measured here: worst |Δlogit| about 1.0 at one
-    // position, mean |Δlogit| about 0.2, top-1 agreeing at 11 of 14 positions. A wrong
-    // activation (SiLU, below) is off by 5-20; the tolerances sit between.
-    const WORST: f32 = QUANTIZED_SPREAD.max;
-    const MEAN: f32 = 0.4;
+    // this prompt (the golden's kv_spread). Measured here: max |Δlogit| up to 1.05, mean
+    // 0.07-0.36 per position and 0.20 overall, |Δlogsumexp| up to 0.5, top-1 the same at 11
+    // of 14 positions. A wrong activation (SiLU, below) is off by 13 and 4.3 on average.
+    const POSITION_MEAN: f32 = 0.6;
+    const OVERALL_MEAN: f32 = 0.35;
     const LSE: f64 = 0.8;
     for (name, model) in [("exact", exact()), ("hybrid", hybrid())] {
         let cmp = compare_with_llama_cpp(model)?;
-        for (pos, d, dl, agree, mean) in &cmp {
-            eprintln!("  {name} position {pos}: max |Δlogit| {d:.3}, mean {mean:.3}, |Δlse| {dl:.3}, top-1 same: {agree}");
-            assert!(
-                *d < WORST,
-                "{name}: position {pos}: max |Δlogit| {d} ≥ {WORST}"
-            );
-            assert!(
-                *mean < MEAN,
-                "{name}: position {pos}: mean |Δlogit| {mean} ≥ {MEAN}"
-            );
-            assert!(
-                *dl < LSE,
-                "{name}: position {pos}: |Δlogsumexp| {dl} ≥ {LSE}"
-            );
+        for a in &cmp {
+            eprintln!("  {name} position {}: {a:?}", a.position);
+            assert!(a.max < QUANTIZED_SPREAD.max, "{name}: {a:?}");
+            assert!(a.mean < POSITION_MEAN, "{name}: {a:?}");
+            assert!(a.lse < LSE, "{name}: {a:?}");
         }
-        let agree = cmp.iter().filter(|c| c.3).count();
-        let mean = cmp.iter().map(|c| c.4).sum::<f32>() / cmp.len() as f32;
+        let agree = cmp.iter().filter(|a| a.top1).count();
+        let mean = cmp.iter().map(|a| a.mean).sum::<f32>() / cmp.len() as f32;
         eprintln!(
             "llama.cpp parity ({name}): mean |Δlogit| {mean:.3}, top-1 agrees at {agree}/{}",
             cmp.len()
         );
+        assert!(mean < OVERALL_MEAN, "{name}: mean |Δlogit| {mean}");
         assert!(
             agree * 4 >= cmp.len() * 3,
             "{name}: top-1 agrees at only {agree}/{}",
@@ -318,8 +321,8 @@ fn silu_mlp_does_not_match_llama_cpp() -> Result<()> {
         activation: Some(Activation::Silu),
     });
     let cmp = compare_with_llama_cpp(&silu)?;
-    let mean = cmp.iter().map(|c| c.4).sum::<f32>() / cmp.len() as f32;
-    let worst = cmp.iter().map(|c| c.1).fold(0f32, f32::max);
+    let mean = cmp.iter().map(|a| a.mean).sum::<f32>() / cmp.len() as f32;
+    let worst = cmp.iter().map(|a| a.max).fold(0f32, f32::max);
     eprintln!("SiLU instead of GELU: mean |Δlogit| {mean:.2}, worst {worst:.2}");
     assert!(
         mean > 1.0 && worst > 3.0,
