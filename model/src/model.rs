@@ -103,7 +103,7 @@ impl Linear {
         let rows = x.dim(0)?;
         let small = rows < DENSE_MIN_ROWS;
         let y = match (&self.dense, &self.quantized) {
-            (Some(w), None) | (Some(w), Some(_)) if !small => matmul(x, w, true)?,
+            (Some(w), _) if !small => matmul(x, w, true)?,
             (_, Some(q)) => q.forward(x)?,
             (Some(w), None) if w.device().is_cpu() => small_matmul(x, w)?,
             (Some(w), None) => matmul(x, w, true)?,
