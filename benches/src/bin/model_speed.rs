@@ -109,7 +109,7 @@ fn main() -> Result<()> {
     let candle_f32 = load_candle(&path, true)?;
     let candle_q = load_candle(&path, false)?;
     println!("model: {}", path.display());
-    println!("threads: {}", rayon_threads());
+    println!("cores: {}", cores());
 
     println!("\n| prefill tokens | kvdb tok/s | candle f32 tok/s | ratio |");
     println!("|---:|---:|---:|---:|");
@@ -176,6 +176,7 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-fn rayon_threads() -> usize {
+/// Cores available to this process (rayon, OpenBLAS tasks and candle all use them).
+fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
