@@ -1,8 +1,12 @@
-//! Text generation with full attention: prompt prefill in chunks, then sampled decode steps,
-//! streamed token by token.
+//! The decoding loop: prompt prefill in chunks, then sampled decode steps, streamed token by
+//! token. Plain generation runs it over full attention from position 0; a corpus query runs
+//! it after the corpus, over retrieval attention.
 
 use candle_transformers::generation::{LogitsProcessor, Sampling};
-use kvdb_model::{FullAttention, Logits, Model, Tokenizer};
+use kvdb_model::{AttentionBackend, FullAttention, Logits, Model, Tokenizer};
+use serde::Serialize;
+
+use crate::error::{Error, Result};
 
 /// Tokens prefilled per forward call: bounds the memory of attention scores.
 const PREFILL_CHUNK: usize = 512;
@@ -35,7 +39,8 @@ impl Default for GenerateOptions {
 }
 
 /// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum StopReason {
     /// The model produced an end-of-generation token.
     EndOfText,
@@ -64,23 +69,54 @@ pub struct Generation {
     pub decode_seconds: f64,
 }
 
-/// Runs `prompt` through `model` and samples up to `options.max_tokens` tokens, calling
-/// `on_text` with each newly decoded piece of text.
+/// Runs `prompt` through `model` with full attention and samples up to `options.max_tokens`
+/// tokens, calling `on_text` with each newly decoded piece of text.
 pub fn generate(
     model: &Model,
     tokenizer: &Tokenizer,
     prompt: &str,
     options: &GenerateOptions,
-    on_text: &mut dyn FnMut(&str) -> anyhow::Result<()>,
-) -> anyhow::Result<Generation> {
-    let context = model.config().context_length;
+    on_text: &mut dyn FnMut(&str) -> Result<()>,
+) -> Result<Generation> {
     let prompt_ids = tokenizer.encode(prompt, tokenizer.prompt_options())?;
     if prompt_ids.is_empty() {
-        anyhow::bail!("the prompt is empty and the model adds no BOS token: give it some text");
+        return Err(Error::Query(
+            "the prompt is empty and the model adds no BOS token: give it some text".into(),
+        ));
     }
-    if prompt_ids.len() >= context {
+    let mut cache = FullAttention::new(model.config());
+    continue_generation(
+        model,
+        tokenizer,
+        &prompt_ids,
+        0,
+        &mut cache,
+        options,
+        on_text,
+    )
+}
+
+/// Prefills `prompt_ids` at positions `start..` through `backend`, which already holds
+/// everything before `start`, then samples up to `options.max_tokens` tokens, calling
+/// `on_text` with each newly decoded piece of text.
+pub fn continue_generation(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    prompt_ids: &[u32],
+    start: usize,
+    backend: &mut dyn AttentionBackend,
+    options: &GenerateOptions,
+    on_text: &mut dyn FnMut(&str) -> Result<()>,
+) -> Result<Generation> {
+    let context = model.config().context_length;
+    if prompt_ids.is_empty() {
+        return Err(Error::Query(
+            "nothing to generate from: the prompt is empty".into(),
+        ));
+    }
+    if start + prompt_ids.len() >= context {
         return Err(kvdb_model::ModelError::ContextOverflow {
-            tokens: prompt_ids.len() + 1,
+            tokens: start + prompt_ids.len() + 1,
             context,
         }
         .into());
@@ -98,14 +134,13 @@ pub fn generate(
         }
     };
     let mut sampler = LogitsProcessor::from_sampling(options.seed, sampling);
-    let mut cache = FullAttention::new(model.config());
 
     let started = std::time::Instant::now();
     let mut logits = None;
     for (i, chunk) in prompt_ids.chunks(PREFILL_CHUNK).enumerate() {
         let last = (i + 1) * PREFILL_CHUNK >= prompt_ids.len();
         let want = if last { Logits::Last } else { Logits::None };
-        logits = model.forward(chunk, i * PREFILL_CHUNK, &mut cache, &want)?;
+        logits = model.forward(chunk, start + i * PREFILL_CHUNK, backend, &want)?;
     }
     let prefill_seconds = started.elapsed().as_secs_f64();
 
@@ -114,13 +149,13 @@ pub fn generate(
     let mut stops = StopMatcher::new(&options.stop);
     let mut tokens = Vec::new();
     let mut text = String::new();
-    let mut position = prompt_ids.len();
+    let mut position = start + prompt_ids.len();
     let stop = loop {
         if tokens.len() >= options.max_tokens {
             break StopReason::MaxTokens;
         }
         let Some(row) = logits.take() else {
-            anyhow::bail!("the model returned no logits");
+            return Err(Error::Query("the model returned no logits".into()));
         };
         let next = sampler.sample(&row.squeeze(0)?)?;
         if tokenizer.is_end_of_generation(next) {
@@ -140,7 +175,7 @@ pub fn generate(
         if position >= context {
             break StopReason::ContextFull;
         }
-        logits = model.forward(&[next], position, &mut cache, &Logits::Last)?;
+        logits = model.forward(&[next], position, backend, &Logits::Last)?;
         position += 1;
     };
     if stop != StopReason::StopString {

@@ -1,12 +1,29 @@
 //! kvdb: an LLM's KV cache as a persistent vector database, queried with attention as
 //! retrieval.
 //!
-//! This crate holds the engine and the `kvdb` command line. Today it generates with full
-//! attention over [`kvdb_model`]; the store (RocksDB), ingest and retrieval queries come with
-//! the next issues (see ARCHITECTURE.md).
+//! A tour, in the order data flows:
+//! - [`documents`] reads the files an ingest is given (text, Markdown, HTML).
+//! - [`ingest`] prefills them through the model in chunks and commits each chunk's keys and
+//!   values to the [`store`] (RocksDB; layout in its module doc).
+//! - [`session`] answers a question over a stored corpus: the question is appended after the
+//!   corpus and every retrieval layer attends to the keys its index selects plus a dense part
+//!   (sinks and recent tokens), reading keys and values through the [`ram_tier`]; the answer
+//!   comes with provenance.
+//! - [`generate`] is the decoding loop both plain generation and queries share.
+//!
+//! Keys and values are `[tokens, head_dim]` rows per layer and KV head, pre-RoPE keys, f16 in
+//! the store and f32 in memory.
 
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
+pub mod documents;
+pub mod error;
 pub mod generate;
+pub mod ingest;
 pub mod models;
+pub mod ram_tier;
+pub mod session;
+pub mod store;
+
+pub use error::{Error, Result};

@@ -1,5 +1,7 @@
 //! The `kvdb` command line.
 
+mod corpus_cli;
+
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -26,6 +28,17 @@ enum Command {
     },
     /// Generate text from a prompt with full attention, streaming tokens to stdout.
     Generate(GenerateArgs),
+    /// Append documents (.txt, .md, .html files or folders of them) to a corpus, prefilling
+    /// them once and storing every layer's keys and values.
+    Ingest(corpus_cli::IngestArgs),
+    /// Ask a question about a corpus: decode with retrieval attention over its stored KV
+    /// cache, then show which passages the answer attended to.
+    Ask(corpus_cli::AskArgs),
+    /// List, describe or delete corpora.
+    Corpus {
+        #[command(subcommand)]
+        command: corpus_cli::CorpusCommand,
+    },
 }
 
 #[derive(Subcommand)]
@@ -49,6 +62,17 @@ struct GenerateArgs {
     /// The prompt.
     #[arg(long)]
     prompt: String,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// How weights are multiplied: `hybrid` (f32 for prefill, quantized kernels for decode:
+    /// fastest), `exact` (f32 everywhere), `quantized` (least memory).
+    #[arg(long, default_value = "hybrid", value_parser = weight_mode)]
+    weights: WeightMode,
+}
+
+/// Sampling options shared by `generate` and `ask`.
+#[derive(clap::Args)]
+pub(crate) struct SamplingArgs {
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -64,10 +88,18 @@ struct GenerateArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
-    /// How weights are multiplied: `hybrid` (f32 for prefill, quantized kernels for decode:
-    /// fastest), `exact` (f32 everywhere), `quantized` (least memory).
-    #[arg(long, default_value = "hybrid", value_parser = weight_mode)]
-    weights: WeightMode,
+}
+
+impl SamplingArgs {
+    pub(crate) fn options(self) -> GenerateOptions {
+        GenerateOptions {
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            seed: self.seed,
+            stop: self.stop,
+        }
+    }
 }
 
 fn weight_mode(s: &str) -> Result<WeightMode, String> {
@@ -107,6 +139,9 @@ fn main() -> Result<()> {
             ModelCommand::Info { model } => info(model)?,
         },
         Command::Generate(args) => run_generate(args)?,
+        Command::Ingest(args) => corpus_cli::ingest(args)?,
+        Command::Ask(args) => corpus_cli::ask(args)?,
+        Command::Corpus { command } => corpus_cli::corpus(command)?,
     }
     Ok(())
 }
@@ -183,13 +218,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         ..LoadOptions::default()
     };
     let loaded = kvdb::models::load(args.model.as_deref(), &options)?;
-    let options = GenerateOptions {
-        max_tokens: args.max_tokens,
-        temperature: args.temperature,
-        top_p: args.top_p,
-        seed: args.seed,
-        stop: args.stop,
-    };
+    let options = args.sampling.options();
     let mut stdout = std::io::stdout().lock();
     write!(stdout, "{}", args.prompt)?;
     let generation = generate(
@@ -197,11 +226,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         &loaded.tokenizer,
         &args.prompt,
         &options,
-        &mut |piece| {
-            write!(stdout, "{piece}")?;
-            stdout.flush()?;
-            Ok(())
-        },
+        &mut |piece| corpus_cli::emit(&mut stdout, piece),
     )?;
     writeln!(stdout)?;
     let reason = match generation.stop {

@@ -3,19 +3,23 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::Context;
 use candle_core::Device;
-use kvdb_model::{GgufFile, LoadOptions, Model, Tokenizer};
+use kvdb_model::{GgufFile, LoadOptions, Model, ModelError, Tokenizer};
+
+use crate::error::Result;
+use crate::ingest::{model_record, ModelRef};
+use crate::store::ModelRecord;
 
 /// The model file to use: `explicit` if given (it must exist), else the default model,
 /// fetched first if the cache lacks it (progress lines go to stderr).
-pub fn resolve(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
+pub fn resolve(explicit: Option<&Path>) -> Result<PathBuf> {
     match explicit {
         Some(path) => {
             if !path.exists() {
-                anyhow::bail!(kvdb_model::ModelError::MissingFile {
-                    path: path.to_path_buf()
-                });
+                return Err(ModelError::MissingFile {
+                    path: path.to_path_buf(),
+                }
+                .into());
             }
             Ok(path.to_path_buf())
         }
@@ -25,7 +29,7 @@ pub fn resolve(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
     }
 }
 
-/// A model with its tokenizer, loaded from one GGUF file.
+/// A model with its tokenizer and identity, loaded from one GGUF file.
 #[derive(Debug)]
 pub struct LoadedModel {
     /// The file it came from.
@@ -34,18 +38,37 @@ pub struct LoadedModel {
     pub model: Model,
     /// The tokenizer from the file's metadata.
     pub tokenizer: Tokenizer,
+    /// What a corpus records of it (the file's sha256 and the configuration).
+    pub record: ModelRecord,
 }
 
-/// Loads the model `explicit` names (or the default model) on the CPU.
-pub fn load(explicit: Option<&Path>, options: &LoadOptions) -> anyhow::Result<LoadedModel> {
+impl LoadedModel {
+    /// The model as ingest and queries take it.
+    pub fn as_ref(&self) -> ModelRef<'_> {
+        ModelRef {
+            model: &self.model,
+            tokenizer: &self.tokenizer,
+            record: &self.record,
+        }
+    }
+}
+
+/// Loads the model `explicit` names (or the default model) on the CPU and hashes its file.
+pub fn load(explicit: Option<&Path>, options: &LoadOptions) -> Result<LoadedModel> {
     let path = resolve(explicit)?;
     let mut file = GgufFile::open(&path)?;
-    let tokenizer = Tokenizer::from_gguf(file.metadata())
-        .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
+    let tokenizer = Tokenizer::from_gguf(file.metadata())?;
     let model = Model::from_gguf(&mut file, options, &Device::Cpu)?;
+    let sha256 = kvdb_model::fetch::sha256_file(&path)?;
+    let file_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let record = model_record(model.config(), &sha256, &file_name);
     Ok(LoadedModel {
         path,
         model,
         tokenizer,
+        record,
     })
 }

@@ -107,7 +107,7 @@ impl LayerCache {
                 let fresh =
                     Tensor::zeros((n_kv, new_capacity, d), candle_core::DType::F32, &device)?;
                 if kept > 0 {
-                    fresh.slice_set(&old.narrow(1, dropped, kept)?, 1, 0)?;
+                    fresh.slice_set(&old.narrow(1, dropped, kept)?.contiguous()?, 1, 0)?;
                 }
                 Ok(fresh)
             };
@@ -159,34 +159,84 @@ impl FullAttention {
             .and_then(Option::as_ref)
             .map_or(0, |c| c.len)
     }
-}
 
-impl AttentionBackend for FullAttention {
-    fn attend(&mut self, input: &AttentionInput<'_>) -> Result<Tensor> {
-        let index = input.layer.index;
-        let device = input.queries.device().clone();
+    /// Takes earlier tokens' pre-RoPE keys and values `[t, n_kv_heads, head_dim]` at
+    /// `positions` into the cache of `layer` without attending, e.g. a stored corpus that
+    /// later calls continue. The layer's cache must be empty or end where `positions` start;
+    /// a sliding-window layer needs at least its last `window - 1` tokens.
+    pub fn preload(
+        &mut self,
+        layer: &LayerSpec,
+        rope: &Rope,
+        keys: &Tensor,
+        values: &Tensor,
+        positions: Range<usize>,
+    ) -> Result<()> {
+        let cache = self.layer_cache(layer.index, positions.start, true, keys.device())?;
+        let (cos, sin) = rope.tables(positions, keys.device())?;
+        let k = rope.apply_with(keys, &cos, &sin)?;
+        cache.append(
+            &k.transpose(0, 1)?,
+            &values.transpose(0, 1)?,
+            sliding_keep(layer),
+        )
+    }
+
+    /// The cache of layer `index`, created empty when absent (beginning at `start` when
+    /// `anywhere`, else at 0); an error when the layer does not exist or the cache does not
+    /// end at `start`.
+    fn layer_cache(
+        &mut self,
+        index: usize,
+        start: usize,
+        anywhere: bool,
+        device: &Device,
+    ) -> Result<&mut LayerCache> {
+        let n_layers = self.layers.len();
         let cache = match self.layers.get_mut(index) {
             Some(slot) => match slot {
                 Some(c) => c,
-                None => slot.insert(LayerCache::empty(self.n_kv_heads, self.head_dim, &device)?),
+                None => {
+                    let mut empty = LayerCache::empty(self.n_kv_heads, self.head_dim, device)?;
+                    if anywhere {
+                        empty.first_position = start;
+                    }
+                    slot.insert(empty)
+                }
             },
             None => {
                 return Err(ModelError::Backend {
                     layer: index,
-                    reason: format!("the cache was made for {} layers", self.layers.len()),
+                    reason: format!("the cache was made for {n_layers} layers"),
                 })
             }
         };
-        if cache.next_position() != input.positions.start {
+        if cache.next_position() != start {
             return Err(ModelError::Backend {
                 layer: index,
                 reason: format!(
-                    "positions must continue the cache: expected {}, got {}",
+                    "positions must continue the cache: expected {}, got {start}",
                     cache.next_position(),
-                    input.positions.start
                 ),
             });
         }
+        Ok(cache)
+    }
+}
+
+/// How many tokens a layer's cache must keep: a sliding window never looks further back
+/// than `window - 1` tokens before the newest.
+fn sliding_keep(layer: &LayerSpec) -> Option<usize> {
+    match layer.kind {
+        LayerKind::Global => None,
+        LayerKind::SlidingWindow { window } => Some(window.saturating_sub(1)),
+    }
+}
+
+impl AttentionBackend for FullAttention {
+    fn attend(&mut self, input: &AttentionInput<'_>) -> Result<Tensor> {
+        let device = input.queries.device().clone();
+        let cache = self.layer_cache(input.layer.index, input.positions.start, false, &device)?;
         let (cos, sin) = input.rope.tables(input.positions.clone(), &device)?;
         let q = input.rope.apply_with(input.queries, &cos, &sin)?;
         let k = input.rope.apply_with(input.keys, &cos, &sin)?;
@@ -197,7 +247,7 @@ impl AttentionBackend for FullAttention {
         cache.append(
             &k.transpose(0, 1)?,
             &input.values.transpose(0, 1)?,
-            window.map(|w| w.saturating_sub(1)),
+            sliding_keep(input.layer),
         )?;
         causal_attention(
             &q,

@@ -366,6 +366,12 @@ impl Model {
         &self.device
     }
 
+    /// The RoPE of layer `layer` (what its backend receives as `AttentionInput::rope`), or
+    /// `None` past the last layer.
+    pub fn rope(&self, layer: usize) -> Option<&Rope> {
+        self.layers.get(layer).map(|l| &l.rope)
+    }
+
     /// Runs `tokens`, which sit at positions `start..start + tokens.len()`, through the
     /// model, calling `backend` once per layer. Returns the logits `[rows, vocab]` asked for
     /// by `logits` (`None` for [`Logits::None`]).

@@ -101,6 +101,44 @@ impl Rope {
         ))
     }
 
+    /// Head dimension this RoPE rotates.
+    pub fn head_dim(&self) -> usize {
+        2 * self.inv_freq.len()
+    }
+
+    /// Rotates vectors of `head_dim` in place, all at `position` (`x` holds one or more whole
+    /// vectors, e.g. the query heads of one token). Gives the same numbers as
+    /// [`Rope::apply`]: angles in f64, `cos`/`sin` rounded to f32, products in f32.
+    pub fn rotate(&self, x: &mut [f32], position: usize) {
+        let half = self.inv_freq.len();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = self
+            .inv_freq
+            .iter()
+            .map(|f| {
+                let (s, c) = (position as f64 * f).sin_cos();
+                (c as f32, s as f32)
+            })
+            .unzip();
+        for v in x.chunks_exact_mut(2 * half) {
+            for i in 0..half {
+                let (a, b) = match self.style {
+                    RopeStyle::Halves => (i, i + half),
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                };
+                let (x0, x1) = (v[a], v[b]);
+                v[a] = x0 * cos[i] - x1 * sin[i];
+                v[b] = x0 * sin[i] + x1 * cos[i];
+            }
+        }
+    }
+
+    /// Rotates consecutive vectors of `head_dim` in place, vector `i` at `first_position + i`.
+    pub fn rotate_rows(&self, rows: &mut [f32], first_position: usize) {
+        for (i, v) in rows.chunks_exact_mut(self.head_dim()).enumerate() {
+            self.rotate(v, first_position + i);
+        }
+    }
+
     /// Rotates `x` (`[tokens, heads, head_dim]`, f32) whose tokens sit at `positions`.
     pub fn apply(&self, x: &Tensor, positions: Range<usize>) -> Result<Tensor> {
         let (cos, sin) = self.tables(positions, x.device())?;
@@ -121,5 +159,44 @@ impl Rope {
             }
         };
         Ok(y.squeeze(0)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The slice rotation equals the tensor rotation, for both pairings and large positions.
+    #[test]
+    fn rotate_matches_apply() -> Result<()> {
+        for style in [RopeStyle::Halves, RopeStyle::Interleaved] {
+            let config = RopeConfig {
+                base: 10_000.0,
+                style,
+                scaling: RopeScaling::None,
+            };
+            let (tokens, heads, dim) = (5, 3, 16);
+            let rope = Rope::new(&config, dim, None);
+            let data: Vec<f32> = (0..tokens * heads * dim)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+                .collect();
+            let first = 30_000;
+            let x = Tensor::from_vec(data.clone(), (tokens, heads, dim), &Device::Cpu)?;
+            let expected: Vec<f32> = rope
+                .apply(&x, first..first + tokens)?
+                .flatten_all()?
+                .to_vec1()?;
+            let mut actual = data;
+            for (t, token) in actual.chunks_exact_mut(heads * dim).enumerate() {
+                rope.rotate(token, first + t);
+            }
+            for (a, e) in actual.iter().zip(&expected) {
+                assert!(
+                    (a - e).abs() <= 1e-5 * e.abs().max(1.0),
+                    "{style:?}: {a} vs {e}"
+                );
+            }
+        }
+        Ok(())
     }
 }

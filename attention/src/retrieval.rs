@@ -1,0 +1,108 @@
+//! [`retrieval_attention`]: one query token, one KV head's GQA group, dense part + selection.
+
+use kvdb_index::Selection;
+use kvdb_model::Rope;
+
+use crate::error::{length, some_rows};
+use crate::{logits, merge, AttentionError, DensePolicy, KvSource, Partial, Result};
+
+/// One query token of one GQA group, and what it attends to.
+#[derive(Debug, Clone, Copy)]
+pub struct RetrievalQuery<'a> {
+    /// Pre-RoPE queries `[group_heads, head_dim]` of the group's query heads.
+    pub queries: &'a [f32],
+    /// The token's position: queries rotate at it, and it is the last id attended.
+    pub position: usize,
+    /// The layer's RoPE (its `head_dim` is the head dimension).
+    pub rope: &'a Rope,
+    /// Logit scale, usually `1 / sqrt(head_dim)` (Gemma 3: its `query_pre_attn_scalar`).
+    pub scale: f32,
+    /// The dense part: sinks and recent window.
+    pub policy: DensePolicy,
+    /// Ids retrieved by an index; those after `position` or inside the dense part are dropped.
+    pub selection: &'a Selection,
+}
+
+/// The result of [`retrieval_attention`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Attended {
+    /// Normalised attention output `[heads, head_dim]`.
+    pub output: Vec<f32>,
+    /// Every token attended, once: the dense part (ascending), then the retrieved ids
+    /// (ascending).
+    pub ids: Vec<u32>,
+    /// Each token's share of each head's attention mass `[heads, ids.len()]` (rows sum to 1).
+    pub weights: Vec<f32>,
+}
+
+/// Attention of one token's query group over the dense part of `query.policy` and the
+/// retrieved ids of `query.selection`, with keys and values from `source`.
+///
+/// The queries rotate at `position` and every key at its id. The retrieved ids keep only
+/// those `<= position` outside the dense part, so no token counts twice. Each of the two
+/// sets gives a [`Partial`]; their [`merge`] is normalised. All heads of the group attend to
+/// both sets. With every id `0..=position` selected the output equals full causal attention
+/// to rounding.
+pub fn retrieval_attention(query: &RetrievalQuery<'_>, source: &dyn KvSource) -> Result<Attended> {
+    let d = query.rope.head_dim();
+    let heads = some_rows("queries", query.queries.len(), d)?;
+    let last = u32::try_from(query.position)
+        .ok()
+        .filter(|&p| p < u32::MAX)
+        .ok_or(AttentionError::Position {
+            position: query.position,
+        })?;
+    let mut queries = query.queries.to_vec();
+    query.rope.rotate(&mut queries, query.position);
+
+    let dense_ranges = query.policy.dense_ranges(query.position);
+    let dense: Vec<u32> = dense_ranges.iter().cloned().flatten().collect();
+    let retrieved: Vec<u32> = query
+        .selection
+        .ids()
+        .iter()
+        .copied()
+        .filter(|&id| id <= last && !dense_ranges.iter().any(|r| r.contains(&id)))
+        .collect();
+
+    let (dense_partial, dense_logits) = attend(query, &queries, heads, &dense, source)?;
+    let (retrieved_partial, retrieved_logits) = attend(query, &queries, heads, &retrieved, source)?;
+    let total = merge(&dense_partial, &retrieved_partial)?;
+
+    let dense_shares = total.probabilities(&dense_logits);
+    let retrieved_shares = total.probabilities(&retrieved_logits);
+    let (nd, nr) = (dense.len(), retrieved.len());
+    let mut weights = Vec::with_capacity(heads * (nd + nr));
+    for h in 0..heads {
+        weights.extend_from_slice(&dense_shares[h * nd..(h + 1) * nd]);
+        weights.extend_from_slice(&retrieved_shares[h * nr..(h + 1) * nr]);
+    }
+    let mut ids = dense;
+    ids.extend_from_slice(&retrieved);
+    Ok(Attended {
+        output: total.finish(),
+        ids,
+        weights,
+    })
+}
+
+/// The partial of the rotated `queries` over `ids`, and its logits `[heads, ids.len()]`.
+fn attend(
+    query: &RetrievalQuery<'_>,
+    queries: &[f32],
+    heads: usize,
+    ids: &[u32],
+    source: &dyn KvSource,
+) -> Result<(Partial, Vec<f32>)> {
+    let d = query.rope.head_dim();
+    let (mut keys, mut values) = (Vec::new(), Vec::new());
+    source.gather(ids, &mut keys, &mut values)?;
+    length("gathered keys", ids.len() * d, keys.len())?;
+    length("gathered values", ids.len() * d, values.len())?;
+    for (row, &id) in keys.chunks_exact_mut(d).zip(ids) {
+        query.rope.rotate(row, id as usize);
+    }
+    let logits = logits(queries, &keys, d, query.scale);
+    let partial = Partial::from_logits(&logits, &values, heads, d)?;
+    Ok((partial, logits))
+}

@@ -1,0 +1,45 @@
+//! The crate's error type.
+
+/// What can go wrong when adding to or searching an index.
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    /// A slice of floats is not a whole number of rows (or the head dimension is zero).
+    #[error("{what}: {len} floats are not whole rows of head_dim {head_dim}")]
+    Shape {
+        /// Which argument.
+        what: &'static str,
+        /// Its length in floats.
+        len: usize,
+        /// The row length it must be a multiple of.
+        head_dim: usize,
+    },
+    /// An argument that needs at least one row has none.
+    #[error("{what} is empty")]
+    Empty {
+        /// Which argument.
+        what: &'static str,
+    },
+    /// Token ids are `u32`: an index holds at most `u32::MAX` keys.
+    #[error("cannot add {adding} keys to an index of {len}: token ids are u32")]
+    TooManyKeys {
+        /// Keys already in the index.
+        len: usize,
+        /// Keys being added.
+        adding: usize,
+    },
+}
+
+/// The crate's result type.
+pub type Result<T> = std::result::Result<T, IndexError>;
+
+/// Number of `head_dim` rows in `len` floats, or a [`IndexError::Shape`] error.
+pub(crate) fn rows(what: &'static str, len: usize, head_dim: usize) -> Result<usize> {
+    match len.checked_rem(head_dim) {
+        Some(0) => Ok(len / head_dim),
+        _ => Err(IndexError::Shape {
+            what,
+            len,
+            head_dim,
+        }),
+    }
+}

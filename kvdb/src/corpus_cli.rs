@@ -1,0 +1,387 @@
+//! The corpus commands of the `kvdb` binary: `ingest`, `ask` and `corpus list|info|delete`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvdb::documents::read_documents;
+use kvdb::ingest::{ingest as run_ingest, IngestEvent};
+use kvdb::ram_tier::{human_bytes, parse_bytes};
+use kvdb::session::{AskOptions, AttentionMode, Corpus, DEFAULT_K};
+use kvdb::store::{Access, Store, StoredLayer};
+use kvdb_attention::DensePolicy;
+use kvdb_model::LoadOptions;
+
+use crate::SamplingArgs;
+
+/// How ingest reports progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ProgressMode {
+    /// A progress bar on stderr.
+    Bar,
+    /// One JSON object per event on stdout (for scripts and tests).
+    Json,
+    /// Nothing but the summary.
+    None,
+}
+
+#[derive(clap::Args)]
+pub(crate) struct IngestArgs {
+    /// The store's folder (created when absent).
+    #[arg(long)]
+    store: PathBuf,
+    /// The corpus to append to (created when absent).
+    #[arg(long)]
+    corpus: String,
+    /// A local GGUF file (default: the default model, fetched when absent). A corpus keeps
+    /// the model it was created with.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// How to show progress.
+    #[arg(long, value_enum, default_value = "bar")]
+    progress: ProgressMode,
+    /// Files (.txt, .md, .html) or folders of them, appended in this order.
+    #[arg(required = true)]
+    paths: Vec<PathBuf>,
+}
+
+#[derive(clap::Args)]
+pub(crate) struct AskArgs {
+    /// The store's folder.
+    #[arg(long)]
+    store: PathBuf,
+    /// The corpus to ask.
+    #[arg(long)]
+    corpus: String,
+    /// A local GGUF file (default: the default model); it must be the corpus's model.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The index to retrieve with (default: the corpus's first; today: `flat`).
+    #[arg(long)]
+    index: Option<String>,
+    /// Keys retrieved per retrieval layer and KV head at every step.
+    #[arg(long, default_value_t = DEFAULT_K)]
+    k: usize,
+    /// Attention sink: the first tokens of the corpus, always attended.
+    #[arg(long, default_value_t = DensePolicy::default().sink)]
+    sink: usize,
+    /// Recent tokens always attended (the question and answer are always attended too).
+    #[arg(long, default_value_t = DensePolicy::default().window)]
+    window: usize,
+    /// Attend to every corpus token exactly instead of retrieving (the reference).
+    #[arg(long)]
+    full_attention: bool,
+    /// Bytes of keys and values held in memory (e.g. 512M, 2G); beyond it blocks are
+    /// evicted and read again from the store.
+    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    ram_budget: usize,
+    /// A prompt template with `{question}` where the question goes (for instruction-tuned
+    /// models); by default the question follows the corpus verbatim.
+    #[arg(long)]
+    template: Option<String>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Print one JSON object (answer, tokens, provenance, timings) instead of text.
+    #[arg(long)]
+    json: bool,
+    /// The question.
+    question: String,
+}
+
+#[derive(clap::Subcommand)]
+pub(crate) enum CorpusCommand {
+    /// List the corpora of a store.
+    List {
+        /// The store's folder.
+        #[arg(long)]
+        store: PathBuf,
+    },
+    /// Show a corpus: model, documents, tokens, bytes.
+    Info {
+        /// The store's folder.
+        #[arg(long)]
+        store: PathBuf,
+        /// The corpus.
+        #[arg(long)]
+        corpus: String,
+    },
+    /// Delete a corpus and everything it stored.
+    Delete {
+        /// The store's folder.
+        #[arg(long)]
+        store: PathBuf,
+        /// The corpus.
+        #[arg(long)]
+        corpus: String,
+    },
+}
+
+/// Writes a piece of streamed text and flushes it.
+pub(crate) fn emit(out: &mut impl Write, piece: &str) -> kvdb::Result<()> {
+    let io = |source| kvdb::Error::Io {
+        context: "writing the answer".into(),
+        source,
+    };
+    write!(out, "{piece}").map_err(io)?;
+    out.flush().map_err(io)
+}
+
+pub(crate) fn ingest(args: IngestArgs) -> Result<()> {
+    kvdb::store::validate_corpus_name(&args.corpus)?;
+    // Read and check every input before touching the store: a bad file writes nothing.
+    let documents = read_documents(&args.paths)?;
+    let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
+    let fresh = !Store::exists(&args.store) && !args.store.exists();
+    let store = Store::open(&args.store, Access::Write)?;
+    let result = ingest_into(&store, &args, &documents, &loaded);
+    if result.is_err() && fresh {
+        // A store this ingest created and then wrote nothing to is removed again.
+        drop(store);
+        let _ = std::fs::remove_dir_all(&args.store);
+    }
+    result
+}
+
+fn ingest_into(
+    store: &Store,
+    args: &IngestArgs,
+    documents: &[kvdb::documents::SourceDocument],
+    loaded: &kvdb::models::LoadedModel,
+) -> Result<()> {
+    let bar = match args.progress {
+        ProgressMode::Bar => ProgressBar::new(0),
+        _ => ProgressBar::hidden(),
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} tokens, {per_sec}, ETA {eta} {msg}",
+        )?
+        .progress_chars("=> "),
+    );
+    let json = args.progress == ProgressMode::Json;
+    let mut total_docs = 0;
+    let mut doc_index = 0;
+    let report = run_ingest(
+        store,
+        &args.corpus,
+        loaded.as_ref(),
+        documents,
+        &mut |event| {
+            match &event {
+                IngestEvent::Planned { documents, tokens } => {
+                    total_docs = *documents;
+                    bar.set_length(*tokens as u64);
+                }
+                IngestEvent::Skipped { title, reason } => {
+                    bar.println(format!("kvdb: skipped {title}: {reason}"));
+                }
+                IngestEvent::Started { title, .. } => {
+                    doc_index += 1;
+                    bar.set_message(format!("document {doc_index}/{total_docs}: {title}"));
+                }
+                IngestEvent::Committed { chunk, .. } => bar.inc(*chunk as u64),
+            }
+            if json {
+                println!("{}", event_json(&event));
+            }
+        },
+    )?;
+    bar.finish_and_clear();
+    eprintln!(
+        "kvdb: corpus `{}`: added {} documents ({} tokens in {:.1}s, {:.0} tokens/s), skipped {}; \
+         it now holds {} tokens",
+        args.corpus,
+        report.added.len(),
+        report.tokens,
+        report.seconds,
+        report.tokens as f64 / report.seconds.max(1e-9),
+        report.skipped.len(),
+        report.corpus_tokens
+    );
+    Ok(())
+}
+
+fn event_json(event: &IngestEvent<'_>) -> serde_json::Value {
+    match event {
+        IngestEvent::Planned { documents, tokens } => {
+            serde_json::json!({"event": "planned", "documents": documents, "tokens": tokens})
+        }
+        IngestEvent::Skipped { title, reason } => {
+            serde_json::json!({"event": "skipped", "title": title, "reason": reason})
+        }
+        IngestEvent::Started {
+            title,
+            tokens,
+            resumed_at,
+        } => serde_json::json!({"event": "started", "title": title, "tokens": tokens,
+                                "resumed_at": resumed_at}),
+        IngestEvent::Committed {
+            title,
+            done,
+            total,
+            corpus_tokens,
+            chunk,
+        } => serde_json::json!({"event": "committed", "title": title, "done": done,
+                                "total": total, "corpus_tokens": corpus_tokens, "chunk": chunk}),
+    }
+}
+
+pub(crate) fn ask(args: AskArgs) -> Result<()> {
+    let store = Arc::new(Store::open(&args.store, Access::Read)?);
+    let manifest = store.manifest(&args.corpus)?;
+    if let Some(index) = &args.index {
+        if !manifest.indexes.contains(index) {
+            anyhow::bail!(
+                "corpus `{}` has no index `{index}`; it has: {}",
+                args.corpus,
+                manifest.indexes.join(", ")
+            );
+        }
+    }
+    let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
+    let corpus = Corpus::open(store, &args.corpus, loaded.as_ref(), args.ram_budget)?;
+    let options = AskOptions {
+        mode: if args.full_attention {
+            AttentionMode::Full
+        } else {
+            AttentionMode::Retrieval {
+                k: args.k,
+                policy: DensePolicy {
+                    sink: args.sink,
+                    window: args.window,
+                },
+            }
+        },
+        generate: args.sampling.options(),
+        template: args.template,
+    };
+    let mut stdout = std::io::stdout().lock();
+    let answer = if args.json {
+        corpus.ask(loaded.as_ref(), &args.question, &options, &mut |_| Ok(()))?
+    } else {
+        let a = corpus.ask(loaded.as_ref(), &args.question, &options, &mut |piece| {
+            emit(&mut stdout, piece)
+        })?;
+        writeln!(stdout)?;
+        a
+    };
+    if args.json {
+        let mut value = serde_json::to_value(&answer)?;
+        value["tier"] = serde_json::json!({
+            "hits": corpus.tier_stats().hits,
+            "misses": corpus.tier_stats().misses,
+            "evictions": corpus.tier_stats().evictions,
+        });
+        writeln!(stdout, "{value}")?;
+        return Ok(());
+    }
+    if !answer.provenance.passages.is_empty() {
+        writeln!(stdout, "\nsources (share of attention to the corpus):")?;
+        for d in answer.provenance.documents.iter().take(3) {
+            writeln!(stdout, "  {:5.1}%  {}", 100.0 * d.share, d.title)?;
+        }
+        writeln!(stdout, "passages:")?;
+        for p in answer.provenance.passages.iter().take(3) {
+            let text: String = p.text.split_whitespace().collect::<Vec<_>>().join(" ");
+            writeln!(
+                stdout,
+                "  {:5.1}%  {} tokens {}..{}: \"{}\"",
+                100.0 * p.share,
+                p.title,
+                p.tokens.start,
+                p.tokens.end,
+                text
+            )?;
+        }
+    }
+    let t = &answer.timings;
+    eprintln!(
+        "kvdb: {} corpus + {} question tokens; first token after {:.2}s, {} tokens at {:.1} tok/s",
+        answer.corpus_tokens,
+        answer.question_tokens,
+        t.first_token_seconds,
+        answer.tokens.len(),
+        t.tokens_per_second
+    );
+    Ok(())
+}
+
+pub(crate) fn corpus(command: CorpusCommand) -> Result<()> {
+    match command {
+        CorpusCommand::List { store } => {
+            let store = Store::open(&store, Access::Read)?;
+            let corpora = store.corpora()?;
+            if corpora.is_empty() {
+                println!("no corpora");
+            }
+            for m in corpora {
+                println!(
+                    "{}\t{} documents\t{} tokens\t{}",
+                    m.name, m.documents, m.tokens, m.model.name
+                );
+            }
+        }
+        CorpusCommand::Info { store, corpus } => {
+            let store = Store::open(&store, Access::Read)?;
+            let m = store.manifest(&corpus)?;
+            let docs = store.documents(&m)?;
+            let row_bytes = (m.model.n_kv_heads * m.model.head_dim * 2 * 2) as u64;
+            let kv_bytes: u64 = (0..m.layers.len())
+                .map(|l| m.stored_range(l, m.tokens).len() as u64 * row_bytes)
+                .sum();
+            let retrieval = m.retrieval_layers();
+            println!("corpus:      {}", m.name);
+            println!("model:       {} (sha256 {})", m.model.name, m.model.sha256);
+            println!("documents:   {}", m.documents);
+            println!("tokens:      {} of {}", m.tokens, m.model.context_length);
+            println!(
+                "layers:      {} retrieval ({:?}), {} sliding-window",
+                retrieval.len(),
+                retrieval,
+                m.layers
+                    .iter()
+                    .filter(|l| matches!(l, StoredLayer::Last { .. }))
+                    .count()
+            );
+            println!(
+                "stored K/V:  {} (f16, blocks of {} tokens)",
+                human_bytes(kv_bytes),
+                m.block_size
+            );
+            println!("indexes:     {}", m.indexes.join(", "));
+            if let Some(p) = &m.pending {
+                println!(
+                    "interrupted: {} ({} of {} tokens stored; ingest it again to finish)",
+                    p.title,
+                    m.tokens - p.start,
+                    p.total
+                );
+            }
+            for d in docs {
+                println!(
+                    "  #{:<4} {:>7} tokens  {:>9}  {}",
+                    d.number,
+                    d.tokens.len(),
+                    human_bytes(d.bytes as u64),
+                    d.title
+                );
+            }
+        }
+        CorpusCommand::Delete { store, corpus } => {
+            let path = store.clone();
+            if !Store::exists(&path) {
+                return Err(kvdb::Error::StoreMissing { path }.into());
+            }
+            let store = Store::open(&store, Access::Write)
+                .with_context(|| format!("opening {} to delete a corpus", path.display()))?;
+            let m = store.delete_corpus(&corpus)?;
+            println!(
+                "deleted corpus `{}` ({} documents, {} tokens)",
+                m.name, m.documents, m.tokens
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,147 @@
+//! The engine's typed errors: each says what went wrong with which corpus, file or store, and
+//! what to do about it where there is something to do.
+
+use std::path::PathBuf;
+
+/// Errors of the store, ingest and queries.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No store at this path (readers never create one).
+    #[error("no kvdb store at {path}: create one with `kvdb ingest --store {path} ...`")]
+    StoreMissing {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// Another process holds the store for writing.
+    #[error(
+        "the store {path} is in use by another kvdb process (an ingest or a server); \
+         readers such as `kvdb ask` still work, writers must wait until it finishes"
+    )]
+    StoreBusy {
+        /// The store.
+        path: PathBuf,
+    },
+    /// The store was written by a different format version of kvdb.
+    #[error(
+        "the store {path} has format version {found}, this kvdb reads version {expected}: \
+         use a matching kvdb or ingest again into a new store"
+    )]
+    FormatVersion {
+        /// The store.
+        path: PathBuf,
+        /// Version found.
+        found: u32,
+        /// Version this build reads.
+        expected: u32,
+    },
+    /// No corpus of this name.
+    #[error("no corpus `{name}` in the store{}", available_list(.available))]
+    CorpusMissing {
+        /// The name asked for.
+        name: String,
+        /// The corpora the store has.
+        available: Vec<String>,
+    },
+    /// A corpus name that cannot be used.
+    #[error(
+        "`{name}` is not a valid corpus name: use 1 to 64 letters, digits, `-`, `_` or `.`, \
+         starting with a letter or digit"
+    )]
+    InvalidCorpusName {
+        /// The name given.
+        name: String,
+    },
+    /// The corpus was ingested with another model.
+    #[error(
+        "corpus `{corpus}` was ingested with model {expected_name} (sha256 {expected}); the \
+         model given has sha256 {found}: pass `--model` with the corpus's model"
+    )]
+    ModelMismatch {
+        /// The corpus.
+        corpus: String,
+        /// The model the corpus records.
+        expected_name: String,
+        /// Its hash.
+        expected: String,
+        /// The hash of the model given.
+        found: String,
+    },
+    /// An input file or folder cannot be ingested.
+    #[error("{path}: {reason}")]
+    Document {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The corpus (plus what is being added) would not fit the model's context.
+    #[error(
+        "corpus `{corpus}` would hold {tokens} tokens with {what}, more than the model's \
+         context of {context} tokens"
+    )]
+    ContextOverflow {
+        /// The corpus.
+        corpus: String,
+        /// What was being added.
+        what: String,
+        /// Tokens it would hold.
+        tokens: usize,
+        /// The model's context length.
+        context: usize,
+    },
+    /// An interrupted document is pending and is not among the inputs.
+    #[error(
+        "corpus `{corpus}` has an interrupted document `{title}` ({done} of {total} tokens \
+         stored); run the ingest again with that file to finish it"
+    )]
+    Interrupted {
+        /// The corpus.
+        corpus: String,
+        /// The pending document's title.
+        title: String,
+        /// Tokens of it stored.
+        done: usize,
+        /// Its length in tokens.
+        total: usize,
+    },
+    /// Query options that cannot work.
+    #[error("{0}")]
+    Query(String),
+    /// Stored data that does not decode (a damaged store or a bug).
+    #[error("the store is damaged: {0}")]
+    Corrupt(String),
+    /// RocksDB failed.
+    #[error("store: {0}")]
+    Rocks(#[from] rocksdb::Error),
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] kvdb_model::ModelError),
+    /// Tensor code failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// Retrieval attention failed.
+    #[error(transparent)]
+    Attention(#[from] kvdb_attention::AttentionError),
+    /// An index failed.
+    #[error(transparent)]
+    Index(#[from] kvdb_index::IndexError),
+    /// An I/O error outside the store.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+fn available_list(available: &[String]) -> String {
+    if available.is_empty() {
+        " (it has none yet)".to_string()
+    } else {
+        format!("; it has: {}", available.join(", "))
+    }
+}
+
+/// The engine's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

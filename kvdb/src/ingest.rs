@@ -1,0 +1,520 @@
+//! Ingest: documents appended in order to a corpus's context, prefilled in chunks with exact
+//! attention over everything before, and committed chunk by chunk.
+//!
+//! Every chunk attends to the *stored* keys and values (rounded to f16 exactly as the store
+//! keeps them), and chunk boundaries are fixed relative to each document's first token, so
+//! an ingest resumed after a crash, or one appended later, computes bit for bit what one
+//! uninterrupted run does. Each chunk is one atomic batch: its key/value blocks, its tokens
+//! and the manifest (the commit point) with the interrupted document's progress, so a crash
+//! loses at most the chunk in flight.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
+use kvdb_model::{
+    AttentionBackend, AttentionInput, EncodeOptions, FullAttention, LayerKind, Logits, Model,
+    ModelConfig, Tokenizer,
+};
+
+use crate::documents::SourceDocument;
+use crate::error::{Error, Result};
+use crate::store::{
+    validate_corpus_name, BlockKey, CorpusManifest, DocumentRecord, Kv, ModelRecord,
+    PendingDocument, Store, StoredLayer, DEFAULT_BLOCK_SIZE,
+};
+
+/// Tokens prefilled (and committed) per step, counted from each document's first token.
+pub const INGEST_CHUNK: usize = 512;
+
+/// Appended after every document so that documents (and the question after the corpus) do
+/// not run together.
+pub const DOCUMENT_SEPARATOR: &str = "\n\n";
+
+/// What an ingest reports as it goes.
+#[derive(Debug, Clone)]
+pub enum IngestEvent<'a> {
+    /// The plan, before any work: documents to add and their tokens.
+    Planned {
+        /// Documents that will be added (or finished).
+        documents: usize,
+        /// Their tokens still to prefill.
+        tokens: usize,
+    },
+    /// A document is skipped.
+    Skipped {
+        /// Its title.
+        title: &'a str,
+        /// Why.
+        reason: String,
+    },
+    /// A document starts (or resumes).
+    Started {
+        /// Its title.
+        title: &'a str,
+        /// Its tokens.
+        tokens: usize,
+        /// Tokens of it already stored by an interrupted ingest.
+        resumed_at: usize,
+    },
+    /// A chunk is committed.
+    Committed {
+        /// The document's title.
+        title: &'a str,
+        /// Tokens of the document stored so far.
+        done: usize,
+        /// Its tokens.
+        total: usize,
+        /// Tokens in the corpus now.
+        corpus_tokens: usize,
+        /// Tokens in this chunk.
+        chunk: usize,
+    },
+}
+
+/// What an ingest did.
+#[derive(Debug, Clone, Default)]
+pub struct IngestReport {
+    /// Titles of the documents added.
+    pub added: Vec<String>,
+    /// Titles skipped, with the reason.
+    pub skipped: Vec<(String, String)>,
+    /// Tokens prefilled.
+    pub tokens: usize,
+    /// Seconds spent prefilling and committing.
+    pub seconds: f64,
+    /// Tokens in the corpus afterwards.
+    pub corpus_tokens: usize,
+}
+
+/// The record of `model` for a corpus manifest.
+pub fn model_record(config: &ModelConfig, sha256: &str, fallback_name: &str) -> ModelRecord {
+    ModelRecord {
+        sha256: sha256.to_string(),
+        name: config
+            .name
+            .clone()
+            .unwrap_or_else(|| fallback_name.to_string()),
+        architecture: config.architecture.gguf_name().to_string(),
+        n_layers: config.n_layers(),
+        n_heads: config.n_heads,
+        n_kv_heads: config.n_kv_heads,
+        head_dim: config.head_dim,
+        context_length: config.context_length,
+    }
+}
+
+/// The layer policy of a new corpus: global layers store everything, sliding-window layers
+/// only what their window can still see.
+pub fn layer_policy(config: &ModelConfig) -> Vec<StoredLayer> {
+    config
+        .layers
+        .iter()
+        .map(|l| match l.kind {
+            LayerKind::Global => StoredLayer::All,
+            LayerKind::SlidingWindow { window } => StoredLayer::Last {
+                keep: window.saturating_sub(1),
+            },
+        })
+        .collect()
+}
+
+/// Checks that `manifest` was made with the model `record` describes.
+pub fn check_model(manifest: &CorpusManifest, record: &ModelRecord) -> Result<()> {
+    if manifest.model.sha256 != record.sha256 {
+        return Err(Error::ModelMismatch {
+            corpus: manifest.name.clone(),
+            expected_name: manifest.model.name.clone(),
+            expected: manifest.model.sha256.clone(),
+            found: record.sha256.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// The model an ingest or query runs, with what identifies it.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelRef<'a> {
+    /// Weights.
+    pub model: &'a Model,
+    /// Tokenizer.
+    pub tokenizer: &'a Tokenizer,
+    /// Its manifest record (hash, config).
+    pub record: &'a ModelRecord,
+}
+
+/// Appends `documents` to corpus `name` (created when absent), calling `on_event` as it goes.
+pub fn ingest(
+    store: &Store,
+    name: &str,
+    model: ModelRef<'_>,
+    documents: &[SourceDocument],
+    on_event: &mut dyn FnMut(IngestEvent<'_>),
+) -> Result<IngestReport> {
+    validate_corpus_name(name)?;
+    let config = model.model.config();
+    let mut manifest = match store.manifest(name) {
+        Ok(m) => m,
+        Err(Error::CorpusMissing { .. }) => {
+            // Created in the first commit below, so a failed plan writes nothing.
+            CorpusManifest {
+                format_version: crate::store::FORMAT_VERSION,
+                name: name.to_string(),
+                id: 0,
+                model: model.record.clone(),
+                block_size: DEFAULT_BLOCK_SIZE,
+                layers: layer_policy(config),
+                indexes: vec!["flat".to_string()],
+                tokens: 0,
+                documents: 0,
+                pending: None,
+            }
+        }
+        Err(e) => return Err(e),
+    };
+    check_model(&manifest, model.record)?;
+    let existing = if manifest.id == 0 {
+        Vec::new()
+    } else {
+        store.documents(&manifest)?
+    };
+
+    // The plan: which documents to add, in which order, with their tokens.
+    let mut report = IngestReport::default();
+    let mut known: HashMap<&str, String> = existing
+        .iter()
+        .map(|d| {
+            (
+                d.sha256.as_str(),
+                format!("already in the corpus as `{}`", d.title),
+            )
+        })
+        .collect();
+    let mut plan: Vec<&SourceDocument> = Vec::new();
+    for doc in documents {
+        if let Some(reason) = known.get(doc.sha256.as_str()) {
+            report.skipped.push((doc.title.clone(), reason.clone()));
+            on_event(IngestEvent::Skipped {
+                title: &doc.title,
+                reason: reason.clone(),
+            });
+            continue;
+        }
+        known.insert(&doc.sha256, format!("the same content as `{}`", doc.title));
+        plan.push(doc);
+    }
+    if let Some(pending) = &manifest.pending {
+        match plan.iter().position(|d| d.sha256 == pending.sha256) {
+            Some(i) => {
+                let doc = plan.remove(i);
+                plan.insert(0, doc);
+            }
+            None => {
+                return Err(Error::Interrupted {
+                    corpus: manifest.name.clone(),
+                    title: pending.title.clone(),
+                    done: manifest.tokens - pending.start,
+                    total: pending.total,
+                })
+            }
+        }
+    }
+    let mut start = manifest
+        .pending
+        .as_ref()
+        .map_or(manifest.tokens, |p| p.start);
+    let mut planned = Vec::with_capacity(plan.len());
+    let mut to_prefill = 0;
+    for doc in &plan {
+        let tokens = document_tokens(model.tokenizer, &doc.text, start == 0)?;
+        let end = start + tokens.len();
+        if end > config.context_length {
+            return Err(Error::ContextOverflow {
+                corpus: manifest.name.clone(),
+                what: format!("`{}` ({} tokens)", doc.title, tokens.len()),
+                tokens: end,
+                context: config.context_length,
+            });
+        }
+        to_prefill += end - start.max(manifest.tokens);
+        planned.push((*doc, start, tokens));
+        start = end;
+    }
+    on_event(IngestEvent::Planned {
+        documents: planned.len(),
+        tokens: to_prefill,
+    });
+    if planned.is_empty() {
+        report.corpus_tokens = manifest.tokens;
+        return Ok(report);
+    }
+
+    let started = Instant::now();
+    let mut writer = Writer::open(store, &mut manifest, model.model)?;
+    for (doc, first, tokens) in planned {
+        let resumed_at = match &writer.manifest.pending {
+            Some(p) if p.sha256 == doc.sha256 => {
+                let stored = store.tokens(writer.manifest, first..writer.manifest.tokens)?;
+                if p.total != tokens.len() || !tokens.starts_with(&stored) {
+                    return Err(Error::Corrupt(format!(
+                        "the interrupted document `{}` no longer tokenizes as it did",
+                        doc.title
+                    )));
+                }
+                stored.len()
+            }
+            _ => 0,
+        };
+        on_event(IngestEvent::Started {
+            title: &doc.title,
+            tokens: tokens.len(),
+            resumed_at,
+        });
+        let mut done = resumed_at;
+        while done < tokens.len() {
+            let chunk = &tokens[done..(done + INGEST_CHUNK).min(tokens.len())];
+            let complete = done + chunk.len() == tokens.len();
+            let record = DocumentRecord {
+                number: writer.manifest.documents,
+                sha256: doc.sha256.clone(),
+                title: doc.title.clone(),
+                source: doc.path.display().to_string(),
+                tokens: first..first + tokens.len(),
+                bytes: doc.bytes,
+            };
+            writer.append(chunk, &record, complete)?;
+            done += chunk.len();
+            report.tokens += chunk.len();
+            on_event(IngestEvent::Committed {
+                title: &doc.title,
+                done,
+                total: tokens.len(),
+                corpus_tokens: writer.manifest.tokens,
+                chunk: chunk.len(),
+            });
+        }
+        report.added.push(doc.title.clone());
+    }
+    report.seconds = started.elapsed().as_secs_f64();
+    report.corpus_tokens = writer.manifest.tokens;
+    Ok(report)
+}
+
+/// A document's tokens in the corpus: its text and the separator, after a BOS token when it
+/// opens the corpus and the model uses one. Control-token text in documents stays text.
+fn document_tokens(tokenizer: &Tokenizer, text: &str, first: bool) -> Result<Vec<u32>> {
+    let options = EncodeOptions {
+        add_bos: first && tokenizer.prompt_options().add_bos,
+        add_eos: false,
+        parse_special: false,
+    };
+    let body = format!("{}{DOCUMENT_SEPARATOR}", text.trim_end());
+    Ok(tokenizer.encode(&body, options)?)
+}
+
+/// Exact attention over f16-rounded keys and values, keeping each layer's rounded keys and
+/// values of the current chunk for the store.
+struct RoundedAttention {
+    full: FullAttention,
+    chunk: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl AttentionBackend for RoundedAttention {
+    fn attend(&mut self, input: &AttentionInput<'_>) -> kvdb_model::Result<Tensor> {
+        let keys = round_f16(input.keys)?;
+        let values = round_f16(input.values)?;
+        let out = self.full.attend(&AttentionInput {
+            keys: &keys,
+            values: &values,
+            ..input.clone()
+        })?;
+        if let Some(slot) = self.chunk.get_mut(input.layer.index) {
+            *slot = Some((keys, values));
+        }
+        Ok(out)
+    }
+}
+
+/// Rounds to f16 and back, as the store does.
+fn round_f16(t: &Tensor) -> candle_core::Result<Tensor> {
+    t.to_dtype(DType::F16)?.to_dtype(DType::F32)
+}
+
+/// The rows of the last, incomplete block of each layer/KV head (pre-RoPE keys, values) and of
+/// the tokens, so that a commit can rewrite that block whole.
+struct Writer<'s, 'm> {
+    store: &'s Store,
+    manifest: &'m mut CorpusManifest,
+    model: &'s Model,
+    attention: RoundedAttention,
+    /// `[layer][head]` (keys, values) rows of the open block.
+    open: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
+    open_tokens: Vec<u32>,
+}
+
+impl<'s, 'm> Writer<'s, 'm> {
+    /// Loads the stored state the next chunk continues: every layer's stored keys and values
+    /// into exact attention, and the open block.
+    fn open(
+        store: &'s Store,
+        manifest: &'m mut CorpusManifest,
+        model: &'s Model,
+    ) -> Result<Writer<'s, 'm>> {
+        let config = model.config();
+        let (n, b, d, heads) = (
+            manifest.tokens,
+            manifest.block_size,
+            config.head_dim,
+            config.n_kv_heads,
+        );
+        let mut full = FullAttention::new(config);
+        let block_start = n - n % b;
+        let mut open = Vec::with_capacity(config.n_layers());
+        for spec in &config.layers {
+            let range = manifest.stored_range(spec.index, n);
+            let mut layer_open = Vec::with_capacity(heads);
+            let mut keys = Vec::with_capacity(heads);
+            let mut values = Vec::with_capacity(heads);
+            for head in 0..heads {
+                let k = store.rows(manifest, Kv::Keys, spec.index, head, range.clone())?;
+                let v = store.rows(manifest, Kv::Values, spec.index, head, range.clone())?;
+                // The last block is always stored whole, even where a window keeps less.
+                layer_open.push((
+                    store.rows(manifest, Kv::Keys, spec.index, head, block_start..n)?,
+                    store.rows(manifest, Kv::Values, spec.index, head, block_start..n)?,
+                ));
+                keys.push(Tensor::from_vec(k, (range.len(), 1, d), model.device())?);
+                values.push(Tensor::from_vec(v, (range.len(), 1, d), model.device())?);
+            }
+            if !range.is_empty() {
+                let rope = model.rope(spec.index).ok_or_else(|| {
+                    Error::Corrupt(format!("the model has no layer {}", spec.index))
+                })?;
+                full.preload(
+                    spec,
+                    rope,
+                    &Tensor::cat(&keys, 1)?,
+                    &Tensor::cat(&values, 1)?,
+                    range,
+                )?;
+            }
+            open.push(layer_open);
+        }
+        let open_tokens = store.tokens(manifest, block_start..n)?;
+        Ok(Writer {
+            store,
+            manifest,
+            model,
+            attention: RoundedAttention {
+                full,
+                chunk: vec![None; config.n_layers()],
+            },
+            open,
+            open_tokens,
+        })
+    }
+
+    /// Prefills `chunk` at the end of the corpus and commits it, with the document's record
+    /// when `complete`.
+    fn append(&mut self, chunk: &[u32], record: &DocumentRecord, complete: bool) -> Result<()> {
+        let start = self.manifest.tokens;
+        self.model
+            .forward(chunk, start, &mut self.attention, &Logits::None)?;
+        if self.manifest.id == 0 {
+            // The corpus's first commit creates it.
+            let created = self.store.create_corpus(
+                &self.manifest.name,
+                self.manifest.model.clone(),
+                self.manifest.layers.clone(),
+                self.manifest.block_size,
+            )?;
+            self.manifest.id = created.id;
+        }
+        let (b, id) = (self.manifest.block_size, self.manifest.id);
+        let d = self.manifest.model.head_dim;
+        let end = start + chunk.len();
+        let mut batch = self.store.batch();
+        let first_block = start / b;
+        for (layer, captured) in self.attention.chunk.iter_mut().enumerate() {
+            let (keys, values) = captured.take().ok_or_else(|| {
+                Error::Corrupt(format!("layer {layer} produced no keys for the chunk"))
+            })?;
+            for (head, (open_k, open_v)) in self.open[layer].iter_mut().enumerate() {
+                let k: Vec<f32> = keys.narrow(1, head, 1)?.flatten_all()?.to_vec1()?;
+                let v: Vec<f32> = values.narrow(1, head, 1)?.flatten_all()?.to_vec1()?;
+                let stored = self.manifest.stored_range(layer, end);
+                let key = |block: usize| BlockKey {
+                    corpus: id,
+                    layer: layer as u16,
+                    head: head as u16,
+                    block: block as u32,
+                };
+                flush_blocks(open_k, &k, d, first_block, b, |block, rows| {
+                    if (block + 1) * b > stored.start {
+                        batch.put_block(Kv::Keys, key(block), rows)?;
+                    }
+                    Ok(())
+                })?;
+                flush_blocks(open_v, &v, d, first_block, b, |block, rows| {
+                    if (block + 1) * b > stored.start {
+                        batch.put_block(Kv::Values, key(block), rows)?;
+                    }
+                    Ok(())
+                })?;
+                // Blocks a sliding window no longer sees.
+                let was = self.manifest.stored_range(layer, start).start / b;
+                let now = stored.start / b;
+                if now > was {
+                    batch.delete_blocks(id, layer, head, was..now)?;
+                }
+            }
+        }
+        flush_blocks(
+            &mut self.open_tokens,
+            chunk,
+            1,
+            first_block,
+            b,
+            |block, ids| batch.put_tokens(id, block, ids),
+        )?;
+        let mut next = self.manifest.clone();
+        next.tokens = end;
+        if complete {
+            batch.put_document(id, record)?;
+            next.documents += 1;
+            next.pending = None;
+        } else {
+            next.pending = Some(PendingDocument {
+                sha256: record.sha256.clone(),
+                title: record.title.clone(),
+                start: record.tokens.start,
+                total: record.tokens.len(),
+            });
+        }
+        batch.put_manifest(&next)?;
+        self.store.commit(batch)?;
+        *self.manifest = next;
+        Ok(())
+    }
+}
+
+/// Appends `new` rows (`width` items each) to the open block `open`, which starts at block
+/// `first_block`; hands every block the rows touch to `put`, whole from its first row; and
+/// leaves `open` holding the rows of the last block when it is incomplete.
+fn flush_blocks<T: Copy>(
+    open: &mut Vec<T>,
+    new: &[T],
+    width: usize,
+    first_block: usize,
+    block_size: usize,
+    mut put: impl FnMut(usize, &[T]) -> Result<()>,
+) -> Result<()> {
+    open.extend_from_slice(new);
+    let per_block = block_size * width;
+    for (i, rows) in open.chunks(per_block).enumerate() {
+        put(first_block + i, rows)?;
+    }
+    let keep = open.len() % per_block;
+    open.drain(..open.len() - keep);
+    Ok(())
+}

@@ -1,0 +1,633 @@
+//! Queries over a stored corpus: the question is appended after the corpus in a per-query
+//! tail, and every retrieval layer attends to the keys its index selects plus the dense part
+//! (attention sinks, recent tokens and the whole tail), merged exactly. Sliding-window layers
+//! attend densely to their stored window. Nothing a query does changes the corpus, so any
+//! number of queries share one [`Corpus`].
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::Tensor;
+use kvdb_attention::{retrieval_attention, DenseKv, DensePolicy, KvSource, RetrievalQuery};
+use kvdb_index::{FlatIndex, GroupQuery, KeyIndex, SearchParams};
+use kvdb_model::{AttentionBackend, AttentionInput, EncodeOptions, FullAttention, Logits};
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::generate::{continue_generation, GenerateOptions, StopReason};
+use crate::ingest::{check_model, ModelRef};
+use crate::ram_tier::{RamTier, TierStats};
+use crate::store::{CorpusManifest, DocumentRecord, Kv, Store, StoredLayer};
+
+/// Tokens per provenance passage (passages are aligned to their document's first token).
+pub const PASSAGE_TOKENS: usize = 32;
+
+/// Default retrieved keys per retrieval layer and KV head.
+pub const DEFAULT_K: usize = 64;
+
+/// How a query attends to the corpus in its retrieval layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionMode {
+    /// Exact attention over every corpus token: the reference, and the baseline of benchmarks.
+    Full,
+    /// Retrieval attention: `k` keys per layer and KV head from the index, plus the dense part.
+    Retrieval {
+        /// Keys retrieved per retrieval layer and KV head (per query token).
+        k: usize,
+        /// The dense part.
+        policy: DensePolicy,
+    },
+}
+
+impl Default for AttentionMode {
+    fn default() -> Self {
+        Self::Retrieval {
+            k: DEFAULT_K,
+            policy: DensePolicy::default(),
+        }
+    }
+}
+
+/// Options of one query.
+#[derive(Debug, Clone, Default)]
+pub struct AskOptions {
+    /// Retrieval or full attention.
+    pub mode: AttentionMode,
+    /// Sampling and stopping.
+    pub generate: GenerateOptions,
+    /// A prompt template with `{question}` where the question goes (for instruction-tuned
+    /// models); `None` appends the question verbatim.
+    pub template: Option<String>,
+}
+
+/// A document's share of the attention mass while answering.
+#[derive(Debug, Clone, Serialize)]
+pub struct DocumentShare {
+    /// Its number in the corpus.
+    pub number: usize,
+    /// Its title.
+    pub title: String,
+    /// Share of the attention mass that reached corpus tokens outside the sink.
+    pub share: f64,
+}
+
+/// A passage's share of the attention mass while answering.
+#[derive(Debug, Clone, Serialize)]
+pub struct PassageShare {
+    /// Its document's number.
+    pub document: usize,
+    /// Its document's title.
+    pub title: String,
+    /// Its tokens in the corpus's context.
+    pub tokens: Range<usize>,
+    /// Share of the attention mass that reached corpus tokens outside the sink.
+    pub share: f64,
+    /// Its text.
+    pub text: String,
+}
+
+/// Which documents and passages an answer attended to.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Provenance {
+    /// Documents by share, largest first.
+    pub documents: Vec<DocumentShare>,
+    /// The passages with the largest shares, largest first.
+    pub passages: Vec<PassageShare>,
+}
+
+/// Where a query's time went.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Timings {
+    /// Seconds from the start of the query to the first answer token (question prefill,
+    /// retrieval, first sample).
+    pub first_token_seconds: f64,
+    /// Seconds generating the rest.
+    pub decode_seconds: f64,
+    /// Answer tokens per second after the first.
+    pub tokens_per_second: f64,
+}
+
+/// A query's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct Answer {
+    /// The answer text.
+    pub answer: String,
+    /// The answer's token ids.
+    pub tokens: Vec<u32>,
+    /// Why generation stopped.
+    pub stop: StopReason,
+    /// Tokens of the corpus the question followed.
+    pub corpus_tokens: usize,
+    /// Tokens of the question (with its template).
+    pub question_tokens: usize,
+    /// Documents and passages attended to (empty with full attention).
+    pub provenance: Provenance,
+    /// Timings.
+    pub timings: Timings,
+}
+
+/// A corpus opened for queries: its manifest, documents, RAM tier, stored sliding windows
+/// and indexes. Shared by concurrent queries.
+#[derive(Debug)]
+pub struct Corpus {
+    manifest: CorpusManifest,
+    documents: Vec<DocumentRecord>,
+    tokens: Vec<u32>,
+    tier: RamTier,
+    /// Sliding-window layers: (layer, pre-RoPE keys `[t, n_kv, d]`, values, positions).
+    windows: Vec<(usize, Tensor, Tensor, Range<usize>)>,
+    /// Per retrieval layer, one index per KV head.
+    indexes: HashMap<usize, Vec<FlatIndex>>,
+}
+
+impl Corpus {
+    /// Opens corpus `name` for queries with `model` (which must be the corpus's model),
+    /// reading keys and values through a RAM tier of `ram_budget` bytes.
+    pub fn open(
+        store: Arc<Store>,
+        name: &str,
+        model: ModelRef<'_>,
+        ram_budget: usize,
+    ) -> Result<Self> {
+        let manifest = store.manifest(name)?;
+        check_model(&manifest, model.record)?;
+        let config = model.model.config();
+        if manifest.layers.len() != config.n_layers() {
+            return Err(Error::Corrupt(format!(
+                "corpus `{name}` records {} layers, the model has {}",
+                manifest.layers.len(),
+                config.n_layers()
+            )));
+        }
+        let n = manifest.tokens;
+        if n == 0 {
+            return Err(Error::Query(format!(
+                "corpus `{name}` holds no tokens yet: ingest documents first"
+            )));
+        }
+        let documents = store.documents(&manifest)?;
+        let tokens = store.tokens(&manifest, 0..n)?;
+        let (heads, d) = (config.n_kv_heads, config.head_dim);
+        let mut windows = Vec::new();
+        let mut indexes = HashMap::new();
+        for spec in &config.layers {
+            let rope = model
+                .model
+                .rope(spec.index)
+                .ok_or_else(|| Error::Corrupt(format!("the model has no layer {}", spec.index)))?;
+            match manifest.layers[spec.index] {
+                StoredLayer::Last { .. } => {
+                    let range = manifest.stored_range(spec.index, n);
+                    let mut keys = Vec::with_capacity(heads);
+                    let mut values = Vec::with_capacity(heads);
+                    for head in 0..heads {
+                        for (kv, out) in [(Kv::Keys, &mut keys), (Kv::Values, &mut values)] {
+                            let rows =
+                                store.rows(&manifest, kv, spec.index, head, range.clone())?;
+                            out.push(Tensor::from_vec(
+                                rows,
+                                (range.len(), 1, d),
+                                model.model.device(),
+                            )?);
+                        }
+                    }
+                    windows.push((
+                        spec.index,
+                        Tensor::cat(&keys, 1)?,
+                        Tensor::cat(&values, 1)?,
+                        range,
+                    ));
+                }
+                StoredLayer::All => {
+                    let mut per_head = Vec::with_capacity(heads);
+                    for head in 0..heads {
+                        let mut index = FlatIndex::new(rope.clone());
+                        index.add(&store.rows(&manifest, Kv::Keys, spec.index, head, 0..n)?)?;
+                        per_head.push(index);
+                    }
+                    indexes.insert(spec.index, per_head);
+                }
+            }
+        }
+        let tier = RamTier::new(store, &manifest, ram_budget);
+        Ok(Self {
+            manifest,
+            documents,
+            tokens,
+            tier,
+            windows,
+            indexes,
+        })
+    }
+
+    /// The manifest the corpus was opened at.
+    pub fn manifest(&self) -> &CorpusManifest {
+        &self.manifest
+    }
+
+    /// Its complete documents.
+    pub fn documents(&self) -> &[DocumentRecord] {
+        &self.documents
+    }
+
+    /// The RAM tier's counters.
+    pub fn tier_stats(&self) -> TierStats {
+        self.tier.stats()
+    }
+
+    /// Bytes the indexes hold.
+    pub fn index_bytes(&self) -> usize {
+        self.indexes
+            .values()
+            .flatten()
+            .map(KeyIndex::memory_bytes)
+            .sum()
+    }
+
+    /// Answers `question`, streaming the answer's text to `on_text`.
+    pub fn ask(
+        &self,
+        model: ModelRef<'_>,
+        question: &str,
+        options: &AskOptions,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Answer> {
+        check_model(&self.manifest, model.record)?;
+        let text = match &options.template {
+            Some(t) if t.contains("{question}") => t.replace("{question}", question),
+            Some(_) => {
+                return Err(Error::Query(
+                    "the prompt template has no `{question}` placeholder".into(),
+                ))
+            }
+            None => question.to_string(),
+        };
+        let ids = model.tokenizer.encode(
+            &text,
+            EncodeOptions {
+                add_bos: false,
+                add_eos: false,
+                parse_special: options.template.is_some(),
+            },
+        )?;
+        if ids.is_empty() {
+            return Err(Error::Query("the question is empty".into()));
+        }
+        let n = self.manifest.tokens;
+        let context = model.model.config().context_length;
+        if n + ids.len() >= context {
+            return Err(Error::Query(format!(
+                "the question has {} tokens; after the corpus's {n} tokens the model's context \
+                 of {context} leaves room for at most {}",
+                ids.len(),
+                context.saturating_sub(n + 1)
+            )));
+        }
+        let mut backend = self.session(model, options.mode, n + ids.len() - 1)?;
+        let started = Instant::now();
+        let mut first_token = None;
+        let mut stream = |piece: &str| {
+            if first_token.is_none() {
+                first_token = Some(started.elapsed().as_secs_f64());
+            }
+            on_text(piece)
+        };
+        let generation = continue_generation(
+            model.model,
+            model.tokenizer,
+            &ids,
+            n,
+            &mut backend,
+            &options.generate,
+            &mut stream,
+        )?;
+        let first = first_token.unwrap_or(generation.prefill_seconds);
+        let total = started.elapsed().as_secs_f64();
+        let provenance = match options.mode {
+            AttentionMode::Retrieval { policy, .. } => {
+                self.provenance(model, &backend.mass, policy.sink)?
+            }
+            AttentionMode::Full => Provenance::default(),
+        };
+        let later = generation.tokens.len().saturating_sub(1);
+        Ok(Answer {
+            answer: generation.text,
+            tokens: generation.tokens,
+            stop: generation.stop,
+            corpus_tokens: n,
+            question_tokens: ids.len(),
+            provenance,
+            timings: Timings {
+                first_token_seconds: first,
+                decode_seconds: total - first,
+                tokens_per_second: later as f64 / (total - first).max(1e-9),
+            },
+        })
+    }
+
+    /// Runs `ids` after the corpus in one chunk and returns the logits `[ids, vocab]` of every
+    /// position: scoring text against the corpus (equivalence tests, perplexity).
+    pub fn score(&self, model: ModelRef<'_>, ids: &[u32], mode: AttentionMode) -> Result<Tensor> {
+        check_model(&self.manifest, model.record)?;
+        let n = self.manifest.tokens;
+        if ids.is_empty() || n + ids.len() > model.model.config().context_length {
+            return Err(Error::Query(format!(
+                "cannot score {} tokens after {n} corpus tokens",
+                ids.len()
+            )));
+        }
+        let mut session = self.session(model, mode, usize::MAX)?;
+        model
+            .model
+            .forward(ids, n, &mut session, &Logits::All)?
+            .ok_or_else(|| Error::Query("the model returned no logits".into()))
+    }
+
+    /// A fresh per-query attention state: sliding windows (and, for full attention, every
+    /// retrieval layer) preloaded, an empty tail.
+    fn session(
+        &self,
+        model: ModelRef<'_>,
+        mode: AttentionMode,
+        provenance_from: usize,
+    ) -> Result<Session<'_>> {
+        let config = model.model.config();
+        let mut full = FullAttention::new(config);
+        let rope = |layer: usize| {
+            model
+                .model
+                .rope(layer)
+                .ok_or_else(|| Error::Corrupt(format!("the model has no layer {layer}")))
+        };
+        for (layer, keys, values, range) in &self.windows {
+            full.preload(
+                &config.layers[*layer],
+                rope(*layer)?,
+                keys,
+                values,
+                range.clone(),
+            )?;
+        }
+        let n = self.manifest.tokens;
+        if mode == AttentionMode::Full {
+            let ids: Vec<u32> = (0..n as u32).collect();
+            for &layer in self.indexes.keys() {
+                let (mut keys, mut values) = (Vec::new(), Vec::new());
+                for head in 0..config.n_kv_heads {
+                    let (mut k, mut v) = (Vec::new(), Vec::new());
+                    self.tier.gather(layer, head, &ids, &mut k, &mut v)?;
+                    let dev = model.model.device();
+                    keys.push(Tensor::from_vec(k, (n, 1, config.head_dim), dev)?);
+                    values.push(Tensor::from_vec(v, (n, 1, config.head_dim), dev)?);
+                }
+                full.preload(
+                    &config.layers[layer],
+                    rope(layer)?,
+                    &Tensor::cat(&keys, 1)?,
+                    &Tensor::cat(&values, 1)?,
+                    0..n,
+                )?;
+            }
+        }
+        let tails = self
+            .indexes
+            .keys()
+            .map(|&l| {
+                let tails = (0..config.n_kv_heads)
+                    .map(|_| DenseKv::new(Vec::new(), Vec::new(), config.head_dim))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                Ok((l, tails))
+            })
+            .collect::<Result<HashMap<_, _>>>()?;
+        Ok(Session {
+            corpus: self,
+            full,
+            mode,
+            tails,
+            mass: vec![0.0; n],
+            provenance_from,
+        })
+    }
+
+    /// Documents and passages ranked by the attention mass they received (sink excluded: it
+    /// soaks up attention without carrying content).
+    fn provenance(&self, model: ModelRef<'_>, mass: &[f64], sink: usize) -> Result<Provenance> {
+        let total: f64 = mass.iter().skip(sink).sum();
+        if total <= 0.0 {
+            return Ok(Provenance::default());
+        }
+        let mut documents = Vec::new();
+        let mut passages = Vec::new();
+        let mut spans: Vec<(usize, String, Range<usize>)> = self
+            .documents
+            .iter()
+            .map(|d| (d.number, d.title.clone(), d.tokens.clone()))
+            .collect();
+        if let Some(p) = &self.manifest.pending {
+            spans.push((
+                self.documents.len(),
+                format!("{} (incomplete)", p.title),
+                p.start..self.manifest.tokens,
+            ));
+        }
+        for (number, title, tokens) in spans {
+            let share = |r: Range<usize>| {
+                mass[r.start.max(sink)..r.end.max(sink)].iter().sum::<f64>() / total
+            };
+            documents.push(DocumentShare {
+                number,
+                title: title.clone(),
+                share: share(tokens.clone()),
+            });
+            let mut at = tokens.start;
+            while at < tokens.end {
+                let end = (at + PASSAGE_TOKENS).min(tokens.end);
+                passages.push((number, title.clone(), at..end, share(at..end)));
+                at = end;
+            }
+        }
+        documents.sort_by(|a, b| b.share.total_cmp(&a.share));
+        passages.sort_by(|a, b| b.3.total_cmp(&a.3));
+        let passages = passages
+            .into_iter()
+            .take(5)
+            .map(|(document, title, tokens, share)| {
+                let text = model
+                    .tokenizer
+                    .decode(&self.tokens[tokens.clone()], false)?;
+                Ok(PassageShare {
+                    document,
+                    title,
+                    tokens,
+                    share,
+                    text,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Provenance {
+            documents,
+            passages,
+        })
+    }
+}
+
+/// One query's attention state.
+struct Session<'c> {
+    corpus: &'c Corpus,
+    full: FullAttention,
+    mode: AttentionMode,
+    /// Per retrieval layer, per KV head: the tail's pre-RoPE keys and values.
+    tails: HashMap<usize, Vec<DenseKv>>,
+    /// Attention mass each corpus token received while answering.
+    mass: Vec<f64>,
+    /// Mass counts from this position on (the question's last token produces the first
+    /// answer token).
+    provenance_from: usize,
+}
+
+/// Corpus rows through the RAM tier, tail rows from memory.
+struct SessionSource<'a> {
+    tier: &'a RamTier,
+    layer: usize,
+    head: usize,
+    corpus_tokens: usize,
+    tail: &'a DenseKv,
+}
+
+impl KvSource for SessionSource<'_> {
+    fn gather(
+        &self,
+        ids: &[u32],
+        keys: &mut Vec<f32>,
+        values: &mut Vec<f32>,
+    ) -> kvdb_attention::Result<()> {
+        let n = self.corpus_tokens as u32;
+        let split = ids.partition_point(|&id| id < n);
+        let (corpus, tail) = ids.split_at(split);
+        if corpus.iter().any(|&id| id >= n) || tail.iter().any(|&id| id < n) {
+            // Ids arrive sorted from the attention crate; fall back to one at a time if not.
+            for &id in ids {
+                self.gather(&[id], keys, values)?;
+            }
+            return Ok(());
+        }
+        self.tier
+            .gather(self.layer, self.head, corpus, keys, values)
+            .map_err(|e| kvdb_attention::AttentionError::Source(e.to_string()))?;
+        let shifted: Vec<u32> = tail.iter().map(|&id| id - n).collect();
+        self.tail.gather(&shifted, keys, values)
+    }
+}
+
+impl AttentionBackend for Session<'_> {
+    fn attend(&mut self, input: &AttentionInput<'_>) -> kvdb_model::Result<Tensor> {
+        let layer = input.layer.index;
+        let AttentionMode::Retrieval { k, policy } = self.mode else {
+            return self.full.attend(input);
+        };
+        if !self.tails.contains_key(&layer) {
+            return self.full.attend(input);
+        }
+        self.retrieve(input, k, policy)
+            .map_err(|e| kvdb_model::ModelError::Backend {
+                layer,
+                reason: e.to_string(),
+            })
+    }
+}
+
+impl Session<'_> {
+    fn retrieve(
+        &mut self,
+        input: &AttentionInput<'_>,
+        k: usize,
+        policy: DensePolicy,
+    ) -> Result<Tensor> {
+        let layer = input.layer.index;
+        let (t, h, d) = input.queries.dims3()?;
+        let n_kv = input.keys.dim(1)?;
+        let group = h / n_kv;
+        let n = self.corpus.manifest.tokens;
+        let queries: Vec<f32> = input.queries.flatten_all()?.to_vec1()?;
+        let keys: Vec<f32> = input.keys.flatten_all()?.to_vec1()?;
+        let values: Vec<f32> = input.values.flatten_all()?.to_vec1()?;
+        let tails = self
+            .tails
+            .get_mut(&layer)
+            .ok_or_else(|| Error::Corrupt(format!("layer {layer} has no tail")))?;
+        for i in 0..t {
+            for (g, tail) in tails.iter_mut().enumerate() {
+                let row = (i * n_kv + g) * d;
+                tail.push(&keys[row..row + d], &values[row..row + d])?;
+            }
+        }
+        let tails = &*tails;
+        let indexes = self
+            .corpus
+            .indexes
+            .get(&layer)
+            .ok_or_else(|| Error::Corrupt(format!("layer {layer} has no index")))?;
+        let jobs: Vec<(usize, usize)> = (0..t)
+            .flat_map(|i| (0..n_kv).map(move |g| (i, g)))
+            .collect();
+        let results = jobs
+            .par_iter()
+            .map(|&(i, g)| -> Result<_> {
+                let position = input.positions.start + i;
+                // The tail is never indexed, so the dense part always covers it.
+                let policy = DensePolicy {
+                    sink: policy.sink,
+                    window: policy.window.max(position + 1 - n),
+                };
+                let q = &queries[(i * h + g * group) * d..(i * h + (g + 1) * group) * d];
+                let selection = indexes[g].search(
+                    &GroupQuery {
+                        queries: q,
+                        position,
+                    },
+                    &SearchParams {
+                        k,
+                        candidates: policy.candidates(position),
+                    },
+                )?;
+                let source = SessionSource {
+                    tier: &self.corpus.tier,
+                    layer,
+                    head: g,
+                    corpus_tokens: n,
+                    tail: &tails[g],
+                };
+                let attended = retrieval_attention(
+                    &RetrievalQuery {
+                        queries: q,
+                        position,
+                        rope: input.rope,
+                        scale: input.scale,
+                        policy,
+                        selection: &selection,
+                    },
+                    &source,
+                )?;
+                Ok((i, g, position, attended))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut out = vec![0f32; t * h * d];
+        for (i, g, position, attended) in results {
+            let at = (i * h + g * group) * d;
+            out[at..at + group * d].copy_from_slice(&attended.output);
+            if position >= self.provenance_from {
+                let m = attended.ids.len();
+                for (j, &id) in attended.ids.iter().enumerate() {
+                    if (id as usize) < n {
+                        let w: f32 = (0..group).map(|hh| attended.weights[hh * m + j]).sum();
+                        self.mass[id as usize] += w as f64;
+                    }
+                }
+            }
+        }
+        Ok(Tensor::from_vec(out, (t, h, d), input.queries.device())?)
+    }
+}

@@ -1,0 +1,252 @@
+//! Retrieval attention on the real default model (fetch it first: `kvdb model fetch`) over
+//! real text (the GPL-3 licence): with every token selected it equals full attention, and a
+//! needle planted at five depths is found by flat top-k retrieval with k ≤ 1% of the corpus
+//! wherever full attention finds it, with provenance pointing at it.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use candle_core::Tensor;
+use kvdb::documents::SourceDocument;
+use kvdb::ingest::ingest;
+use kvdb::models::{load, LoadedModel};
+use kvdb::session::{AskOptions, AttentionMode, Corpus};
+use kvdb::store::{Access, Store};
+use kvdb_attention::DensePolicy;
+use kvdb_model::{EncodeOptions, FullAttention, LoadOptions, Logits, WeightMode};
+use kvdb_tests::relative_max_error;
+
+fn default_model(weights: WeightMode) -> Result<LoadedModel> {
+    let path = kvdb_model::fetch::default_model_path()?;
+    anyhow::ensure!(
+        path.exists(),
+        "run `kvdb model fetch` first: {} is missing",
+        path.display()
+    );
+    let options = LoadOptions {
+        weights,
+        ..LoadOptions::default()
+    };
+    Ok(load(Some(&path), &options)?)
+}
+
+fn gpl() -> Result<String> {
+    Ok(std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/data/gpl-3.txt"
+    ))?)
+}
+
+/// Real text split at paragraph breaks into documents of about `chars` characters.
+fn documents(text: &str, chars: usize, tag: &str) -> Vec<SourceDocument> {
+    let mut docs = Vec::new();
+    let mut current = String::new();
+    for paragraph in text.split("\n\n") {
+        current.push_str(paragraph);
+        current.push_str("\n\n");
+        if current.len() >= chars {
+            docs.push(std::mem::take(&mut current));
+        }
+    }
+    if !current.trim().is_empty() {
+        docs.push(current);
+    }
+    docs.into_iter()
+        .enumerate()
+        .map(|(i, text)| SourceDocument {
+            path: format!("{tag}/part{i}.txt").into(),
+            title: format!("part{i}.txt"),
+            sha256: kvdb::documents::sha256_hex(text.as_bytes()),
+            bytes: text.len(),
+            text,
+        })
+        .collect()
+}
+
+fn open(model: &LoadedModel, docs: &[SourceDocument]) -> Result<(tempfile::TempDir, Corpus)> {
+    let dir = tempfile::tempdir()?;
+    let store = Arc::new(Store::open(dir.path(), Access::Write)?);
+    ingest(&store, "c", model.as_ref(), docs, &mut |_| {})?;
+    let corpus = Corpus::open(store, "c", model.as_ref(), 1 << 30)?;
+    Ok((dir, corpus))
+}
+
+/// With k at least the corpus length every token is attended, so retrieval attention is
+/// full attention up to summation order. Exact (f32) weights: the default hybrid mode rounds
+/// activations to 8 bits for chunks under 16 rows, which turns 1e-6 differences into steps.
+#[test]
+fn selecting_every_token_equals_full_attention() -> Result<()> {
+    let model = default_model(WeightMode::Dequantized)?;
+    let text = gpl()?;
+    let docs = documents(&text[..7000], 3000, "gpl");
+    let (dir, corpus) = open(&model, &docs)?;
+    let n = corpus.manifest().tokens;
+    let question = "What does the licence say about warranty? It says that";
+    let ids = model.tokenizer.encode(
+        question,
+        EncodeOptions {
+            add_bos: false,
+            add_eos: false,
+            parse_special: false,
+        },
+    )?;
+    let everything = AttentionMode::Retrieval {
+        k: n,
+        policy: DensePolicy {
+            sink: 4,
+            window: 16,
+        },
+    };
+    let retrieved = corpus.score(model.as_ref(), &ids, everything)?;
+    let full = corpus.score(model.as_ref(), &ids, AttentionMode::Full)?;
+    // Same f16-rounded keys and values, different summation order only.
+    let err = relative_max_error(&retrieved, &full)?;
+    eprintln!("retrieval (k = {n}) vs full attention over the stored cache: {err:.2e}");
+    assert!(err < 1e-4, "relative max |Δlogit| {err}");
+
+    // Against a fresh f32 prefill of corpus + question: the store's f16 rounding is the
+    // only other difference.
+    let store = Store::open(dir.path(), Access::Read)?;
+    let all = store.tokens(corpus.manifest(), 0..n)?;
+    let mut cache = FullAttention::new(model.model.config());
+    let mut context = all.clone();
+    context.extend_from_slice(&ids);
+    let fresh = model
+        .model
+        .forward(
+            &context,
+            0,
+            &mut cache,
+            &Logits::Rows((n..n + ids.len()).collect()),
+        )?
+        .ok_or_else(|| anyhow::anyhow!("no logits"))?;
+    let err = relative_max_error(&retrieved, &fresh)?;
+    eprintln!("retrieval (k = {n}) vs a fresh f32 prefill: {err:.2e}");
+    assert!(err < 2e-2, "relative max |Δlogit| {err}");
+    assert_eq!(argmax(&retrieved)?, argmax(&fresh)?);
+
+    // Greedy answers agree token for token.
+    let ask = |mode| -> Result<Vec<u32>> {
+        let options = AskOptions {
+            mode,
+            generate: kvdb::generate::GenerateOptions {
+                max_tokens: 20,
+                ..Default::default()
+            },
+            template: None,
+        };
+        Ok(corpus
+            .ask(model.as_ref(), question, &options, &mut |_| Ok(()))?
+            .tokens)
+    };
+    assert_eq!(ask(everything)?, ask(AttentionMode::Full)?);
+    Ok(())
+}
+
+fn argmax(logits: &Tensor) -> Result<Vec<u32>> {
+    Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1()?)
+}
+
+/// RULER-style needles ("The special magic number for the blue door is 2099391.") planted at
+/// five depths of ~5,000 tokens of the GPL: full attention must find at least four; flat
+/// retrieval with k ≤ 1% of the corpus must find every one full attention finds, with the
+/// needle's document and passage ranked first in provenance.
+#[test]
+fn needles_are_found_by_flat_retrieval_where_full_attention_finds_them() -> Result<()> {
+    let model = default_model(WeightMode::Hybrid)?;
+    let text = gpl()?;
+    let haystack = &text[..24_500];
+    let needles = [
+        ("blue door", "2099391"),
+        ("red kettle", "4815162"),
+        ("green bicycle", "7340273"),
+        ("silver lantern", "5526104"),
+        ("yellow umbrella", "9183746"),
+    ];
+    let depths = [0.1, 0.3, 0.5, 0.7, 0.9];
+    let (mut full_found, mut flat_found) = (0, 0);
+    for (depth, (object, number)) in depths.iter().zip(needles) {
+        let needle = format!("The special magic number for the {object} is {number}.");
+        // Plant it at a paragraph break near the depth.
+        let at = haystack[..(haystack.len() as f64 * depth) as usize]
+            .rfind("\n\n")
+            .unwrap_or(0);
+        let planted = format!("{}\n\n{needle}{}", &haystack[..at], &haystack[at..]);
+        let docs = documents(&planted, 4500, &format!("depth{depth}"));
+        let (_dir, corpus) = open(&model, &docs)?;
+        let n = corpus.manifest().tokens;
+        let k = n / 100;
+        assert!(n >= 5000, "only {n} tokens");
+        let question = format!(
+            "What is the special magic number for the {object}? The special magic number for \
+             the {object} is"
+        );
+        let ask = |mode| -> Result<kvdb::session::Answer> {
+            let options = AskOptions {
+                mode,
+                generate: kvdb::generate::GenerateOptions {
+                    max_tokens: 8,
+                    ..Default::default()
+                },
+                template: None,
+            };
+            Ok(corpus.ask(model.as_ref(), &question, &options, &mut |_| Ok(()))?)
+        };
+        let policy = DensePolicy {
+            sink: 4,
+            window: 64,
+        };
+        let full = ask(AttentionMode::Full)?;
+        let flat = ask(AttentionMode::Retrieval { k, policy })?;
+        let full_ok = full.answer.contains(number);
+        let flat_ok = flat.answer.contains(number);
+        eprintln!(
+            "depth {depth}: {n} tokens, k = {k}: full {:?} ({full_ok}), flat {:?} ({flat_ok})",
+            full.answer, flat.answer
+        );
+        full_found += full_ok as usize;
+        flat_found += flat_ok as usize;
+        if full_ok {
+            assert!(flat_ok, "flat retrieval missed the needle at depth {depth}");
+        }
+        if flat_ok {
+            // The needle lies outside the sink and the window ...
+            let doc = corpus
+                .documents()
+                .iter()
+                .find(|d| docs[d.number].text.contains(&needle))
+                .ok_or_else(|| anyhow::anyhow!("needle document"))?;
+            let before = &docs[doc.number].text[..docs[doc.number].text.find(&needle).unwrap_or(0)];
+            let plain = EncodeOptions {
+                add_bos: doc.tokens.start == 0,
+                add_eos: false,
+                parse_special: false,
+            };
+            let offset = model.tokenizer.encode(before, plain)?.len();
+            let len = model.tokenizer.encode(&needle, plain)?.len();
+            let span =
+                doc.tokens.start + offset.saturating_sub(2)..doc.tokens.start + offset + len + 2;
+            assert!(span.start > policy.sink && span.end + policy.window < n);
+            // ... and provenance ranks its document and passage first.
+            let top_doc = &flat.provenance.documents[0];
+            assert_eq!(
+                top_doc.number, doc.number,
+                "{:?}",
+                flat.provenance.documents
+            );
+            let top = &flat.provenance.passages[0];
+            assert!(
+                top.tokens.start < span.end && span.start < top.tokens.end,
+                "top passage {:?} ({:?}) misses the needle at {span:?}",
+                top.tokens,
+                top.text
+            );
+        }
+    }
+    assert!(
+        full_found >= 4,
+        "full attention found {full_found} of 5 needles"
+    );
+    assert!(flat_found >= full_found);
+    Ok(())
+}

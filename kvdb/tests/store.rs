@@ -1,0 +1,642 @@
+//! The store, ingest and queries end to end on a tiny random-weight gemma3 (five sliding
+//! layers of 16 tokens, one global layer, 2 KV heads): appends and resumes are bit-exact,
+//! a SIGKILLed `kvdb ingest` resumes to exactly what an uninterrupted one stores, queries
+//! are concurrent and read through a RAM tier, and bad input is a clear error that writes
+//! nothing.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use anyhow::Result;
+use kvdb::documents::read_documents;
+use kvdb::ingest::ingest;
+use kvdb::models::{load, LoadedModel};
+use kvdb::session::{AskOptions, AttentionMode, Corpus};
+use kvdb::store::{Access, Kv, Store};
+use kvdb_attention::DensePolicy;
+use kvdb_model::LoadOptions;
+use kvdb_tests::{TinyFile, TinyModel};
+use rand::{Rng, SeedableRng};
+
+/// A tiny gemma3 with room for a few thousand tokens of context.
+fn tiny() -> Result<(TinyFile, LoadedModel)> {
+    let file = TinyModel {
+        context_length: 32768,
+        ..TinyModel::gemma3()
+    }
+    .write_temp()?;
+    let loaded = load(Some(file.path()), &LoadOptions::default())?;
+    Ok((file, loaded))
+}
+
+/// Writes `count` documents of varied text, each about `chars` long, into `dir`.
+fn write_documents(dir: &Path, count: usize, chars: usize, seed: u64) -> Result<Vec<PathBuf>> {
+    let words = [
+        "the",
+        "store",
+        "keeps",
+        "every",
+        "key",
+        "and",
+        "value",
+        "of",
+        "a",
+        "corpus",
+        "so",
+        "queries",
+        "never",
+        "prefill",
+        "it",
+        "again",
+        "attention",
+        "retrieval",
+        "block",
+        "layer",
+    ];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    std::fs::create_dir_all(dir)?;
+    let mut paths = Vec::new();
+    for i in 0..count {
+        let mut text = format!("Document {i}.\n");
+        while text.len() < chars {
+            text.push_str(words[rng.random_range(0..words.len())]);
+            text.push(if rng.random_range(0..12) == 0 {
+                '\n'
+            } else {
+                ' '
+            });
+        }
+        let path = dir.join(format!("doc{i:02}.txt"));
+        std::fs::write(&path, text)?;
+        paths.push(path);
+    }
+    Ok(paths)
+}
+
+/// Everything a corpus stored, decoded: manifest counts, documents, tokens, and every
+/// stored key/value row of every layer and KV head.
+fn dump(store: &Store, name: &str) -> Result<(String, Vec<u32>, Vec<Vec<u32>>)> {
+    let m = store.manifest(name)?;
+    let docs = store.documents(&m)?;
+    let header = format!(
+        "tokens {} documents {} pending {:?} docs {:?}",
+        m.tokens,
+        m.documents,
+        m.pending,
+        docs.iter()
+            .map(|d| (d.number, d.sha256.clone(), d.tokens.clone()))
+            .collect::<Vec<_>>()
+    );
+    let tokens = store.tokens(&m, 0..m.tokens)?;
+    let mut rows = Vec::new();
+    for layer in 0..m.layers.len() {
+        for head in 0..m.model.n_kv_heads {
+            for kv in [Kv::Keys, Kv::Values] {
+                let range = m.stored_range(layer, m.tokens);
+                let r = store.rows(&m, kv, layer, head, range)?;
+                rows.push(r.iter().map(|x| x.to_bits()).collect());
+            }
+        }
+    }
+    Ok((header, tokens, rows))
+}
+
+fn kvdb_cmd() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvdb"))
+}
+
+fn run(args: &[&str]) -> Output {
+    kvdb_cmd().args(args).output().expect("running kvdb")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 temp path")
+}
+
+#[test]
+fn appending_in_steps_stores_exactly_what_one_ingest_stores() -> Result<()> {
+    let (_model, loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let paths = write_documents(&dir.path().join("docs"), 4, 1500, 7)?;
+    let docs = read_documents(&paths)?;
+
+    let one = Store::open(dir.path().join("one"), Access::Write)?;
+    let report = ingest(&one, "c", loaded.as_ref(), &docs, &mut |_| {})?;
+    assert_eq!(report.added.len(), 4);
+
+    let steps = Store::open(dir.path().join("steps"), Access::Write)?;
+    ingest(&steps, "c", loaded.as_ref(), &docs[..1], &mut |_| {})?;
+    ingest(&steps, "c", loaded.as_ref(), &docs[1..3], &mut |_| {})?;
+    // Already-present documents are skipped and reported, the new one appended.
+    let again = ingest(&steps, "c", loaded.as_ref(), &docs, &mut |_| {})?;
+    assert_eq!(again.added.len(), 1);
+    assert_eq!(again.skipped.len(), 3);
+    assert!(again.skipped[0].1.contains("already in the corpus"));
+
+    assert_eq!(dump(&one, "c")?, dump(&steps, "c")?);
+    let m = one.manifest("c")?;
+    assert_eq!(m.documents, 4);
+    // Sliding layers keep only their window (15 tokens), the global layer every token.
+    assert_eq!(m.stored_range(0, m.tokens).len(), 15);
+    assert_eq!(m.stored_range(5, m.tokens), 0..m.tokens);
+    Ok(())
+}
+
+/// Kills a real `kvdb ingest` with SIGKILL at seeded moments (after the n-th commit, plus a
+/// seeded delay), resumes it each time, and checks the result is bit-identical to an
+/// uninterrupted ingest, with every document exactly once.
+#[test]
+fn sigkilled_ingest_resumes_to_the_uninterrupted_result() -> Result<()> {
+    let (model, _loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let paths = write_documents(&dir.path().join("docs"), 5, 2500, 11)?;
+    let model_path = path_str(model.path()).to_string();
+    let ingest_args = |store: &Path| -> Vec<String> {
+        let mut a: Vec<String> = vec![
+            "ingest".into(),
+            "--store".into(),
+            path_str(store).into(),
+            "--corpus".into(),
+            "c".into(),
+            "--model".into(),
+            model_path.clone(),
+            "--progress".into(),
+            "json".into(),
+        ];
+        a.extend(paths.iter().map(|p| path_str(p).to_string()));
+        a
+    };
+    let reference = dir.path().join("reference");
+    let out = kvdb_cmd().args(ingest_args(&reference)).output()?;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let expected = dump(&Store::open(&reference, Access::Read)?, "c")?;
+
+    let mut rng = rand::rngs::StdRng::seed_from_u64(20261121);
+    let store_path = dir.path().join("killed");
+    let (mut kills, mut mid_document) = (0, 0);
+    for round in 0..40 {
+        if kills >= 6 && mid_document >= 1 {
+            break;
+        }
+        let after_commits = rng.random_range(0..4);
+        let delay = Duration::from_micros(rng.random_range(0..4000));
+        let mut child = kvdb_cmd()
+            .args(ingest_args(&store_path))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut commits = 0;
+        let mut finished = true;
+        for line in BufReader::new(stdout).lines() {
+            if line?.contains("\"committed\"") {
+                commits += 1;
+                if commits > after_commits {
+                    std::thread::sleep(delay);
+                    finished = false;
+                    break;
+                }
+            }
+        }
+        child.kill()?; // SIGKILL on Unix
+        let status = child.wait()?;
+        if finished && status.success() {
+            // It ran to the end before the kill: start over from an empty store.
+            std::fs::remove_dir_all(&store_path)?;
+            continue;
+        }
+        kills += 1;
+        let store = Store::open(&store_path, Access::Read)?;
+        if let Ok(m) = store.manifest("c") {
+            if m.pending.is_some() {
+                mid_document += 1;
+            }
+            // The committed state is always consistent: documents list what the manifest says.
+            store.documents(&m)?;
+        }
+        drop(store);
+        eprintln!("round {round}: killed after {commits} commits (+{delay:?})");
+    }
+    assert!(kills >= 5, "only {kills} kills landed");
+    assert!(mid_document >= 1, "no kill left a document half-stored");
+    let out = kvdb_cmd().args(ingest_args(&store_path)).output()?;
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let resumed = dump(&Store::open(&store_path, Access::Read)?, "c")?;
+    assert_eq!(expected.0, resumed.0, "manifest and documents differ");
+    assert_eq!(expected.1, resumed.1, "tokens differ");
+    assert!(expected.2 == resumed.2, "stored keys/values differ");
+    Ok(())
+}
+
+#[test]
+fn concurrent_queries_answer_as_sequential_ones_do() -> Result<()> {
+    let (_model, loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let paths = write_documents(&dir.path().join("docs"), 3, 1200, 3)?;
+    let store = Arc::new(Store::open(dir.path().join("s"), Access::Write)?);
+    ingest(
+        &store,
+        "c",
+        loaded.as_ref(),
+        &read_documents(&paths)?,
+        &mut |_| {},
+    )?;
+    let corpus = Corpus::open(store, "c", loaded.as_ref(), 1 << 30)?;
+    let options = AskOptions {
+        mode: AttentionMode::Retrieval {
+            k: 32,
+            policy: DensePolicy { sink: 2, window: 8 },
+        },
+        ..AskOptions::default()
+    };
+    let questions = [
+        "what does the store keep?",
+        "which layer retrieves a block?",
+    ];
+    let sequential: Vec<Vec<u32>> = questions
+        .iter()
+        .map(|q| {
+            Ok(corpus
+                .ask(loaded.as_ref(), q, &options, &mut |_| Ok(()))?
+                .tokens)
+        })
+        .collect::<Result<_>>()?;
+
+    let in_flight = AtomicUsize::new(0);
+    let most = AtomicUsize::new(0);
+    let barrier = Barrier::new(questions.len());
+    let concurrent: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = questions
+            .iter()
+            .map(|q| {
+                s.spawn(|| -> Result<Vec<u32>> {
+                    barrier.wait();
+                    in_flight.fetch_add(1, Ordering::SeqCst);
+                    let answer = corpus.ask(loaded.as_ref(), q, &options, &mut |_| {
+                        most.fetch_max(in_flight.load(Ordering::SeqCst), Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(2));
+                        Ok(())
+                    });
+                    in_flight.fetch_sub(1, Ordering::SeqCst);
+                    Ok(answer?.tokens)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("query thread"))
+            .collect::<Result<_>>()
+    })?;
+    assert!(
+        most.load(Ordering::SeqCst) >= 2,
+        "the queries never overlapped"
+    );
+    assert_eq!(sequential, concurrent);
+    assert!(sequential.iter().all(|t| !t.is_empty()));
+    Ok(())
+}
+
+#[test]
+fn a_small_ram_budget_evicts_blocks_and_answers_the_same() -> Result<()> {
+    let (_model, loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let paths = write_documents(&dir.path().join("docs"), 2, 2000, 5)?;
+    let store = Arc::new(Store::open(dir.path().join("s"), Access::Write)?);
+    ingest(
+        &store,
+        "c",
+        loaded.as_ref(),
+        &read_documents(&paths)?,
+        &mut |_| {},
+    )?;
+    let options = AskOptions {
+        mode: AttentionMode::Retrieval {
+            k: 48,
+            policy: DensePolicy { sink: 2, window: 8 },
+        },
+        ..AskOptions::default()
+    };
+    let ask = |budget: usize| -> Result<_> {
+        let corpus = Corpus::open(store.clone(), "c", loaded.as_ref(), budget)?;
+        let answer = corpus.ask(loaded.as_ref(), "the value of a key", &options, &mut |_| {
+            Ok(())
+        })?;
+        Ok((answer.tokens, corpus.tier_stats()))
+    };
+    let (roomy, roomy_stats) = ask(1 << 30)?;
+    // One block of keys is 64 tokens x 32 dims x 4 bytes = 8 KiB: keep about two.
+    let (tight, tight_stats) = ask(16 << 10)?;
+    assert_eq!(roomy, tight);
+    assert_eq!(roomy_stats.evictions, 0);
+    assert!(tight_stats.evictions > 0, "{tight_stats:?}");
+    assert!(tight_stats.resident_bytes <= 16 << 10, "{tight_stats:?}");
+    Ok(())
+}
+
+#[test]
+fn ask_works_while_an_ingest_holds_the_store() -> Result<()> {
+    let (model, _loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let paths = write_documents(&dir.path().join("docs"), 8, 3000, 9)?;
+    let store = dir.path().join("s");
+    let mut args = vec![
+        "ingest".to_string(),
+        "--store".into(),
+        path_str(&store).into(),
+        "--corpus".into(),
+        "c".into(),
+        "--model".into(),
+        path_str(model.path()).into(),
+        "--progress".into(),
+        "json".into(),
+    ];
+    args.extend(paths.iter().map(|p| path_str(p).to_string()));
+    let mut child = kvdb_cmd()
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+    // Wait for the first complete document.
+    let mut committed = 0;
+    for line in lines.by_ref() {
+        let line = line?;
+        let event: serde_json::Value = serde_json::from_str(&line)?;
+        if event["event"] == "committed" && event["done"] == event["total"] {
+            committed = event["corpus_tokens"].as_u64().unwrap_or(0);
+            break;
+        }
+    }
+    assert!(committed > 0);
+    // A writer is refused while the ingest runs ...
+    let busy = run(&[
+        "corpus",
+        "delete",
+        "--store",
+        path_str(&store),
+        "--corpus",
+        "c",
+    ]);
+    // ... while a reader answers from the last committed state.
+    let out = run(&[
+        "ask",
+        "--store",
+        path_str(&store),
+        "--corpus",
+        "c",
+        "--model",
+        path_str(model.path()),
+        "--max-tokens",
+        "4",
+        "--json",
+        "what is kept?",
+    ]);
+    let still_running = child.try_wait()?.is_none();
+    for _ in lines {}
+    let status = child.wait()?;
+    assert!(status.success());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let seen = answer["corpus_tokens"].as_u64().unwrap_or(0);
+    assert!(
+        seen >= committed,
+        "ask saw {seen} tokens, {committed} were committed"
+    );
+    if still_running {
+        assert!(!busy.status.success());
+        assert!(
+            text(&busy.stderr).contains("in use by another kvdb process"),
+            "{}",
+            text(&busy.stderr)
+        );
+    }
+    let m = Store::open(&store, Access::Read)?.manifest("c")?;
+    assert!(seen <= m.tokens as u64);
+    Ok(())
+}
+
+#[test]
+fn bad_input_is_a_clear_error_and_writes_nothing() -> Result<()> {
+    let (model, _loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let model_path = path_str(model.path()).to_string();
+    let store = dir.path().join("s");
+    let store_s = path_str(&store).to_string();
+    let good = write_documents(&dir.path().join("docs"), 1, 400, 1)?;
+    let good_s = path_str(&good[0]).to_string();
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "  \n")?;
+    let latin1 = dir.path().join("latin1.txt");
+    std::fs::write(&latin1, b"caf\xe9 au lait")?;
+    let pdf = dir.path().join("paper.pdf");
+    std::fs::write(&pdf, b"%PDF")?;
+    let huge = dir.path().join("huge.txt");
+    std::fs::write(&huge, "word ".repeat(40_000))?;
+
+    let ingest = |extra: &[&str]| {
+        let mut a = vec![
+            "ingest",
+            "--store",
+            &store_s,
+            "--corpus",
+            "c",
+            "--model",
+            &model_path,
+        ];
+        a.extend_from_slice(extra);
+        run(&a)
+    };
+    let cases: Vec<(Output, &str)> = vec![
+        (
+            ingest(&[&good_s, path_str(&empty)]),
+            "the document is empty",
+        ),
+        (ingest(&[&good_s, path_str(&latin1)]), "not UTF-8"),
+        (
+            ingest(&[&good_s, "/nonexistent/file.txt"]),
+            "cannot read it",
+        ),
+        (ingest(&[path_str(&pdf)]), "unsupported file type"),
+        (
+            ingest(&[&good_s, path_str(&huge)]),
+            "more than the model's context",
+        ),
+        (
+            run(&[
+                "ingest",
+                "--store",
+                &store_s,
+                "--corpus",
+                "../etc",
+                "--model",
+                &model_path,
+                &good_s,
+            ]),
+            "not a valid corpus name",
+        ),
+        (
+            run(&[
+                "ask",
+                "--store",
+                &store_s,
+                "--corpus",
+                "c",
+                "--model",
+                &model_path,
+                "hi",
+            ]),
+            "no kvdb store at",
+        ),
+    ];
+    for (out, needle) in &cases {
+        assert!(!out.status.success());
+        let err = text(&out.stderr);
+        assert!(err.contains(needle), "expected `{needle}` in: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // Nothing was written: the failed ingests created no corpus.
+    if Store::exists(&store) {
+        assert!(Store::open(&store, Access::Read)?.corpora()?.is_empty());
+    }
+
+    // A real corpus, then errors against it.
+    let out = ingest(&[&good_s]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let before = dump(&Store::open(&store, Access::Read)?, "c")?;
+    let ask = |corpus: &str, question: &str| {
+        run(&[
+            "ask",
+            "--store",
+            &store_s,
+            "--corpus",
+            corpus,
+            "--model",
+            &model_path,
+            question,
+        ])
+    };
+    let long_question = "é".repeat(40_000);
+    let other_model = TinyModel {
+        seed: 99,
+        context_length: 32768,
+        ..TinyModel::gemma3()
+    }
+    .write_temp()?;
+    let cases: Vec<(Output, &str)> = vec![
+        (ask("nope", "hi"), "no corpus `nope`"),
+        (ask("c", &long_question), "leaves room for at most"),
+        (
+            run(&[
+                "ask",
+                "--store",
+                &store_s,
+                "--corpus",
+                "c",
+                "--model",
+                path_str(other_model.path()),
+                "hi",
+            ]),
+            "was ingested with model",
+        ),
+        (
+            run(&[
+                "ingest",
+                "--store",
+                &store_s,
+                "--corpus",
+                "c",
+                "--model",
+                path_str(other_model.path()),
+                path_str(&huge),
+            ]),
+            "was ingested with model",
+        ),
+        (ingest(&[path_str(&huge)]), "more than the model's context"),
+    ];
+    for (out, needle) in &cases {
+        assert!(!out.status.success());
+        let err = text(&out.stderr);
+        assert!(err.contains(needle), "expected `{needle}` in: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    assert_eq!(before, dump(&Store::open(&store, Access::Read)?, "c")?);
+
+    // A store written by another format version is refused, for reading and writing.
+    {
+        let mut opts = rocksdb::Options::default();
+        opts.create_missing_column_families(true);
+        let db = rocksdb::DB::open_cf(
+            &opts,
+            &store,
+            ["meta", "docs", "tokens", "keys", "values", "index"],
+        )?;
+        let meta = db.cf_handle("meta").expect("meta family");
+        db.put_cf(
+            meta,
+            b"store",
+            br#"{"format_version":999,"next_corpus_id":2}"#,
+        )?;
+    }
+    for out in [ask("c", "hi"), ingest(&[path_str(&huge)])] {
+        assert!(!out.status.success());
+        assert!(
+            text(&out.stderr).contains("format version 999"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn corpus_commands_list_describe_and_delete() -> Result<()> {
+    let (model, _loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let docs = write_documents(&dir.path().join("docs"), 2, 600, 2)?;
+    let store = dir.path().join("s");
+    let s = path_str(&store);
+    for name in ["alpha", "beta"] {
+        let out = run(&[
+            "ingest",
+            "--store",
+            s,
+            "--corpus",
+            name,
+            "--model",
+            path_str(model.path()),
+            "--progress",
+            "none",
+            path_str(&docs[0]),
+            path_str(&docs[1]),
+        ]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    let list = text(&run(&["corpus", "list", "--store", s]).stdout);
+    assert!(list.contains("alpha") && list.contains("beta"), "{list}");
+    let info = run(&["corpus", "info", "--store", s, "--corpus", "alpha"]);
+    let info = text(&info.stdout);
+    for needle in [
+        "documents:   2",
+        "doc00.txt",
+        "doc01.txt",
+        "stored K/V",
+        "tokens:",
+    ] {
+        assert!(info.contains(needle), "`{needle}` missing from {info}");
+    }
+    let out = run(&["corpus", "delete", "--store", s, "--corpus", "alpha"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let list = text(&run(&["corpus", "list", "--store", s]).stdout);
+    assert!(!list.contains("alpha") && list.contains("beta"), "{list}");
+    let out = run(&["corpus", "info", "--store", s, "--corpus", "alpha"]);
+    assert!(text(&out.stderr).contains("no corpus `alpha`"));
+    Ok(())
+}
