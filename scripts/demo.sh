@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/kvdb/target}"
 home="${KVDB_HOME:-$HOME/.cache/kvdb}"
 demo="$home/demo"
-question="${1:-Debian Reference, chapter on I18N and L10N. Question: what does the abbreviation L10N stand for? Answer: L10N stands for}"
+question="${1:-Question: In the Debian Reference, what is Internationalization (I18N)? Answer: Internationalization (I18N) means}"
 
 cargo build --release -q -p kvdb
 kvdb="$CARGO_TARGET_DIR/release/kvdb"
@@ -32,4 +32,4 @@ fi
 "$kvdb" corpus info --store "$demo/store" --corpus debian-reference
 echo
 echo "Q: $question"
-"$kvdb" ask --store "$demo/store" --corpus debian-reference --max-tokens 40 --stop $'\n\n' "$question"
+"$kvdb" ask --store "$demo/store" --corpus debian-reference --max-tokens 40 --stop $'\n' "$question"
