@@ -105,6 +105,10 @@ fn dump(store: &Store, name: &str) -> Result<(String, Vec<u32>, Vec<Vec<u32>>)> 
     Ok((header, tokens, rows))
 }
 
+fn m_final_tokens(store: &Path) -> Result<u64> {
+    Ok(Store::open(store, Access::Read)?.manifest("c")?.tokens as u64)
+}
+
 fn kvdb_cmd() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvdb"))
 }
@@ -345,7 +349,8 @@ fn a_small_ram_budget_evicts_blocks_and_answers_the_same() -> Result<()> {
 fn ask_works_while_an_ingest_holds_the_store() -> Result<()> {
     let (model, _loaded) = tiny()?;
     let dir = tempfile::tempdir()?;
-    let paths = write_documents(&dir.path().join("docs"), 8, 3000, 9)?;
+    // Enough documents that the ingest is still running when the reader has answered.
+    let paths = write_documents(&dir.path().join("docs"), 14, 2000, 9)?;
     let store = dir.path().join("s");
     let mut args = vec![
         "ingest".to_string(),
@@ -410,14 +415,18 @@ fn ask_works_while_an_ingest_holds_the_store() -> Result<()> {
         seen >= committed,
         "ask saw {seen} tokens, {committed} were committed"
     );
-    if still_running {
-        assert!(!busy.status.success());
-        assert!(
-            text(&busy.stderr).contains("in use by another kvdb process"),
-            "{}",
-            text(&busy.stderr)
-        );
-    }
+    // The reader answered while the writer held the store, and the writer was refused.
+    assert!(still_running, "the ingest ended before the reader answered");
+    assert!(
+        seen < m_final_tokens(&store)?,
+        "the reader saw the final state"
+    );
+    assert!(!busy.status.success());
+    assert!(
+        text(&busy.stderr).contains("in use by another kvdb process"),
+        "{}",
+        text(&busy.stderr)
+    );
     let m = Store::open(&store, Access::Read)?.manifest("c")?;
     assert!(seen <= m.tokens as u64);
     Ok(())
