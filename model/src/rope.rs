@@ -18,6 +18,16 @@ pub struct Rope {
     inv_freq: Vec<f64>,
     style: RopeStyle,
     table: Arc<RwLock<Option<Table>>>,
+    /// The same numbers as plain `[positions, head_dim / 2]` rows for [`Rope::rotate`], grown
+    /// on demand: computing `sin_cos` per vector dominated retrieval attention.
+    rows: Arc<RwLock<RowTable>>,
+}
+
+/// `cos` and `sin` rows `[len, head_dim / 2]` in plain vectors.
+#[derive(Debug, Default)]
+struct RowTable {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
 }
 
 /// `cos` and `sin` for positions `0..len`, `[len, head_dim / 2]`.
@@ -47,6 +57,7 @@ impl Rope {
             inv_freq,
             style: config.style,
             table: Arc::new(RwLock::new(None)),
+            rows: Arc::new(RwLock::new(RowTable::default())),
         }
     }
 
@@ -111,14 +122,26 @@ impl Rope {
     /// [`Rope::apply`]: angles in f64, `cos`/`sin` rounded to f32, products in f32.
     pub fn rotate(&self, x: &mut [f32], position: usize) {
         let half = self.inv_freq.len();
-        let (cos, sin): (Vec<f32>, Vec<f32>) = self
-            .inv_freq
-            .iter()
-            .map(|f| {
-                let (s, c) = (position as f64 * f).sin_cos();
-                (c as f32, s as f32)
-            })
-            .unzip();
+        let at = position * half..(position + 1) * half;
+        if let Ok(rows) = self.rows.read() {
+            if rows.cos.len() >= at.end {
+                return self.rotate_with(x, &rows.cos[at.clone()], &rows.sin[at]);
+            }
+        }
+        let mut rows = self.rows.write().unwrap_or_else(|p| p.into_inner());
+        let len = (position + 1).next_power_of_two().max(1024);
+        for p in rows.cos.len() / half.max(1)..len {
+            for f in &self.inv_freq {
+                let (s, c) = (p as f64 * f).sin_cos();
+                rows.cos.push(c as f32);
+                rows.sin.push(s as f32);
+            }
+        }
+        self.rotate_with(x, &rows.cos[at.clone()], &rows.sin[at]);
+    }
+
+    fn rotate_with(&self, x: &mut [f32], cos: &[f32], sin: &[f32]) {
+        let half = self.inv_freq.len();
         for v in x.chunks_exact_mut(2 * half) {
             for i in 0..half {
                 let (a, b) = match self.style {
