@@ -10,33 +10,13 @@ use kvdb_attention::{
     Partial, Result, RetrievalQuery,
 };
 use kvdb_index::Selection;
-use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
+use kvdb_model::{Rope, RopeStyle};
+use kvdb_tests::{random_vec, seeded, test_rope};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
 const STYLES: [RopeStyle; 2] = [RopeStyle::Halves, RopeStyle::Interleaved];
-
-fn seeded() -> (u64, StdRng) {
-    let seed = std::env::var("KVDB_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::rng().random());
-    (seed, StdRng::seed_from_u64(seed))
-}
-
-fn rope(style: RopeStyle, head_dim: usize) -> Rope {
-    let config = RopeConfig {
-        base: 10_000.0,
-        style,
-        scaling: RopeScaling::None,
-    };
-    Rope::new(&config, head_dim, None)
-}
-
-fn random_vec(rng: &mut StdRng, len: usize) -> Vec<f32> {
-    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
 
 /// Random pre-RoPE keys and values of `n` tokens.
 fn random_kv(rng: &mut StdRng, n: usize, d: usize) -> Result<DenseKv> {
@@ -98,7 +78,7 @@ fn all_selected_equals_full_attention() -> Result<()> {
                     .flat_map(|n| policies.map(|p| (n, p)))
                 {
                     let policy = DensePolicy { sink, window };
-                    let rope = rope(style, d);
+                    let rope = test_rope(style, d);
                     let kv = random_kv(&mut rng, n, d)?;
                     let queries = random_vec(&mut rng, heads * d);
                     let position = n - 1;
@@ -181,7 +161,7 @@ fn merge_is_order_independent() -> Result<()> {
         let heads = rng.random_range(1..=8);
         let d = [16, 64, 128][rng.random_range(0..3)];
         let n = rng.random_range(1..2000);
-        let rope = rope(STYLES[case % 2], d);
+        let rope = test_rope(STYLES[case % 2], d);
         let scale = scale_for(d);
         let kv = random_kv(&mut rng, n, d)?;
         let queries = random_vec(&mut rng, heads * d);
@@ -244,7 +224,7 @@ fn dense_overlap_is_dropped() -> Result<()> {
             sink: rng.random_range(0..8),
             window: rng.random_range(0..64),
         };
-        let rope = rope(STYLES[case % 2], d);
+        let rope = test_rope(STYLES[case % 2], d);
         let kv = random_kv(&mut rng, n, d)?;
         let queries = random_vec(&mut rng, heads * d);
         let candidates = policy.candidates(position);
@@ -290,7 +270,7 @@ fn weights_are_the_softmax() -> Result<()> {
             sink: rng.random_range(0..8),
             window: rng.random_range(0..300),
         };
-        let rope = rope(STYLES[case % 2], d);
+        let rope = test_rope(STYLES[case % 2], d);
         let kv = random_kv(&mut rng, n, d)?;
         let queries = random_vec(&mut rng, heads * d);
         let all: Selection = (0..n as u32).collect();
@@ -340,7 +320,7 @@ fn empty_selection_is_dense_only() -> Result<()> {
             sink: rng.random_range(0..10),
             window: rng.random_range(0..200),
         };
-        let rope = rope(STYLES[case % 2], d);
+        let rope = test_rope(STYLES[case % 2], d);
         let kv = random_kv(&mut rng, n, d)?;
         let queries = random_vec(&mut rng, heads * d);
         let got = attend(
@@ -403,7 +383,7 @@ impl KvSource for Short {
 #[test]
 fn errors_not_panics() -> Result<()> {
     let d = 8;
-    let rope = rope(RopeStyle::Halves, d);
+    let rope = test_rope(RopeStyle::Halves, d);
     let kv = DenseKv::new(vec![0.1; 10 * d], vec![0.2; 10 * d], d)?;
     let policy = DensePolicy { sink: 2, window: 3 };
     let none = Selection::default();
@@ -437,7 +417,7 @@ fn errors_not_panics() -> Result<()> {
         attend(&queries, 5, &rope, policy, &none, &Short),
         Err(AttentionError::Length { .. })
     ));
-    let zero = self::rope(RopeStyle::Halves, 0);
+    let zero = self::test_rope(RopeStyle::Halves, 0);
     assert!(attend(&queries, 5, &zero, policy, &none, &kv).is_err());
 
     assert!(DenseKv::new(vec![0.0; 9], vec![0.0; 9], 8).is_err());

@@ -6,32 +6,11 @@
 use std::ops::Range;
 
 use kvdb_index::{FlatIndex, GroupQuery, IndexError, KeyIndex, SearchParams, Selection};
-use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use kvdb_model::{Rope, RopeStyle};
+use kvdb_tests::{random_vec, seeded, test_rope};
+use rand::Rng;
 
 type TestResult = Result<(), IndexError>;
-
-fn seeded() -> (u64, StdRng) {
-    let seed = std::env::var("KVDB_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::rng().random());
-    (seed, StdRng::seed_from_u64(seed))
-}
-
-fn rope(style: RopeStyle, head_dim: usize) -> Rope {
-    let config = RopeConfig {
-        base: 10_000.0,
-        style,
-        scaling: RopeScaling::None,
-    };
-    Rope::new(&config, head_dim, None)
-}
-
-fn random_vec(rng: &mut StdRng, len: usize) -> Vec<f32> {
-    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
 
 /// Max-over-heads scores of every key, in f64 (rotation in f32 with the same Rope).
 fn reference_scores(rope: &Rope, keys: &[f32], queries: &[f32], position: usize) -> Vec<f64> {
@@ -107,7 +86,7 @@ fn matches_brute_force_reference() -> TestResult {
         let d = [8, 32, 64, 100, 128][rng.random_range(0..5)];
         let heads = rng.random_range(1..=8);
         let n = rng.random_range(1..3000);
-        let rope = rope(style, d);
+        let rope = test_rope(style, d);
         let keys = random_vec(&mut rng, n * d);
         let queries = random_vec(&mut rng, heads * d);
         let position = n + rng.random_range(0..50);
@@ -141,7 +120,7 @@ fn matches_brute_force_reference() -> TestResult {
 fn parallel_path_matches_reference() -> TestResult {
     let (seed, mut rng) = seeded();
     let (n, d, heads) = (20_000, 64, 4);
-    let rope = rope(RopeStyle::Halves, d);
+    let rope = test_rope(RopeStyle::Halves, d);
     let keys = random_vec(&mut rng, n * d);
     let mut index = FlatIndex::new(rope.clone());
     index.add(&keys)?;
@@ -181,7 +160,7 @@ fn edge_cases() -> TestResult {
         queries: &queries,
         position: 50,
     };
-    let mut index = FlatIndex::new(rope(RopeStyle::Halves, d));
+    let mut index = FlatIndex::new(test_rope(RopeStyle::Halves, d));
     assert!(index.is_empty());
     let all = SearchParams {
         k: 10,
@@ -231,9 +210,9 @@ fn add_in_pieces_equals_one_add() -> TestResult {
     let (seed, mut rng) = seeded();
     let (n, d) = (9000, 32);
     let keys = random_vec(&mut rng, n * d);
-    let mut whole = FlatIndex::new(rope(RopeStyle::Interleaved, d));
+    let mut whole = FlatIndex::new(test_rope(RopeStyle::Interleaved, d));
     whole.add(&keys)?;
-    let mut pieces = FlatIndex::new(rope(RopeStyle::Interleaved, d));
+    let mut pieces = FlatIndex::new(test_rope(RopeStyle::Interleaved, d));
     let mut at = 0;
     for len in [0, 1, 7, 1500, 3000, 0, 4492] {
         pieces.add(&keys[at * d..(at + len) * d])?;
@@ -264,7 +243,7 @@ fn add_in_pieces_equals_one_add() -> TestResult {
 #[test]
 fn ties_and_nan() -> TestResult {
     let d = 8;
-    let mut index = FlatIndex::new(rope(RopeStyle::Halves, d));
+    let mut index = FlatIndex::new(test_rope(RopeStyle::Halves, d));
     // Zero keys all score 0 whatever the rotation.
     index.add(&[0.0; 8 * 10])?;
     index.add(&[f32::NAN; 8 * 3])?;
@@ -308,7 +287,7 @@ fn ties_and_nan() -> TestResult {
 #[test]
 fn shape_errors_are_errors() -> TestResult {
     let d = 16;
-    let mut index = FlatIndex::new(rope(RopeStyle::Halves, d));
+    let mut index = FlatIndex::new(test_rope(RopeStyle::Halves, d));
     index.add(&[0.5; 16 * 3])?;
     assert!(matches!(
         index.add(&[0.0; 17]),
@@ -345,7 +324,7 @@ fn shape_errors_are_errors() -> TestResult {
         Err(IndexError::Empty { .. })
     ));
     // A RoPE of head_dim 0 makes every non-empty add an error, not a division by zero.
-    let mut zero = FlatIndex::new(rope(RopeStyle::Halves, 0));
+    let mut zero = FlatIndex::new(test_rope(RopeStyle::Halves, 0));
     assert!(zero.add(&[1.0; 4]).is_err());
     assert!(zero.add(&[]).is_err());
     assert_eq!(zero.len(), 0);

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
 use kvdb::documents::read_documents;
 use kvdb::ingest::{ingest as run_ingest, IngestEvent};
-use kvdb::ram_tier::{human_bytes, parse_bytes};
+use kvdb::ram_tier::parse_bytes;
 use kvdb::session::{AskOptions, AttentionMode, Corpus, DEFAULT_K};
 use kvdb::store::{Access, Store, StoredLayer};
 use kvdb_attention::DensePolicy;
@@ -27,14 +27,21 @@ pub(crate) enum ProgressMode {
     None,
 }
 
+/// Which corpus of which store a command works on.
 #[derive(clap::Args)]
-pub(crate) struct IngestArgs {
-    /// The store's folder (created when absent).
+pub(crate) struct CorpusRef {
+    /// The store's folder (`ingest` creates it when absent).
     #[arg(long)]
     store: PathBuf,
-    /// The corpus to append to (created when absent).
+    /// The corpus (`ingest` creates it when absent).
     #[arg(long)]
     corpus: String,
+}
+
+#[derive(clap::Args)]
+pub(crate) struct IngestArgs {
+    #[command(flatten)]
+    target: CorpusRef,
     /// A local GGUF file (default: the default model, fetched when absent). A corpus keeps
     /// the model it was created with.
     #[arg(long)]
@@ -49,12 +56,8 @@ pub(crate) struct IngestArgs {
 
 #[derive(clap::Args)]
 pub(crate) struct AskArgs {
-    /// The store's folder.
-    #[arg(long)]
-    store: PathBuf,
-    /// The corpus to ask.
-    #[arg(long)]
-    corpus: String,
+    #[command(flatten)]
+    target: CorpusRef,
     /// A local GGUF file (default: the default model); it must be the corpus's model.
     #[arg(long)]
     model: Option<PathBuf>,
@@ -99,23 +102,9 @@ pub(crate) enum CorpusCommand {
         store: PathBuf,
     },
     /// Show a corpus: model, documents, tokens, bytes.
-    Info {
-        /// The store's folder.
-        #[arg(long)]
-        store: PathBuf,
-        /// The corpus.
-        #[arg(long)]
-        corpus: String,
-    },
+    Info(CorpusRef),
     /// Delete a corpus and everything it stored.
-    Delete {
-        /// The store's folder.
-        #[arg(long)]
-        store: PathBuf,
-        /// The corpus.
-        #[arg(long)]
-        corpus: String,
-    },
+    Delete(CorpusRef),
 }
 
 /// Writes a piece of streamed text and flushes it.
@@ -129,17 +118,17 @@ pub(crate) fn emit(out: &mut impl Write, piece: &str) -> kvdb::Result<()> {
 }
 
 pub(crate) fn ingest(args: IngestArgs) -> Result<()> {
-    kvdb::store::validate_corpus_name(&args.corpus)?;
+    kvdb::store::validate_corpus_name(&args.target.corpus)?;
     // Read and check every input before touching the store: a bad file writes nothing.
     let documents = read_documents(&args.paths)?;
     let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
-    let fresh = !Store::exists(&args.store) && !args.store.exists();
-    let store = Store::open(&args.store, Access::Write)?;
+    let fresh = !Store::exists(&args.target.store) && !args.target.store.exists();
+    let store = Store::open(&args.target.store, Access::Write)?;
     let result = ingest_into(&store, &args, &documents, &loaded);
     if result.is_err() && fresh {
         // A store this ingest created and then wrote nothing to is removed again.
         drop(store);
-        let _ = std::fs::remove_dir_all(&args.store);
+        let _ = std::fs::remove_dir_all(&args.target.store);
     }
     result
 }
@@ -165,7 +154,7 @@ fn ingest_into(
     let mut doc_index = 0;
     let report = run_ingest(
         store,
-        &args.corpus,
+        &args.target.corpus,
         loaded.as_ref(),
         documents,
         &mut |event| {
@@ -192,7 +181,7 @@ fn ingest_into(
     eprintln!(
         "kvdb: corpus `{}`: added {} documents ({} tokens in {:.1}s, {:.0} tokens/s), skipped {}; \
          it now holds {} tokens",
-        args.corpus,
+        args.target.corpus,
         report.added.len(),
         report.tokens,
         report.seconds,
@@ -229,19 +218,19 @@ fn event_json(event: &IngestEvent<'_>) -> serde_json::Value {
 }
 
 pub(crate) fn ask(args: AskArgs) -> Result<()> {
-    let store = Arc::new(Store::open(&args.store, Access::Read)?);
-    let manifest = store.manifest(&args.corpus)?;
+    let store = Arc::new(Store::open(&args.target.store, Access::Read)?);
+    let manifest = store.manifest(&args.target.corpus)?;
     if let Some(index) = &args.index {
         if !manifest.indexes.contains(index) {
             anyhow::bail!(
                 "corpus `{}` has no index `{index}`; it has: {}",
-                args.corpus,
+                args.target.corpus,
                 manifest.indexes.join(", ")
             );
         }
     }
     let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
-    let corpus = Corpus::open(store, &args.corpus, loaded.as_ref(), args.ram_budget)?;
+    let corpus = Corpus::open(store, &args.target.corpus, loaded.as_ref(), args.ram_budget)?;
     let options = AskOptions {
         mode: if args.full_attention {
             AttentionMode::Full
@@ -269,10 +258,11 @@ pub(crate) fn ask(args: AskArgs) -> Result<()> {
     };
     if args.json {
         let mut value = serde_json::to_value(&answer)?;
+        let tier = corpus.tier_stats();
         value["tier"] = serde_json::json!({
-            "hits": corpus.tier_stats().hits,
-            "misses": corpus.tier_stats().misses,
-            "evictions": corpus.tier_stats().evictions,
+            "hits": tier.hits,
+            "misses": tier.misses,
+            "evictions": tier.evictions,
         });
         writeln!(stdout, "{value}")?;
         return Ok(());
@@ -323,7 +313,7 @@ pub(crate) fn corpus(command: CorpusCommand) -> Result<()> {
                 );
             }
         }
-        CorpusCommand::Info { store, corpus } => {
+        CorpusCommand::Info(CorpusRef { store, corpus }) => {
             let store = Store::open(&store, Access::Read)?;
             let m = store.manifest(&corpus)?;
             let docs = store.documents(&m)?;
@@ -347,7 +337,7 @@ pub(crate) fn corpus(command: CorpusCommand) -> Result<()> {
             );
             println!(
                 "stored K/V:  {} (f16, blocks of {} tokens)",
-                human_bytes(kv_bytes),
+                HumanBytes(kv_bytes),
                 m.block_size
             );
             println!("indexes:     {}", m.indexes.join(", "));
@@ -364,12 +354,12 @@ pub(crate) fn corpus(command: CorpusCommand) -> Result<()> {
                     "  #{:<4} {:>7} tokens  {:>9}  {}",
                     d.number,
                     d.tokens.len(),
-                    human_bytes(d.bytes as u64),
+                    HumanBytes(d.bytes as u64).to_string(),
                     d.title
                 );
             }
         }
-        CorpusCommand::Delete { store, corpus } => {
+        CorpusCommand::Delete(CorpusRef { store, corpus }) => {
             let path = store.clone();
             if !Store::exists(&path) {
                 return Err(kvdb::Error::StoreMissing { path }.into());

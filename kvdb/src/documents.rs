@@ -3,8 +3,6 @@
 
 use std::path::{Path, PathBuf};
 
-use sha2::{Digest, Sha256};
-
 use crate::error::{Error, Result};
 
 /// Extensions read as plain text.
@@ -128,7 +126,7 @@ pub fn read_document(path: &Path) -> Result<SourceDocument> {
         path: path.to_path_buf(),
         title,
         text,
-        sha256: sha256_hex(&bytes),
+        sha256: kvdb_model::fetch::sha256_hex(&bytes),
         bytes: bytes.len(),
     })
 }
@@ -141,10 +139,4 @@ pub fn html_text(html: &str) -> std::result::Result<String, String> {
         .allow_width_overflow()
         .string_from_read(html.as_bytes(), 100_000)
         .map_err(|e| format!("cannot read the HTML: {e}"))
-}
-
-/// Lowercase hex sha256 of `bytes`.
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    let digest = Sha256::digest(bytes);
-    digest.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -504,21 +504,25 @@ impl KvSource for SessionSource<'_> {
         keys: &mut Vec<f32>,
         values: &mut Vec<f32>,
     ) -> kvdb_attention::Result<()> {
+        // Rows come back in the order of `ids`: each run of corpus (or tail) ids goes to its
+        // side in one call.
         let n = self.corpus_tokens as u32;
-        let split = ids.partition_point(|&id| id < n);
-        let (corpus, tail) = ids.split_at(split);
-        if corpus.iter().any(|&id| id >= n) || tail.iter().any(|&id| id < n) {
-            // Ids arrive sorted from the attention crate; fall back to one at a time if not.
-            for &id in ids {
-                self.gather(&[id], keys, values)?;
+        let mut rest = ids;
+        while let Some(&first) = rest.first() {
+            let in_corpus = first < n;
+            let run = rest.iter().take_while(|&&id| (id < n) == in_corpus).count();
+            let (now, later) = rest.split_at(run);
+            if in_corpus {
+                self.tier
+                    .gather(self.layer, self.head, now, keys, values)
+                    .map_err(|e| kvdb_attention::AttentionError::Source(e.to_string()))?;
+            } else {
+                let shifted: Vec<u32> = now.iter().map(|&id| id - n).collect();
+                self.tail.gather(&shifted, keys, values)?;
             }
-            return Ok(());
+            rest = later;
         }
-        self.tier
-            .gather(self.layer, self.head, corpus, keys, values)
-            .map_err(|e| kvdb_attention::AttentionError::Source(e.to_string()))?;
-        let shifted: Vec<u32> = tail.iter().map(|&id| id - n).collect();
-        self.tail.gather(&shifted, keys, values)
+        Ok(())
     }
 }
 

@@ -56,7 +56,7 @@ fn documents(text: &str, chars: usize, tag: &str) -> Vec<SourceDocument> {
         .map(|(i, text)| SourceDocument {
             path: format!("{tag}/part{i}.txt").into(),
             title: format!("part{i}.txt"),
-            sha256: kvdb::documents::sha256_hex(text.as_bytes()),
+            sha256: kvdb_model::fetch::sha256_hex(text.as_bytes()),
             bytes: text.len(),
             text,
         })

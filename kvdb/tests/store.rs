@@ -33,6 +33,46 @@ fn tiny() -> Result<(TinyFile, LoadedModel)> {
     Ok((file, loaded))
 }
 
+/// A tiny model and a store holding corpus `c` of generated documents (the temporary
+/// files live as long as it does).
+struct TinyCorpus {
+    _model: TinyFile,
+    _dir: tempfile::TempDir,
+    loaded: LoadedModel,
+    store: Arc<Store>,
+}
+
+fn tiny_corpus(count: usize, chars: usize, seed: u64) -> Result<TinyCorpus> {
+    let (model, loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let paths = write_documents(&dir.path().join("docs"), count, chars, seed)?;
+    let store = Arc::new(Store::open(dir.path().join("s"), Access::Write)?);
+    ingest(
+        &store,
+        "c",
+        loaded.as_ref(),
+        &read_documents(&paths)?,
+        &mut |_| {},
+    )?;
+    Ok(TinyCorpus {
+        _model: model,
+        _dir: dir,
+        loaded,
+        store,
+    })
+}
+
+/// Retrieval of `k` keys with a small dense part (2 sink tokens, a window of 8).
+fn retrieval(k: usize) -> AskOptions {
+    AskOptions {
+        mode: AttentionMode::Retrieval {
+            k,
+            policy: DensePolicy { sink: 2, window: 8 },
+        },
+        ..AskOptions::default()
+    }
+}
+
 /// Writes `count` documents of varied text, each about `chars` long, into `dir`.
 fn write_documents(dir: &Path, count: usize, chars: usize, seed: u64) -> Result<Vec<PathBuf>> {
     let words = [
@@ -242,25 +282,9 @@ fn sigkilled_ingest_resumes_to_the_uninterrupted_result() -> Result<()> {
 
 #[test]
 fn concurrent_queries_answer_as_sequential_ones_do() -> Result<()> {
-    let (_model, loaded) = tiny()?;
-    let dir = tempfile::tempdir()?;
-    let paths = write_documents(&dir.path().join("docs"), 3, 1200, 3)?;
-    let store = Arc::new(Store::open(dir.path().join("s"), Access::Write)?);
-    ingest(
-        &store,
-        "c",
-        loaded.as_ref(),
-        &read_documents(&paths)?,
-        &mut |_| {},
-    )?;
+    let TinyCorpus { loaded, store, .. } = tiny_corpus(3, 1200, 3)?;
     let corpus = Corpus::open(store, "c", loaded.as_ref(), 1 << 30)?;
-    let options = AskOptions {
-        mode: AttentionMode::Retrieval {
-            k: 32,
-            policy: DensePolicy { sink: 2, window: 8 },
-        },
-        ..AskOptions::default()
-    };
+    let options = retrieval(32);
     let questions = [
         "what does the store keep?",
         "which layer retrieves a block?",
@@ -310,24 +334,8 @@ fn concurrent_queries_answer_as_sequential_ones_do() -> Result<()> {
 
 #[test]
 fn a_small_ram_budget_evicts_blocks_and_answers_the_same() -> Result<()> {
-    let (_model, loaded) = tiny()?;
-    let dir = tempfile::tempdir()?;
-    let paths = write_documents(&dir.path().join("docs"), 2, 2000, 5)?;
-    let store = Arc::new(Store::open(dir.path().join("s"), Access::Write)?);
-    ingest(
-        &store,
-        "c",
-        loaded.as_ref(),
-        &read_documents(&paths)?,
-        &mut |_| {},
-    )?;
-    let options = AskOptions {
-        mode: AttentionMode::Retrieval {
-            k: 48,
-            policy: DensePolicy { sink: 2, window: 8 },
-        },
-        ..AskOptions::default()
-    };
+    let TinyCorpus { loaded, store, .. } = tiny_corpus(2, 2000, 5)?;
+    let options = retrieval(48);
     let ask = |budget: usize| -> Result<_> {
         let corpus = Corpus::open(store.clone(), "c", loaded.as_ref(), budget)?;
         let answer = corpus.ask(loaded.as_ref(), "the value of a key", &options, &mut |_| {

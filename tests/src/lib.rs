@@ -571,3 +571,30 @@ pub fn relative_max_error(actual: &Tensor, expected: &Tensor) -> Result<f32> {
     }
     Ok(if scale > 0.0 { diff / scale } else { diff })
 }
+
+/// A random generator for tests on fresh inputs: seeded from `KVDB_TEST_SEED` when set (to
+/// replay a failure), else at random. Returns the seed so assertion messages can print it.
+pub fn seeded() -> (u64, rand::rngs::StdRng) {
+    use rand::{Rng, SeedableRng};
+    let seed = std::env::var("KVDB_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::rng().random());
+    (seed, rand::rngs::StdRng::seed_from_u64(seed))
+}
+
+/// A plain RoPE (base 10000, no scaling) of `style` for heads of `head_dim`.
+pub fn test_rope(style: kvdb_model::RopeStyle, head_dim: usize) -> kvdb_model::Rope {
+    let config = kvdb_model::RopeConfig {
+        base: 10_000.0,
+        style,
+        scaling: kvdb_model::RopeScaling::None,
+    };
+    kvdb_model::Rope::new(&config, head_dim, None)
+}
+
+/// `len` values drawn uniformly from [-1, 1).
+pub fn random_vec(rng: &mut rand::rngs::StdRng, len: usize) -> Vec<f32> {
+    use rand::Rng;
+    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
