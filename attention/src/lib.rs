@@ -38,6 +38,7 @@
 //!     scale: 0.5,
 //!     policy: DensePolicy { sink: 2, window: 3 },
 //!     selection: &selection,
+//!     estimate: None,
 //! };
 //! let attended = retrieval_attention(&query, &kv)?;
 //! assert_eq!(attended.ids, vec![0, 1, 7, 8, 9, 5]);
@@ -59,5 +60,5 @@ mod source;
 pub use error::{AttentionError, Result};
 pub use partial::{logits, merge, Partial};
 pub use policy::DensePolicy;
-pub use retrieval::{retrieval_attention, Attended, RetrievalQuery};
+pub use retrieval::{retrieval_attention, Attended, Estimate, RetrievalQuery};
 pub use source::{DenseKv, KvSource};

@@ -1,6 +1,6 @@
 //! [`retrieval_attention`]: one query token, one KV head's GQA group, dense part + selection.
 
-use kvdb_index::Selection;
+use kvdb_index::{Selection, UnvisitedBucket};
 use kvdb_model::Rope;
 
 use crate::error::{length, some_rows};
@@ -21,6 +21,50 @@ pub struct RetrievalQuery<'a> {
     pub policy: DensePolicy,
     /// Ids retrieved by an index; those after `position` or inside the dense part are dropped.
     pub selection: &'a Selection,
+    /// The estimated contribution of the buckets a bucket index did not visit, if wanted.
+    pub estimate: Option<&'a Estimate>,
+}
+
+/// The attention that unvisited buckets would have received, estimated RetroInfer-style:
+/// bucket `b` stands for its `size_b` keys as if each scored `q · centroid_b`, so it adds
+/// `size_b · exp(scale · q · centroid_b)` to the softmax denominator and that weight times
+/// the bucket's mean value to the output. It is one more [`Partial`], merged like the others.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Estimate {
+    /// `[heads, buckets]`: `scale · q_h · centroid_b + ln size_b`.
+    logits: Vec<f32>,
+    /// `[buckets, head_dim]`: each bucket's mean value.
+    means: Vec<f32>,
+}
+
+impl Estimate {
+    /// The estimate of `unvisited` buckets for a group of `heads` heads, given every
+    /// bucket's mean value `bucket_means` `[buckets, head_dim]` (indexed by bucket number).
+    pub fn new(
+        unvisited: &[UnvisitedBucket],
+        bucket_means: &[f32],
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+    ) -> Result<Self> {
+        let buckets = bucket_means.len() / head_dim.max(1);
+        let mut logits = vec![0f32; heads * unvisited.len()];
+        let mut means = Vec::with_capacity(unvisited.len() * head_dim);
+        for (i, b) in unvisited.iter().enumerate() {
+            let at = b.bucket as usize;
+            if at >= buckets || b.logits.len() != heads {
+                return Err(AttentionError::Source(format!(
+                    "estimate of bucket {at} with {} logits ({buckets} buckets, {heads} heads)",
+                    b.logits.len()
+                )));
+            }
+            for (h, l) in b.logits.iter().enumerate() {
+                logits[h * unvisited.len() + i] = scale * l + (b.size.max(1) as f32).ln();
+            }
+            means.extend_from_slice(&bucket_means[at * head_dim..(at + 1) * head_dim]);
+        }
+        Ok(Self { logits, means })
+    }
 }
 
 /// The result of [`retrieval_attention`].
@@ -31,7 +75,8 @@ pub struct Attended {
     /// Every token attended, once: the dense part (ascending), then the retrieved ids
     /// (ascending).
     pub ids: Vec<u32>,
-    /// Each token's share of each head's attention mass `[heads, ids.len()]` (rows sum to 1).
+    /// Each token's share of each head's attention mass `[heads, ids.len()]` (rows sum to 1,
+    /// less the share of an [`Estimate`]).
     pub weights: Vec<f32>,
 }
 
@@ -67,7 +112,11 @@ pub fn retrieval_attention(query: &RetrievalQuery<'_>, source: &dyn KvSource) ->
 
     let (dense_partial, dense_logits) = attend(query, &queries, heads, &dense, source)?;
     let (retrieved_partial, retrieved_logits) = attend(query, &queries, heads, &retrieved, source)?;
-    let total = merge(&dense_partial, &retrieved_partial)?;
+    let mut total = merge(&dense_partial, &retrieved_partial)?;
+    if let Some(estimate) = query.estimate {
+        let partial = Partial::from_logits(&estimate.logits, &estimate.means, heads, d)?;
+        total = merge(&total, &partial)?;
+    }
 
     let dense_shares = total.probabilities(&dense_logits);
     let retrieved_shares = total.probabilities(&retrieved_logits);

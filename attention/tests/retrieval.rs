@@ -60,6 +60,7 @@ fn attend(
         scale: scale_for(rope.head_dim()),
         policy,
         selection,
+        estimate: None,
     };
     retrieval_attention(&query, kv)
 }

@@ -19,6 +19,34 @@ pub enum IndexError {
         /// Which argument.
         what: &'static str,
     },
+    /// A spec string that does not parse.
+    #[error("bad index spec `{spec}` at `{token}`: {problem}\n{}", crate::spec::GRAMMAR)]
+    Spec {
+        /// The whole spec.
+        spec: String,
+        /// The token that is wrong.
+        token: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// Saved index bytes that cannot be read back.
+    #[error("corrupt saved index: {0}")]
+    Corrupt(String),
+    /// A build that cannot be done with what it was given (e.g. saap without its trained
+    /// artifact, ivf in a build without faiss).
+    #[error("cannot build `{spec}`: {reason}")]
+    Build {
+        /// The spec.
+        spec: String,
+        /// Why.
+        reason: String,
+    },
+    /// An error from faiss.
+    #[error("faiss: {0}")]
+    Faiss(String),
+    /// SAAP training failed (candle).
+    #[error("saap training: {0}")]
+    Training(String),
     /// Token ids are `u32`: an index holds at most `u32::MAX` keys.
     #[error("cannot add {adding} keys to an index of {len}: token ids are u32")]
     TooManyKeys {

@@ -1,21 +1,19 @@
 //! [`FlatIndex`]: exact maximum inner product search over every stored key.
 
-use std::cmp::Ordering;
 use std::ops::Range;
+use std::time::Instant;
 
 use kvdb_model::Rope;
 use rayon::prelude::*;
 
-use crate::error::rows;
-use crate::kernel::dot;
-use crate::{GroupQuery, IndexError, KeyIndex, Result, SearchParams, Selection};
+use crate::common::{check_add, check_query, eligible, group_score, keep_top, rotated_keys, rotated_queries};
+use crate::key_index::{OneShot, StatelessSearch};
+use crate::{BuildStats, Found, GroupQuery, IndexSpec, KeyIndex, Result, SearchParams, Searcher, Selection};
 
 /// Keys scored per rayon task.
 const CHUNK_ROWS: usize = 4096;
 /// Below this many eligible keys one thread scores them all (a task costs more than it saves).
 const PARALLEL_MIN_ROWS: usize = 8192;
-/// Keys rotated per rayon task in [`FlatIndex::add`].
-const ROTATE_CHUNK_ROWS: usize = 1024;
 
 /// Exact maximum inner product search: every eligible key is scored.
 ///
@@ -28,6 +26,7 @@ const ROTATE_CHUNK_ROWS: usize = 1024;
 pub struct FlatIndex {
     rope: Rope,
     keys: Vec<f32>,
+    stats: BuildStats,
 }
 
 impl std::fmt::Debug for FlatIndex {
@@ -46,53 +45,90 @@ impl FlatIndex {
         Self {
             rope,
             keys: Vec::new(),
+            stats: BuildStats::default(),
         }
     }
 
-    /// The top `k` of the keys with ids in `ids` (ranked by [`rank`]), unordered.
-    fn top_in(&self, queries: &[f32], ids: Range<u32>, k: usize) -> Vec<(f32, u32)> {
+    /// An index over pre-RoPE `keys` (ids `0..`).
+    pub fn build(rope: Rope, keys: &[f32]) -> Result<Self> {
+        let started = Instant::now();
+        let mut index = Self::new(rope);
+        index.add(keys)?;
+        index.stats = BuildStats::finished(index.len(), 0, started, Vec::new());
+        Ok(index)
+    }
+
+    /// Reopens a flat index over the pre-RoPE `keys` it covered, keeping its `stats`.
+    pub(crate) fn load(rope: Rope, stats: BuildStats, keys: &[f32]) -> Result<Self> {
+        let mut index = Self::new(rope);
+        index.add(keys)?;
+        index.stats = stats;
+        Ok(index)
+    }
+
+    /// The rotated key of `id`.
+    pub(crate) fn key(&self, id: u32) -> &[f32] {
         let d = self.head_dim();
-        let rows = &self.keys[ids.start as usize * d..ids.end as usize * d];
-        let mut scored: Vec<(f32, u32)> = rows
-            .chunks_exact(d)
-            .zip(ids)
-            .map(|(key, id)| {
-                let best = queries
-                    .chunks_exact(d)
-                    .map(|q| dot(q, key))
-                    .fold(f32::NEG_INFINITY, f32::max);
-                // A NaN key (all heads NaN) ranks last instead of crowding out real keys.
-                (
-                    if best.is_nan() {
-                        f32::NEG_INFINITY
-                    } else {
-                        best
-                    },
-                    id,
-                )
-            })
-            .collect();
+        &self.keys[id as usize * d..(id as usize + 1) * d]
+    }
+
+    /// The top `k` of the keys with ids in `ids`, unordered, scored against rotated queries.
+    fn top_in(&self, queries: &[f32], ids: Range<u32>, k: usize) -> Vec<(f32, u32)> {
+        let mut scored: Vec<(f32, u32)> = ids.map(|id| (group_score(queries, self.key(id)), id)).collect();
         keep_top(&mut scored, k);
         scored
     }
+
+    /// The top `k` of the eligible keys for rotated `queries`, unordered.
+    pub(crate) fn top_k(&self, queries: &[f32], eligible: Range<u32>, k: usize) -> Vec<(f32, u32)> {
+        if eligible.len() < PARALLEL_MIN_ROWS {
+            return self.top_in(queries, eligible, k);
+        }
+        let chunk = CHUNK_ROWS as u32;
+        let chunks = eligible.len().div_ceil(CHUNK_ROWS) as u32;
+        let tops: Vec<Vec<(f32, u32)>> = (0..chunks)
+            .into_par_iter()
+            .map(|c| {
+                let start = eligible.start + c * chunk;
+                let ids = start..start.saturating_add(chunk).min(eligible.end);
+                self.top_in(queries, ids, k)
+            })
+            .collect();
+        let mut merged = tops.concat();
+        keep_top(&mut merged, k);
+        merged
+    }
 }
 
-/// Best first: higher score, then lower id. `total_cmp` makes this a total order.
-fn rank(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
-    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
-}
-
-/// Keeps the `k` best of `scored` (in no particular order).
-fn keep_top(scored: &mut Vec<(f32, u32)>, k: usize) {
-    if k == 0 {
-        scored.clear();
-    } else if scored.len() > k {
-        scored.select_nth_unstable_by(k - 1, rank);
-        scored.truncate(k);
+impl StatelessSearch for FlatIndex {
+    fn search_once(&self, query: &GroupQuery<'_>, params: &SearchParams) -> Result<Found> {
+        check_query(query, self.head_dim())?;
+        let eligible = eligible(&params.candidates, self.len());
+        if params.k == 0 || eligible.is_empty() {
+            return Ok(Found::default());
+        }
+        if params.k >= eligible.len() {
+            return Ok(Found {
+                selection: eligible.collect(),
+                ..Found::default()
+            });
+        }
+        let scored = eligible.len();
+        let queries = rotated_queries(&self.rope, query);
+        let best = self.top_k(&queries, eligible, params.k);
+        Ok(Found {
+            selection: best.into_iter().map(|(_, id)| id).collect::<Selection>(),
+            scored,
+            unvisited: Vec::new(),
+        })
     }
 }
 
 impl KeyIndex for FlatIndex {
+    fn spec(&self) -> IndexSpec {
+        IndexSpec::Flat
+    }
+
     fn head_dim(&self) -> usize {
         self.rope.head_dim()
     }
@@ -102,62 +138,28 @@ impl KeyIndex for FlatIndex {
     }
 
     fn add(&mut self, keys: &[f32]) -> Result<()> {
-        let d = self.head_dim();
-        let adding = rows("keys", keys.len(), d)?;
-        let len = self.len();
-        if adding > u32::MAX as usize - len {
-            return Err(IndexError::TooManyKeys { len, adding });
-        }
-        let old = self.keys.len();
-        self.keys.extend_from_slice(keys);
-        let rope = &self.rope;
-        self.keys[old..]
-            .par_chunks_mut(ROTATE_CHUNK_ROWS * d)
-            .enumerate()
-            .for_each(|(i, chunk)| rope.rotate_rows(chunk, len + i * ROTATE_CHUNK_ROWS));
+        let started = Instant::now();
+        let adding = check_add(keys, self.head_dim(), self.len())?;
+        let rotated = rotated_keys(&self.rope, keys, self.len());
+        self.keys.extend_from_slice(&rotated);
+        self.stats.record_add(adding, started);
         Ok(())
     }
 
-    fn search(&self, query: &GroupQuery<'_>, params: &SearchParams) -> Result<Selection> {
-        let d = self.head_dim();
-        if rows("group queries", query.queries.len(), d)? == 0 {
-            return Err(IndexError::Empty {
-                what: "group queries",
-            });
-        }
-        // `len() <= u32::MAX` (checked in `add`).
-        let end = params.candidates.end.min(self.len() as u32);
-        let eligible = params.candidates.start..end.max(params.candidates.start);
-        if params.k == 0 || eligible.is_empty() {
-            return Ok(Selection::default());
-        }
-        if params.k >= eligible.len() {
-            return Ok(eligible.collect());
-        }
-        let mut queries = query.queries.to_vec();
-        self.rope.rotate(&mut queries, query.position);
-
-        let best = if eligible.len() < PARALLEL_MIN_ROWS {
-            self.top_in(&queries, eligible, params.k)
-        } else {
-            let chunk = CHUNK_ROWS as u32;
-            let chunks = eligible.len().div_ceil(CHUNK_ROWS) as u32;
-            let tops: Vec<Vec<(f32, u32)>> = (0..chunks)
-                .into_par_iter()
-                .map(|c| {
-                    let start = eligible.start + c * chunk;
-                    let ids = start..start.saturating_add(chunk).min(eligible.end);
-                    self.top_in(&queries, ids, params.k)
-                })
-                .collect();
-            let mut merged = tops.concat();
-            keep_top(&mut merged, params.k);
-            merged
-        };
-        Ok(best.into_iter().map(|(_, id)| id).collect())
+    fn searcher(&self) -> Box<dyn Searcher + '_> {
+        Box::new(OneShot(self))
     }
 
     fn memory_bytes(&self) -> usize {
         self.keys.capacity() * std::mem::size_of::<f32>()
+    }
+
+    fn build_stats(&self) -> &BuildStats {
+        &self.stats
+    }
+
+    fn save(&self) -> Result<Vec<u8>> {
+        // Everything a flat index holds is the keys, which the store keeps.
+        Ok(Vec::new())
     }
 }

@@ -1,18 +1,36 @@
-//! The [`KeyIndex`] seam and its per-call arguments.
+//! The [`KeyIndex`] seam, its per-query [`Searcher`] and the per-call arguments.
 
 use std::ops::Range;
 
-use crate::{Result, Selection};
+use kvdb_model::Rope;
+
+use crate::{IndexSpec, Result, Selection};
 
 /// Per-call search options.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SearchParams {
-    /// At most this many ids are returned (fewer when fewer are eligible).
+    /// The budget: at most this many ids are returned by top-k indexes (flat, ivf, hnsw,
+    /// lsh, hip; ihip's last stage). Bucket indexes that attend whole buckets (`ivf…,all`,
+    /// saap) ignore it: their budget is the number of buckets visited.
     pub k: usize,
     /// Only ids inside this range are eligible. The caller excludes the attention sink and
     /// the recent window this way (they are attended densely anyway); the range may reach
     /// past the index's length.
     pub candidates: Range<u32>,
+    /// Bucket indexes also return the unvisited buckets' estimate inputs
+    /// ([`Found::unvisited`]); off by default.
+    pub estimate: bool,
+}
+
+impl SearchParams {
+    /// `k` ids from `candidates`, no estimate.
+    pub fn top(k: usize, candidates: Range<u32>) -> Self {
+        Self {
+            k,
+            candidates,
+            estimate: false,
+        }
+    }
 }
 
 /// The query of one token for the query heads of one GQA group.
@@ -21,14 +39,81 @@ pub struct GroupQuery<'a> {
     /// Pre-RoPE query vectors `[group_heads, head_dim]` (the number of heads is
     /// `queries.len() / head_dim`).
     pub queries: &'a [f32],
-    /// The token's position; the index rotates the queries with its RoPE at this position.
+    /// The token's position; indexes that score rotated keys rotate the queries with their
+    /// RoPE at this position.
     pub position: usize,
+}
+
+impl GroupQuery<'_> {
+    /// Number of query heads in the group.
+    pub fn heads(&self, head_dim: usize) -> usize {
+        self.queries.len().checked_div(head_dim).unwrap_or(0)
+    }
+}
+
+/// A bucket a search did not visit, with what the engine needs to estimate its share of
+/// the attention (RetroInfer's idea): its size, and each head's inner product with its
+/// centroid.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnvisitedBucket {
+    /// The bucket's number (see [`BucketIndex::assignments`]).
+    pub bucket: u32,
+    /// Keys in the bucket.
+    pub size: u32,
+    /// `q_h · centroid` per query head of the group, unscaled, in the space the partition
+    /// was built in (rotated for RoPE'd partitions, pre-RoPE for `norope` and saap).
+    pub logits: Vec<f32>,
+}
+
+/// What one search found.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Found {
+    /// The ids to attend to.
+    pub selection: Selection,
+    /// Vectors whose inner product with a query was computed to find them: keys, centroids,
+    /// representatives and graph distance calls alike (one per vector, not per head).
+    pub scored: usize,
+    /// With [`SearchParams::estimate`], the buckets left unvisited (bucket indexes only).
+    pub unvisited: Vec<UnvisitedBucket>,
+}
+
+/// How an index was built.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct BuildStats {
+    /// Keys in the index when it was built (or loaded).
+    pub keys: usize,
+    /// Seconds the build (or load) took.
+    pub seconds: f64,
+    /// Keys added after the build, and the seconds those adds took.
+    pub added: usize,
+    /// Seconds spent in [`KeyIndex::add`] after the build.
+    pub add_seconds: f64,
+    /// What the build changed from its spec and why (e.g. fewer IVF lists than asked for).
+    pub warnings: Vec<String>,
+    /// Seeds the build drew from (k-means, hyperplanes), recorded so it can be replayed.
+    pub seed: u64,
+}
+
+/// What every index build needs besides the keys.
+#[derive(Debug, Clone)]
+pub struct BuildContext<'a> {
+    /// The layer's RoPE (keys and queries arrive pre-RoPE; ids are positions).
+    pub rope: Rope,
+    /// Seed for randomised builds.
+    pub seed: u64,
+    /// SAAP's trained centroids and classifier for this layer and KV head (saap only).
+    pub saap: Option<&'a crate::saap::SaapHead>,
 }
 
 /// An index over the pre-RoPE keys of one KV head of one layer.
 ///
 /// Keys get consecutive ids in the order they are added, so that id = RoPE position.
+/// Indexes are built by [`crate::build`] from a spec and reopened by [`crate::load`].
 pub trait KeyIndex: Send + Sync + std::fmt::Debug {
+    /// The spec it was built with, as effectively built (e.g. fewer IVF lists than asked
+    /// for when there were too few keys to train them).
+    fn spec(&self) -> IndexSpec;
+
     /// Length of each key and query vector.
     fn head_dim(&self) -> usize;
 
@@ -44,11 +129,58 @@ pub trait KeyIndex: Send + Sync + std::fmt::Debug {
     /// Fails, adding nothing, when `keys.len()` is not a multiple of `head_dim`.
     fn add(&mut self, keys: &[f32]) -> Result<()>;
 
-    /// The ids (at most `params.k`, all inside `params.candidates`) whose keys the group's
-    /// queries attend to most strongly. Fails when the queries are not whole, non-empty
-    /// rows of `head_dim`.
-    fn search(&self, query: &GroupQuery<'_>, params: &SearchParams) -> Result<Selection>;
+    /// A searcher for one query: the state that lives across its decode steps.
+    fn searcher(&self) -> Box<dyn Searcher + '_>;
 
-    /// Heap bytes the index holds.
+    /// The selection of one search by a fresh searcher (for indexes whose searches keep
+    /// state, the first step of a query).
+    fn select(&self, query: &GroupQuery<'_>, params: &SearchParams) -> Result<Selection> {
+        Ok(self.searcher().search(query, params)?.selection)
+    }
+
+    /// Heap bytes the index holds (its copy of the keys included).
     fn memory_bytes(&self) -> usize;
+
+    /// How it was built.
+    fn build_stats(&self) -> &BuildStats;
+
+    /// The index as a [`BucketIndex`], for those that are one (ivf, saap).
+    fn as_buckets(&self) -> Option<&dyn BucketIndex> {
+        None
+    }
+
+    /// Its structure as bytes for [`crate::load`] (the keys themselves are not included:
+    /// they are in the store and handed back at load time).
+    fn save(&self) -> Result<Vec<u8>>;
+}
+
+/// The per-query side of an index: one searcher serves one query's decode steps, in order.
+pub trait Searcher: Send {
+    /// The ids (all inside `params.candidates`) the group's queries attend to most
+    /// strongly. Fails when the queries are not whole, non-empty rows of `head_dim`.
+    fn search(&mut self, query: &GroupQuery<'_>, params: &SearchParams) -> Result<Found>;
+}
+
+/// An index whose search keeps no state between decode steps.
+pub(crate) trait StatelessSearch: Send + Sync {
+    /// One search.
+    fn search_once(&self, query: &GroupQuery<'_>, params: &SearchParams) -> Result<Found>;
+}
+
+/// The [`Searcher`] of a [`StatelessSearch`] index.
+pub(crate) struct OneShot<'a, T: ?Sized>(pub(crate) &'a T);
+
+impl<T: StatelessSearch + ?Sized> Searcher for OneShot<'_, T> {
+    fn search(&mut self, query: &GroupQuery<'_>, params: &SearchParams) -> Result<Found> {
+        self.0.search_once(query, params)
+    }
+}
+
+/// A bucket index (ivf, saap): every key belongs to one bucket. The engine uses this to
+/// compute each bucket's mean value for the estimate of unvisited buckets.
+pub trait BucketIndex: KeyIndex {
+    /// Number of buckets.
+    fn buckets(&self) -> usize;
+    /// The bucket of every key, by id.
+    fn assignments(&self) -> Vec<u32>;
 }

@@ -99,8 +99,9 @@ fn matches_brute_force_reference() -> TestResult {
         let params = SearchParams {
             k,
             candidates: start..end,
+            estimate: false,
         };
-        let found = index.search(
+        let found = index.select(
             &GroupQuery {
                 queries: &queries,
                 position,
@@ -133,7 +134,7 @@ fn parallel_path_matches_reference() -> TestResult {
     ] {
         let queries = random_vec(&mut rng, heads * d);
         let position = n;
-        let found = index.search(
+        let found = index.select(
             &GroupQuery {
                 queries: &queries,
                 position,
@@ -141,6 +142,7 @@ fn parallel_path_matches_reference() -> TestResult {
             &SearchParams {
                 k,
                 candidates: candidates.clone(),
+                estimate: false,
             },
         )?;
         let scores = reference_scores(&rope, &keys, &queries, position);
@@ -165,15 +167,16 @@ fn edge_cases() -> TestResult {
     let all = SearchParams {
         k: 10,
         candidates: 0..u32::MAX,
+        estimate: false,
     };
     assert!(
-        index.search(&query, &all)?.is_empty(),
+        index.select(&query, &all)?.is_empty(),
         "seed {seed}: empty index"
     );
 
     index.add(&random_vec(&mut rng, 40 * d))?;
     assert_eq!(index.len(), 40);
-    let search = |k, candidates| index.search(&query, &SearchParams { k, candidates });
+    let search = |k, candidates| index.select(&query, &SearchParams::top(k, candidates));
     assert!(search(0, 0..40)?.is_empty(), "seed {seed}: k = 0");
     assert!(
         search(5, 10..10)?.is_empty(),
@@ -229,10 +232,11 @@ fn add_in_pieces_equals_one_add() -> TestResult {
         let params = SearchParams {
             k: rng.random_range(1..200),
             candidates: 0..n as u32,
+            estimate: false,
         };
         assert_eq!(
-            whole.search(&query, &params)?,
-            pieces.search(&query, &params)?,
+            whole.select(&query, &params)?,
+            pieces.select(&query, &params)?,
             "seed {seed}"
         );
     }
@@ -252,24 +256,26 @@ fn ties_and_nan() -> TestResult {
         queries: &queries,
         position: 13,
     };
-    let found = index.search(
+    let found = index.select(
         &query,
         &SearchParams {
             k: 4,
             candidates: 2..13,
+            estimate: false,
         },
     )?;
     assert_eq!(found.ids(), &[2, 3, 4, 5]);
-    let found = index.search(
+    let found = index.select(
         &query,
         &SearchParams {
             k: 12,
             candidates: 0..13,
+            estimate: false,
         },
     )?;
     assert_eq!(found.ids(), &(0..12).collect::<Vec<_>>()[..]);
     let nan_query = [f32::NAN; 8];
-    let found = index.search(
+    let found = index.select(
         &GroupQuery {
             queries: &nan_query,
             position: 0,
@@ -277,6 +283,7 @@ fn ties_and_nan() -> TestResult {
         &SearchParams {
             k: 2,
             candidates: 0..13,
+            estimate: false,
         },
     )?;
     assert_eq!(found.len(), 2);
@@ -301,10 +308,11 @@ fn shape_errors_are_errors() -> TestResult {
     let params = SearchParams {
         k: 1,
         candidates: 0..3,
+        estimate: false,
     };
     let bad = [0.0; 20];
     assert!(matches!(
-        index.search(
+        index.select(
             &GroupQuery {
                 queries: &bad,
                 position: 3
@@ -314,7 +322,7 @@ fn shape_errors_are_errors() -> TestResult {
         Err(IndexError::Shape { .. })
     ));
     assert!(matches!(
-        index.search(
+        index.select(
             &GroupQuery {
                 queries: &[],
                 position: 3
@@ -329,7 +337,7 @@ fn shape_errors_are_errors() -> TestResult {
     assert!(zero.add(&[]).is_err());
     assert_eq!(zero.len(), 0);
     assert!(zero
-        .search(
+        .select(
             &GroupQuery {
                 queries: &[1.0],
                 position: 0

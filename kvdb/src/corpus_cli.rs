@@ -9,11 +9,13 @@ use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
 use kvdb::documents::read_documents;
 use kvdb::ingest::{ingest as run_ingest, IngestEvent};
 use kvdb::ram_tier::parse_bytes;
-use kvdb::session::{AskOptions, AttentionMode, Corpus, DEFAULT_K};
+use kvdb::session::{AskOptions, AttentionMode, Corpus, Retrieval};
 use kvdb::store::{Access, Store, StoredLayer};
 use kvdb_attention::DensePolicy;
+use kvdb_index::IndexSpec;
 use kvdb_model::LoadOptions;
 
+use crate::index_cli::{parse_spec, update_with_progress};
 use crate::SamplingArgs;
 
 /// How ingest reports progress.
@@ -32,10 +34,10 @@ pub(crate) enum ProgressMode {
 pub(crate) struct CorpusRef {
     /// The store's folder (`ingest` creates it when absent).
     #[arg(long)]
-    store: PathBuf,
+    pub(crate) store: PathBuf,
     /// The corpus (`ingest` creates it when absent).
     #[arg(long)]
-    corpus: String,
+    pub(crate) corpus: String,
 }
 
 #[derive(clap::Args)]
@@ -49,6 +51,13 @@ pub(crate) struct IngestArgs {
     /// How to show progress.
     #[arg(long, value_enum, default_value = "bar")]
     progress: ProgressMode,
+    /// An index to build (repeatable; a new corpus gets `flat` when none is named). Every
+    /// index of the corpus is brought up to date with the new documents.
+    #[arg(long = "index", value_parser = parse_spec)]
+    indexes: Vec<IndexSpec>,
+    /// The SAAP artifact for `saap` specs (default: the one registered for the model).
+    #[arg(long)]
+    saap: Option<PathBuf>,
     /// Files (.txt, .md, .html) or folders of them, appended in this order.
     #[arg(required = true)]
     paths: Vec<PathBuf>,
@@ -61,18 +70,23 @@ pub(crate) struct AskArgs {
     /// A local GGUF file (default: the default model); it must be the corpus's model.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// The index to retrieve with (default: the corpus's first; today: `flat`).
+    /// The index to retrieve with (default: the corpus's first; `kvdb index list` shows them).
+    #[arg(long, value_parser = parse_spec)]
+    index: Option<IndexSpec>,
+    /// Keys retrieved per retrieval layer and KV head at every step (default: the spec's own
+    /// budget for hip and ihip, else 64; bucket indexes attend whole buckets).
     #[arg(long)]
-    index: Option<String>,
-    /// Keys retrieved per retrieval layer and KV head at every step.
-    #[arg(long, default_value_t = DEFAULT_K)]
-    k: usize,
+    k: Option<usize>,
     /// Attention sink: the first tokens of the corpus, always attended.
     #[arg(long, default_value_t = DensePolicy::default().sink)]
     sink: usize,
     /// Recent tokens always attended (the question and answer are always attended too).
     #[arg(long, default_value_t = DensePolicy::default().window)]
     window: usize,
+    /// With a bucket index (ivf, saap): estimate the attention of the unvisited buckets from
+    /// their sizes, centroids and mean values (RetroInfer's idea).
+    #[arg(long)]
+    estimate: bool,
     /// Attend to every corpus token exactly instead of retrieving (the reference).
     #[arg(long)]
     full_attention: bool,
@@ -178,6 +192,14 @@ fn ingest_into(
         },
     )?;
     bar.finish_and_clear();
+    update_with_progress(
+        store,
+        &args.target.corpus,
+        loaded.as_ref(),
+        &args.indexes,
+        args.saap.as_deref(),
+        args.progress,
+    )?;
     eprintln!(
         "kvdb: corpus `{}`: added {} documents ({} tokens in {:.1}s, {:.0} tokens/s), skipped {}; \
          it now holds {} tokens",
@@ -221,9 +243,10 @@ pub(crate) fn ask(args: AskArgs) -> Result<()> {
     let store = Arc::new(Store::open(&args.target.store, Access::Read)?);
     let manifest = store.manifest(&args.target.corpus)?;
     if let Some(index) = &args.index {
-        if !manifest.indexes.contains(index) {
+        let name = index.to_string();
+        if *index != IndexSpec::Flat && !manifest.indexes.contains(&name) {
             anyhow::bail!(
-                "corpus `{}` has no index `{index}`; it has: {}",
+                "corpus `{}` has no index `{name}`; it has: {} (add one with `kvdb index add`)",
                 args.target.corpus,
                 manifest.indexes.join(", ")
             );
@@ -235,13 +258,15 @@ pub(crate) fn ask(args: AskArgs) -> Result<()> {
         mode: if args.full_attention {
             AttentionMode::Full
         } else {
-            AttentionMode::Retrieval {
+            AttentionMode::Retrieval(Retrieval {
+                index: args.index,
                 k: args.k,
+                estimate: args.estimate,
                 policy: DensePolicy {
                     sink: args.sink,
                     window: args.window,
                 },
-            }
+            })
         },
         generate: args.sampling.options(),
         template: args.template,
@@ -295,6 +320,15 @@ pub(crate) fn ask(args: AskArgs) -> Result<()> {
         answer.tokens.len(),
         t.tokens_per_second
     );
+    if let Some(r) = &answer.retrieval {
+        eprintln!(
+            "kvdb: index {}: {} searches selected {:.2}% of the eligible keys, scoring {:.2}%",
+            r.index,
+            r.searches,
+            100.0 * r.selectivity(),
+            100.0 * r.scored_share()
+        );
+    }
     Ok(())
 }
 

@@ -20,6 +20,7 @@
 pub mod documents;
 pub mod error;
 pub mod generate;
+pub mod indexes;
 pub mod ingest;
 pub mod models;
 pub mod ram_tier;

@@ -1,6 +1,7 @@
 //! The `kvdb` command line.
 
 mod corpus_cli;
+mod index_cli;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -38,6 +39,16 @@ enum Command {
     Corpus {
         #[command(subcommand)]
         command: corpus_cli::CorpusCommand,
+    },
+    /// Add or list a corpus's indexes.
+    Index {
+        #[command(subcommand)]
+        command: index_cli::IndexCommand,
+    },
+    /// Train SAAP's partitions and query classifiers for a model.
+    Saap {
+        #[command(subcommand)]
+        command: index_cli::SaapCommand,
     },
 }
 
@@ -142,6 +153,8 @@ fn main() -> Result<()> {
         Command::Ingest(args) => corpus_cli::ingest(args)?,
         Command::Ask(args) => corpus_cli::ask(args)?,
         Command::Corpus { command } => corpus_cli::corpus(command)?,
+        Command::Index { command } => index_cli::index(command)?,
+        Command::Saap { command } => index_cli::saap(command)?,
     }
     Ok(())
 }

@@ -6,18 +6,21 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::Tensor;
-use kvdb_attention::{retrieval_attention, DenseKv, DensePolicy, KvSource, RetrievalQuery};
-use kvdb_index::{FlatIndex, GroupQuery, KeyIndex, SearchParams};
+use kvdb_attention::{
+    retrieval_attention, DenseKv, DensePolicy, Estimate, KvSource, RetrievalQuery,
+};
+use kvdb_index::{Found, GroupQuery, IndexSpec, SearchParams, Searcher};
 use kvdb_model::{AttentionBackend, AttentionInput, EncodeOptions, FullAttention, Logits};
 use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::generate::{continue_generation, GenerateOptions, StopReason};
+use crate::indexes::{load_indexes, IndexSet};
 use crate::ingest::{check_model, ModelRef};
 use crate::ram_tier::{RamTier, TierStats};
 use crate::store::{CorpusManifest, DocumentRecord, Kv, Store, StoredLayer};
@@ -29,25 +32,73 @@ pub const PASSAGE_TOKENS: usize = 32;
 pub const DEFAULT_K: usize = 64;
 
 /// How a query attends to the corpus in its retrieval layers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AttentionMode {
     /// Exact attention over every corpus token: the reference, and the baseline of benchmarks.
     Full,
-    /// Retrieval attention: `k` keys per layer and KV head from the index, plus the dense part.
-    Retrieval {
-        /// Keys retrieved per retrieval layer and KV head (per query token).
-        k: usize,
-        /// The dense part.
-        policy: DensePolicy,
-    },
+    /// Retrieval attention: the keys an index selects per layer and KV head, plus the dense
+    /// part.
+    Retrieval(Retrieval),
+}
+
+/// The options of retrieval attention.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Retrieval {
+    /// The index to search (`None`: the corpus's first).
+    pub index: Option<IndexSpec>,
+    /// Keys retrieved per retrieval layer and KV head per query token (`None`: the spec's
+    /// own budget for hip and ihip, else [`DEFAULT_K`]; whole-bucket indexes ignore it).
+    pub k: Option<usize>,
+    /// The dense part.
+    pub policy: DensePolicy,
+    /// Bucket indexes (ivf, saap) add an estimate of the attention their unvisited buckets
+    /// would have received (RetroInfer's idea); off by default.
+    pub estimate: bool,
+}
+
+impl AttentionMode {
+    /// Retrieval with `k` keys from the corpus's default index and `policy`.
+    pub fn top_k(k: usize, policy: DensePolicy) -> Self {
+        Self::Retrieval(Retrieval {
+            index: None,
+            k: Some(k),
+            policy,
+            estimate: false,
+        })
+    }
 }
 
 impl Default for AttentionMode {
     fn default() -> Self {
-        Self::Retrieval {
-            k: DEFAULT_K,
-            policy: DensePolicy::default(),
-        }
+        Self::Retrieval(Retrieval::default())
+    }
+}
+
+/// What the retrieval of one answer cost and selected, summed over its searches (one per
+/// query token, retrieval layer and KV head).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RetrievalStats {
+    /// The index searched, as built.
+    pub index: String,
+    /// Searches.
+    pub searches: usize,
+    /// Vectors scored by the searches (keys, centroids, graph distances).
+    pub scored: usize,
+    /// Keys selected (attended besides the dense part).
+    pub selected: usize,
+    /// Keys the searches could have selected (corpus tokens outside the dense part).
+    pub eligible: usize,
+}
+
+impl RetrievalStats {
+    /// Selected keys as a share of the eligible ones.
+    pub fn selectivity(&self) -> f64 {
+        self.selected as f64 / self.eligible.max(1) as f64
+    }
+
+    /// Scored vectors as a share of the eligible keys.
+    pub fn scored_share(&self) -> f64 {
+        self.scored as f64 / self.eligible.max(1) as f64
     }
 }
 
@@ -125,22 +176,28 @@ pub struct Answer {
     pub question_tokens: usize,
     /// Documents and passages attended to (empty with full attention).
     pub provenance: Provenance,
+    /// What retrieval selected (`None` with full attention).
+    pub retrieval: Option<RetrievalStats>,
     /// Timings.
     pub timings: Timings,
 }
 
 /// A corpus opened for queries: its manifest, documents, RAM tier, stored sliding windows
-/// and indexes. Shared by concurrent queries.
+/// and indexes (the default one loaded on open, others on first use). Shared by concurrent
+/// queries.
 #[derive(Debug)]
 pub struct Corpus {
+    store: Arc<Store>,
     manifest: CorpusManifest,
     documents: Vec<DocumentRecord>,
     tokens: Vec<u32>,
     tier: RamTier,
     /// Sliding-window layers: (layer, pre-RoPE keys `[t, n_kv, d]`, values, positions).
     windows: Vec<(usize, Tensor, Tensor, Range<usize>)>,
-    /// Per retrieval layer, one index per KV head.
-    indexes: HashMap<usize, Vec<FlatIndex>>,
+    /// Layers that retrieve.
+    retrieval_layers: Vec<usize>,
+    /// Loaded indexes by spec (canonical spelling).
+    indexes: Mutex<HashMap<String, Arc<IndexSet>>>,
 }
 
 impl Corpus {
@@ -172,12 +229,7 @@ impl Corpus {
         let tokens = store.tokens(&manifest, 0..n)?;
         let (heads, d) = (config.n_kv_heads, config.head_dim);
         let mut windows = Vec::new();
-        let mut indexes = HashMap::new();
         for spec in &config.layers {
-            let rope = model
-                .model
-                .rope(spec.index)
-                .ok_or_else(|| Error::Corrupt(format!("the model has no layer {}", spec.index)))?;
             match manifest.layers[spec.index] {
                 StoredLayer::Last { .. } => {
                     let range = manifest.stored_range(spec.index, n);
@@ -201,26 +253,49 @@ impl Corpus {
                         range,
                     ));
                 }
-                StoredLayer::All => {
-                    let mut per_head = Vec::with_capacity(heads);
-                    for head in 0..heads {
-                        let mut index = FlatIndex::new(rope.clone());
-                        index.add(&store.rows(&manifest, Kv::Keys, spec.index, head, 0..n)?)?;
-                        per_head.push(index);
-                    }
-                    indexes.insert(spec.index, per_head);
-                }
+                StoredLayer::All => {}
             }
         }
-        let tier = RamTier::new(store, &manifest, ram_budget);
-        Ok(Self {
+        let tier = RamTier::new(store.clone(), &manifest, ram_budget);
+        let corpus = Self {
+            retrieval_layers: manifest.retrieval_layers(),
+            store,
             manifest,
             documents,
             tokens,
             tier,
             windows,
-            indexes,
-        })
+            indexes: Mutex::default(),
+        };
+        corpus.index(model, &corpus.default_index()?)?;
+        Ok(corpus)
+    }
+
+    /// The spec queries use when they name none: the corpus's first index.
+    pub fn default_index(&self) -> Result<IndexSpec> {
+        Ok(self
+            .manifest
+            .indexes
+            .first()
+            .map_or(Ok(IndexSpec::Flat), |s| s.parse())?)
+    }
+
+    /// The indexes of `spec`, loaded on first use.
+    pub fn index(&self, model: ModelRef<'_>, spec: &IndexSpec) -> Result<Arc<IndexSet>> {
+        let key = spec.to_string();
+        if let Some(set) = self.lock_indexes()?.get(&key) {
+            return Ok(set.clone());
+        }
+        // Loaded outside the lock (it can take a while); a racing load of the same spec
+        // wastes work but stores an equal set.
+        let set = Arc::new(load_indexes(&self.store, &self.manifest, model, spec)?);
+        Ok(self.lock_indexes()?.entry(key).or_insert(set).clone())
+    }
+
+    fn lock_indexes(&self) -> Result<std::sync::MutexGuard<'_, HashMap<String, Arc<IndexSet>>>> {
+        self.indexes
+            .lock()
+            .map_err(|_| Error::Query("an earlier query panicked while loading an index".into()))
     }
 
     /// The manifest the corpus was opened at.
@@ -238,13 +313,14 @@ impl Corpus {
         self.tier.stats()
     }
 
-    /// Bytes the indexes hold.
+    /// Bytes the loaded indexes hold.
     pub fn index_bytes(&self) -> usize {
-        self.indexes
-            .values()
-            .flatten()
-            .map(KeyIndex::memory_bytes)
-            .sum()
+        self.lock_indexes().map_or(0, |sets| {
+            sets.values()
+                .flat_map(|set| set.values().flatten())
+                .map(|index| index.memory_bytes())
+                .sum()
+        })
     }
 
     /// Answers `question`, streaming the answer's text to `on_text`.
@@ -286,7 +362,8 @@ impl Corpus {
                 context.saturating_sub(n + 1)
             )));
         }
-        let mut backend = self.session(model, options.mode, n + ids.len() - 1)?;
+        let set = self.index_for(model, &options.mode)?;
+        let mut backend = self.session(model, &options.mode, set.as_deref(), n + ids.len() - 1)?;
         let started = Instant::now();
         let mut first_token = None;
         let mut stream = |piece: &str| {
@@ -306,12 +383,11 @@ impl Corpus {
         )?;
         let first = first_token.unwrap_or(generation.prefill_seconds);
         let total = started.elapsed().as_secs_f64();
-        let provenance = match options.mode {
-            AttentionMode::Retrieval { policy, .. } => {
-                self.provenance(model, &backend.mass, policy.sink)?
-            }
+        let provenance = match &options.mode {
+            AttentionMode::Retrieval(r) => self.provenance(model, &backend.mass, r.policy.sink)?,
             AttentionMode::Full => Provenance::default(),
         };
+        let retrieval = backend.retrieval.take();
         let later = generation.tokens.len().saturating_sub(1);
         Ok(Answer {
             answer: generation.text,
@@ -320,6 +396,7 @@ impl Corpus {
             corpus_tokens: n,
             question_tokens: ids.len(),
             provenance,
+            retrieval,
             timings: Timings {
                 first_token_seconds: first,
                 decode_seconds: total - first,
@@ -339,21 +416,37 @@ impl Corpus {
                 ids.len()
             )));
         }
-        let mut session = self.session(model, mode, usize::MAX)?;
+        let set = self.index_for(model, &mode)?;
+        let mut session = self.session(model, &mode, set.as_deref(), usize::MAX)?;
         model
             .model
             .forward(ids, n, &mut session, &Logits::All)?
             .ok_or_else(|| Error::Query("the model returned no logits".into()))
     }
 
+    /// The index set a mode searches (`None` for full attention).
+    fn index_for(&self, model: ModelRef<'_>, mode: &AttentionMode) -> Result<Option<Arc<IndexSet>>> {
+        match mode {
+            AttentionMode::Full => Ok(None),
+            AttentionMode::Retrieval(r) => {
+                let spec = match &r.index {
+                    Some(spec) => spec.clone(),
+                    None => self.default_index()?,
+                };
+                Ok(Some(self.index(model, &spec)?))
+            }
+        }
+    }
+
     /// A fresh per-query attention state: sliding windows (and, for full attention, every
-    /// retrieval layer) preloaded, an empty tail.
-    fn session(
-        &self,
+    /// retrieval layer) preloaded, an empty tail, a searcher per retrieval layer and KV head.
+    fn session<'c>(
+        &'c self,
         model: ModelRef<'_>,
-        mode: AttentionMode,
+        mode: &AttentionMode,
+        set: Option<&'c IndexSet>,
         provenance_from: usize,
-    ) -> Result<Session<'_>> {
+    ) -> Result<Session<'c>> {
         let config = model.model.config();
         let mut full = FullAttention::new(config);
         let rope = |layer: usize| {
@@ -372,9 +465,9 @@ impl Corpus {
             )?;
         }
         let n = self.manifest.tokens;
-        if mode == AttentionMode::Full {
+        if *mode == AttentionMode::Full {
             let ids: Vec<u32> = (0..n as u32).collect();
-            for &layer in self.indexes.keys() {
+            for &layer in &self.retrieval_layers {
                 let (mut keys, mut values) = (Vec::new(), Vec::new());
                 for head in 0..config.n_kv_heads {
                     let (mut k, mut v) = (Vec::new(), Vec::new());
@@ -393,8 +486,8 @@ impl Corpus {
             }
         }
         let tails = self
-            .indexes
-            .keys()
+            .retrieval_layers
+            .iter()
             .map(|&l| {
                 let tails = (0..config.n_kv_heads)
                     .map(|_| DenseKv::new(Vec::new(), Vec::new(), config.head_dim))
@@ -402,14 +495,79 @@ impl Corpus {
                 Ok((l, tails))
             })
             .collect::<Result<HashMap<_, _>>>()?;
+        let mut bucket_means = HashMap::new();
+        let (retrieval, searchers) = match (mode, set) {
+            (AttentionMode::Retrieval(r), Some(set)) => {
+                let mut searchers = HashMap::new();
+                let mut built = String::new();
+                for (&layer, indexes) in set {
+                    built = indexes.first().map(|i| i.spec().to_string()).unwrap_or_default();
+                    searchers.insert(layer, indexes.iter().map(|i| i.searcher()).collect());
+                }
+                let spec = r.index.clone().map_or_else(|| self.default_index(), Ok)?;
+                let k = r.k.or(spec.default_k()).unwrap_or(DEFAULT_K);
+                let stats = RetrievalStats {
+                    index: built,
+                    ..RetrievalStats::default()
+                };
+                if r.estimate {
+                    bucket_means = self.bucket_means(set, config.head_dim)?;
+                    if bucket_means.is_empty() {
+                        return Err(Error::Query(format!(
+                            "`{spec}` is not a bucket index: only ivf and saap can estimate \
+                             unvisited buckets"
+                        )));
+                    }
+                }
+                (Some((k, r.policy, stats)), searchers)
+            }
+            _ => (None, HashMap::new()),
+        };
         Ok(Session {
             corpus: self,
             full,
-            mode,
+            k_policy: retrieval.as_ref().map(|(k, p, _)| (*k, *p)),
+            retrieval: retrieval.map(|(_, _, s)| s),
+            searchers,
+            bucket_means,
             tails,
             mass: vec![0.0; n],
             provenance_from,
         })
+    }
+
+    /// Per retrieval layer and KV head, the mean value of each bucket of a bucket index
+    /// (empty when the indexes are not bucket indexes). Reads every value once.
+    fn bucket_means(&self, set: &IndexSet, d: usize) -> Result<HashMap<usize, Vec<Vec<f32>>>> {
+        let n = self.manifest.tokens;
+        let ids: Vec<u32> = (0..n as u32).collect();
+        let mut out = HashMap::new();
+        for (&layer, indexes) in set {
+            let mut per_head = Vec::with_capacity(indexes.len());
+            for (head, index) in indexes.iter().enumerate() {
+                let Some(buckets) = index.as_buckets() else {
+                    return Ok(HashMap::new());
+                };
+                let (mut keys, mut values) = (Vec::new(), Vec::new());
+                self.tier.gather(layer, head, &ids, &mut keys, &mut values)?;
+                let mut sums = vec![0f64; buckets.buckets() * d];
+                let mut counts = vec![0usize; buckets.buckets()];
+                for (row, &b) in values.chunks_exact(d).zip(&buckets.assignments()) {
+                    counts[b as usize] += 1;
+                    for (s, v) in sums[b as usize * d..(b as usize + 1) * d].iter_mut().zip(row) {
+                        *s += *v as f64;
+                    }
+                }
+                let means = sums
+                    .chunks_exact(d)
+                    .zip(&counts)
+                    .flat_map(|(s, &c)| s.iter().map(move |x| (x / c.max(1) as f64) as f32))
+                    .collect();
+                per_head.push(means);
+            }
+            out.insert(layer, per_head);
+        }
+        Ok(out)
     }
 
     /// Documents and passages ranked by the attention mass they received (sink excluded: it
@@ -478,7 +636,15 @@ impl Corpus {
 struct Session<'c> {
     corpus: &'c Corpus,
     full: FullAttention,
-    mode: AttentionMode,
+    /// Retrieval's budget and dense part (`None`: full attention).
+    k_policy: Option<(usize, DensePolicy)>,
+    /// What retrieval selected so far.
+    retrieval: Option<RetrievalStats>,
+    /// Per retrieval layer, one searcher per KV head.
+    searchers: HashMap<usize, Vec<Box<dyn Searcher + 'c>>>,
+    /// With estimation, per retrieval layer and KV head the mean value of every bucket
+    /// `[buckets, head_dim]` (empty without).
+    bucket_means: HashMap<usize, Vec<Vec<f32>>>,
     /// Per retrieval layer, per KV head: the tail's pre-RoPE keys and values.
     tails: HashMap<usize, Vec<DenseKv>>,
     /// Attention mass each corpus token received while answering.
@@ -529,7 +695,7 @@ impl KvSource for SessionSource<'_> {
 impl AttentionBackend for Session<'_> {
     fn attend(&mut self, input: &AttentionInput<'_>) -> kvdb_model::Result<Tensor> {
         let layer = input.layer.index;
-        let AttentionMode::Retrieval { k, policy } = self.mode else {
+        let Some((k, policy)) = self.k_policy else {
             return self.full.attend(input);
         };
         if !self.tails.contains_key(&layer) {
@@ -569,11 +735,55 @@ impl Session<'_> {
             }
         }
         let tails = &*tails;
-        let indexes = self
-            .corpus
-            .indexes
-            .get(&layer)
+        let searchers = self
+            .searchers
+            .get_mut(&layer)
             .ok_or_else(|| Error::Corrupt(format!("layer {layer} has no index")))?;
+        // The tail is never indexed, so the dense part always covers it.
+        let policy_at = |position: usize| DensePolicy {
+            sink: policy.sink,
+            window: policy.window.max(position + 1 - n),
+        };
+        let q_of = |i: usize, g: usize| &queries[(i * h + g * group) * d..(i * h + (g + 1) * group) * d];
+        let means = self.bucket_means.get(&layer);
+        let estimate = means.is_some();
+        // Searches run in token order per KV head (a searcher may carry state from one step
+        // to the next), KV heads in parallel.
+        let found: Vec<Vec<Found>> = searchers
+            .par_iter_mut()
+            .enumerate()
+            .map(|(g, searcher)| {
+                (0..t)
+                    .map(|i| {
+                        let position = input.positions.start + i;
+                        let query = GroupQuery {
+                            queries: q_of(i, g),
+                            position,
+                        };
+                        let candidates = policy_at(position).candidates(position);
+                        let params = SearchParams {
+                            k,
+                            candidates,
+                            estimate,
+                        };
+                        Ok(searcher.search(&query, &params)?)
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(stats) = &mut self.retrieval {
+            for i in 0..t {
+                let position = input.positions.start + i;
+                let eligible = policy_at(position).candidates(position);
+                let eligible = eligible.end.min(n as u32).saturating_sub(eligible.start) as usize;
+                for per_head in &found {
+                    stats.searches += 1;
+                    stats.scored += per_head[i].scored;
+                    stats.selected += per_head[i].selection.len();
+                    stats.eligible += eligible;
+                }
+            }
+        }
         let jobs: Vec<(usize, usize)> = (0..t)
             .flat_map(|i| (0..n_kv).map(move |g| (i, g)))
             .collect();
@@ -581,22 +791,19 @@ impl Session<'_> {
             .par_iter()
             .map(|&(i, g)| -> Result<_> {
                 let position = input.positions.start + i;
-                // The tail is never indexed, so the dense part always covers it.
-                let policy = DensePolicy {
-                    sink: policy.sink,
-                    window: policy.window.max(position + 1 - n),
+                let policy = policy_at(position);
+                let q = q_of(i, g);
+                let selection = &found[g][i].selection;
+                let estimate = match means {
+                    Some(means) => Some(Estimate::new(
+                        &found[g][i].unvisited,
+                        &means[g],
+                        group,
+                        d,
+                        input.scale,
+                    )?),
+                    None => None,
                 };
-                let q = &queries[(i * h + g * group) * d..(i * h + (g + 1) * group) * d];
-                let selection = indexes[g].search(
-                    &GroupQuery {
-                        queries: q,
-                        position,
-                    },
-                    &SearchParams {
-                        k,
-                        candidates: policy.candidates(position),
-                    },
-                )?;
                 let source = SessionSource {
                     tier: &self.corpus.tier,
                     layer,
@@ -611,7 +818,8 @@ impl Session<'_> {
                         rope: input.rope,
                         scale: input.scale,
                         policy,
-                        selection: &selection,
+                        selection,
+                        estimate: estimate.as_ref(),
                     },
                     &source,
                 )?;

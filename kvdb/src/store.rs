@@ -10,7 +10,7 @@
 //! | `tokens` | corpus id, block (u32 BE each)               | the block's token ids, u32 LE        |
 //! | `keys`   | corpus id u32, layer u16, KV head u16, block u32 (BE) | `[tokens, head_dim]` f16 LE, pre-RoPE |
 //! | `values` | as `keys`                                    | `[tokens, head_dim]` f16 LE          |
-//! | `index`  | corpus id, ...                               | serialised indexes (next issue)      |
+//! | `index`  | corpus id u32, index number u16, layer u16, KV head u16 (BE) | `kvdb_index::save` bytes (structure only; the keys stay in `keys`) |
 //!
 //! Blocks hold `block_size` consecutive tokens (the last one of a corpus may be partial and
 //! is rewritten whole when tokens are appended). Big-endian keys keep a corpus's blocks in
@@ -193,6 +193,31 @@ impl BlockKey {
         k[4..6].copy_from_slice(&self.layer.to_be_bytes());
         k[6..8].copy_from_slice(&self.head.to_be_bytes());
         k[8..].copy_from_slice(&self.block.to_be_bytes());
+        k
+    }
+}
+
+/// The address of one saved index: corpus, the index's number in the manifest's `indexes`,
+/// layer and KV head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IndexKey {
+    /// Corpus id.
+    pub corpus: u32,
+    /// Position of its spec in the manifest's `indexes`.
+    pub index: u16,
+    /// Layer.
+    pub layer: u16,
+    /// KV head.
+    pub head: u16,
+}
+
+impl IndexKey {
+    fn bytes(&self) -> [u8; 10] {
+        let mut k = [0u8; 10];
+        k[..4].copy_from_slice(&self.corpus.to_be_bytes());
+        k[4..6].copy_from_slice(&self.index.to_be_bytes());
+        k[6..8].copy_from_slice(&self.layer.to_be_bytes());
+        k[8..].copy_from_slice(&self.head.to_be_bytes());
         k
     }
 }
@@ -525,6 +550,11 @@ impl Store {
         Ok(out)
     }
 
+    /// The saved bytes of one index of one layer and KV head (`None` when absent).
+    pub fn index(&self, key: IndexKey) -> Result<Option<Vec<u8>>> {
+        Ok(self.db.get_cf(self.cf("index")?, key.bytes())?)
+    }
+
     /// An empty batch of writes.
     pub fn batch(&self) -> Batch<'_> {
         Batch {
@@ -590,6 +620,12 @@ impl Batch<'_> {
     pub fn put_block(&mut self, kv: Kv, key: BlockKey, rows: &[f32]) -> Result<()> {
         self.batch
             .put_cf(self.store.cf(kv.family())?, key.bytes(), encode_f16(rows));
+        Ok(())
+    }
+
+    /// Writes one saved index.
+    pub fn put_index(&mut self, key: IndexKey, bytes: &[u8]) -> Result<()> {
+        self.batch.put_cf(self.store.cf("index")?, key.bytes(), bytes);
         Ok(())
     }
 

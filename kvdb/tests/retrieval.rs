@@ -90,14 +90,11 @@ fn selecting_every_token_equals_full_attention() -> Result<()> {
             parse_special: false,
         },
     )?;
-    let everything = AttentionMode::Retrieval {
-        k: n,
-        policy: DensePolicy {
+    let everything = AttentionMode::top_k(n, DensePolicy {
             sink: 4,
             window: 16,
-        },
-    };
-    let retrieved = corpus.score(model.as_ref(), &ids, everything)?;
+        });
+    let retrieved = corpus.score(model.as_ref(), &ids, everything.clone())?;
     let full = corpus.score(model.as_ref(), &ids, AttentionMode::Full)?;
     // Same f16-rounded keys and values, different summation order only.
     let err = relative_max_error(&retrieved, &full)?;
@@ -197,7 +194,7 @@ fn needles_are_found_by_flat_retrieval_where_full_attention_finds_them() -> Resu
             window: 64,
         };
         let full = ask(AttentionMode::Full)?;
-        let flat = ask(AttentionMode::Retrieval { k, policy })?;
+        let flat = ask(AttentionMode::top_k(k, policy))?;
         let full_ok = full.answer.contains(number);
         let flat_ok = flat.answer.contains(number);
         eprintln!(
@@ -248,5 +245,117 @@ fn needles_are_found_by_flat_retrieval_where_full_attention_finds_them() -> Resu
         "full attention found {full_found} of 5 needles"
     );
     assert!(flat_found >= full_found);
+    Ok(())
+}
+
+/// A SAAP artifact for the default model with `centroids` buckets, trained on the keys and
+/// queries of the first 4096 GPL tokens (its retrieval layers have one KV head each).
+fn saap_artifact(model: &LoadedModel, centroids: usize, path: &std::path::Path) -> Result<()> {
+    use kvdb_index::saap::{train_head, SaapArtifact, TrainOptions, TrainingData};
+    let layers = kvdb_tests::real_kv(4096)?;
+    let mut artifact = SaapArtifact::new(&model.record.sha256, centroids, 0, 4096);
+    for kv in layers.iter() {
+        let options = TrainOptions {
+            centroids,
+            max_samples: 4096,
+            epochs: 40,
+            ..TrainOptions::default()
+        };
+        let data = TrainingData {
+            keys: &kv.keys,
+            queries: &kv.queries,
+            group: kv.group,
+            rope: &kv.rope,
+            scale: kv.scale,
+        };
+        artifact.layers.push((kv.layer, vec![train_head(&data, &options, &mut |_| {})?]));
+    }
+    artifact.write(path)?;
+    Ok(())
+}
+
+/// Every index type, built by the engine over a corpus with a planted needle, lets the
+/// model answer with the needle while attending to at most 5% of the corpus's keys.
+#[test]
+fn every_index_finds_the_needle_at_five_percent() -> Result<()> {
+    let model = default_model(WeightMode::Hybrid)?;
+    let text = gpl()?;
+    let haystack = &text[..24_500];
+    let (object, number) = ("blue door", "2099391");
+    let needle = format!("The special magic number for the {object} is {number}.");
+    let at = haystack[..haystack.len() / 2].rfind("\n\n").unwrap_or(0);
+    let planted = format!("{}\n\n{needle}{}", &haystack[..at], &haystack[at..]);
+    let docs = documents(&planted, 4500, "needle");
+    let dir = tempfile::tempdir()?;
+    let artifact = dir.path().join("gemma.saap");
+    saap_artifact(&model, 64, &artifact)?;
+    let store = Arc::new(Store::open(dir.path().join("store"), Access::Write)?);
+    ingest(&store, "c", model.as_ref(), &docs, &mut |_| {})?;
+    let specs = [
+        "flat",
+        "ivf64,np4",
+        "hnsw16,ef128",
+        "lsh:L=64,K=4,min=3",
+        "ivf128,np4,norope,all",
+        "saap64,l2",
+        "hip:k64,bq1,bk2",
+        "ihip:lc=64/16/4,k=1024/256/64,refresh=16/8/4",
+    ];
+    let parsed = specs
+        .iter()
+        .map(|s| s.parse())
+        .collect::<Result<Vec<kvdb_index::IndexSpec>, _>>()?;
+    let infos = kvdb::indexes::update_indexes(
+        &store,
+        "c",
+        model.as_ref(),
+        &parsed,
+        Some(&artifact),
+        &mut |_| {},
+    )?;
+    let canonical: Vec<String> = parsed.iter().map(|p| p.to_string()).collect();
+    assert_eq!(
+        infos.iter().map(|i| i.spec.clone()).collect::<Vec<_>>(),
+        canonical,
+        "the first ingest's default `flat` gave way to the named indexes, in order"
+    );
+    let corpus = Corpus::open(store, "c", model.as_ref(), 1 << 30)?;
+    let n = corpus.manifest().tokens;
+    let question = format!(
+        "What is the special magic number for the {object}? The special magic number for the \
+         {object} is"
+    );
+    let mut missed = Vec::new();
+    for spec in parsed {
+        let k = (spec.default_k().is_none() && !spec.attends_whole_buckets()).then_some(n / 100);
+        let options = AskOptions {
+            mode: AttentionMode::Retrieval(kvdb::session::Retrieval {
+                index: Some(spec.clone()),
+                k,
+                policy: DensePolicy {
+                    sink: 4,
+                    window: 64,
+                },
+                estimate: false,
+            }),
+            generate: kvdb::generate::GenerateOptions {
+                max_tokens: 8,
+                ..Default::default()
+            },
+            template: None,
+        };
+        let answer = corpus.ask(model.as_ref(), &question, &options, &mut |_| Ok(()))?;
+        let stats = answer.retrieval.clone().unwrap_or_default();
+        eprintln!(
+            "{spec:<48} {:?}: selectivity {:.4}, scored {:.4} of the eligible keys",
+            answer.answer,
+            stats.selectivity(),
+            stats.scored_share()
+        );
+        if !answer.answer.contains(number) || stats.selectivity() > 0.05 {
+            missed.push(format!("{spec}: {:?} at {:.4}", answer.answer, stats.selectivity()));
+        }
+    }
+    assert!(missed.is_empty(), "{missed:?}");
     Ok(())
 }

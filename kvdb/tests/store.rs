@@ -65,10 +65,7 @@ fn tiny_corpus(count: usize, chars: usize, seed: u64) -> Result<TinyCorpus> {
 /// Retrieval of `k` keys with a small dense part (2 sink tokens, a window of 8).
 fn retrieval(k: usize) -> AskOptions {
     AskOptions {
-        mode: AttentionMode::Retrieval {
-            k,
-            policy: DensePolicy { sink: 2, window: 8 },
-        },
+        mode: AttentionMode::top_k(k, DensePolicy { sink: 2, window: 8 }),
         ..AskOptions::default()
     }
 }
@@ -655,5 +652,61 @@ fn corpus_commands_list_describe_and_delete() -> Result<()> {
     assert!(!list.contains("alpha") && list.contains("beta"), "{list}");
     let out = run(&["corpus", "info", "--store", s, "--corpus", "alpha"]);
     assert!(text(&out.stderr).contains("no corpus `alpha`"));
+    Ok(())
+}
+
+/// Indexes named at ingest are built and listed (the default `flat` gives way to them),
+/// `index add` appends one, `ask --index` uses it, a later ingest brings every index up to
+/// date, and a bad spec is an error that shows the grammar.
+#[test]
+fn index_commands_build_list_and_query() -> Result<()> {
+    let (model, _loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let docs = write_documents(&dir.path().join("docs"), 3, 900, 5)?;
+    let store = dir.path().join("s");
+    let (s, m) = (path_str(&store), path_str(model.path()));
+    let ingest = |doc: &std::path::Path, extra: &[&str]| {
+        let mut args = vec!["ingest", "--store", s, "--corpus", "c", "--model", m];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--progress", "none", path_str(doc)]);
+        run(&args)
+    };
+    let out = ingest(&docs[0], &["--index", "hnsw8,ef32", "--index", "hip:k16,bq1,bk4"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let list = |expect: &[&str]| -> Result<String> {
+        let out = run(&["index", "list", "--store", s, "--corpus", "c"]);
+        let listed = text(&out.stdout);
+        for spec in expect {
+            assert!(listed.contains(spec), "`{spec}` missing from {listed}");
+        }
+        Ok(listed)
+    };
+    let listed = list(&["hnsw8,ef32,efc200", "hip:k16,bq1,bk4", "(default)"])?;
+    assert!(!listed.contains("flat"), "{listed}");
+    let out = run(&["index", "add", "--store", s, "--corpus", "c", "--model", m, "--progress", "none", "lsh:L=8,K=6,min=1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    list(&["lsh:L=8,K=6,min=1,seed=0"])?;
+    // A later ingest catches every index up with the new tokens.
+    let out = ingest(&docs[1], &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let manifest = Store::open(&store, Access::Read)?.manifest("c")?;
+    let listed = list(&[])?;
+    let keys = manifest.tokens.to_string();
+    assert_eq!(
+        listed.lines().skip(1).filter(|l| l.split_whitespace().nth(3) == Some(keys.as_str())).count(),
+        3,
+        "every index covers the {keys} tokens: {listed}"
+    );
+    for index in ["lsh:L=8,K=6,min=1", "hip:k16,bq1,bk4", "flat"] {
+        let out = run(&["ask", "--store", s, "--corpus", "c", "--model", m, "--index", index, "--max-tokens", "3", "--json", "question"]);
+        assert!(out.status.success(), "{index}: {}", text(&out.stderr));
+        let answer: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        assert!(answer["retrieval"]["searches"].as_u64().unwrap_or(0) > 0, "{index}: {answer}");
+    }
+    let out = run(&["ask", "--store", s, "--corpus", "c", "--model", m, "--index", "ivf8,np2", "q"]);
+    assert!(text(&out.stderr).contains("has no index `ivf8,np2`"), "{}", text(&out.stderr));
+    let out = run(&["index", "add", "--store", s, "--corpus", "c", "--model", m, "ivf8,np9"]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success() && err.contains("np9") && err.contains("hnsw<M>,ef<E>"), "{err}");
     Ok(())
 }

@@ -24,6 +24,9 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
+mod real_kv;
+pub use real_kv::{default_model, gpl_text, real_kv, RealKv};
+
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 

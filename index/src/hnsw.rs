@@ -1,0 +1,453 @@
+//! [`HnswIndex`]: maximum inner product search on an hnsw_rs graph over augmented keys.
+//!
+//! HNSW finds nearest neighbours by a metric; attention wants the keys of largest inner
+//! product, which is not a metric. The standard augmentation turns one into the other: with
+//! `R` at least the largest key norm, every rotated key `k` is stored as `[k, √(R² − |k|²)]`
+//! (all stored vectors then have norm `R`) and every rotated query as `[q, 0]`, so
+//!
+//! ```text
+//! |[q, 0] − [k, √(R² − |k|²)]|² = |q|² + R² − 2 q·k
+//! ```
+//!
+//! and for one query the L2 order is exactly the inner-product order, largest first.
+
+use std::cell::Cell;
+use std::time::Instant;
+
+use hnsw_rs::hnsw::Point;
+use hnsw_rs::prelude::{Distance, FilterT, Hnsw};
+use kvdb_model::Rope;
+use rayon::prelude::*;
+
+use crate::common::{
+    check_add, check_query, decode, eligible, encode, group_score, keep_top, rotated_keys,
+    rotated_queries,
+};
+use crate::key_index::{OneShot, StatelessSearch};
+use crate::{
+    BuildContext, BuildStats, Found, GroupQuery, HnswSpec, IndexError, IndexSpec, KeyIndex, Result,
+    SearchParams, Searcher, Selection,
+};
+
+/// The augmentation radius is this many times the largest key norm seen when it is set, so
+/// that later keys a little longer than every earlier one do not force a rebuild.
+const RADIUS_HEADROOM: f64 = 1.2;
+/// Layers hnsw_rs supports (its `NB_LAYER_MAX`); asking for more is clipped to this anyway.
+const MAX_LAYERS: usize = 16;
+/// hnsw_rs draws node levels from an RNG it seeds with this constant for every new graph; it
+/// is recorded in [`BuildStats::seed`] because it is what makes the build reproducible.
+const HNSW_RS_LEVEL_SEED: u64 = 397;
+/// Most links per node hnsw_rs allows (it exits the process above this).
+const MAX_LINKS: usize = 256;
+/// Version of the body `save` writes.
+const BODY_VERSION: u32 = 1;
+/// A filtered graph search walks through ineligible nodes to reach eligible ones; when fewer
+/// than one key in this many is eligible, an exact scan of the eligible keys is the better
+/// (and exact) search.
+const SPARSE_ELIGIBLE: usize = 8;
+/// Heap bytes of one neighbour link in hnsw_rs: an `Arc<PointWithOrder>` (a 16-byte Arc
+/// header, a pointer and an f32, padded to 32) plus the pointer in the neighbour list.
+const LINK_BYTES: usize = 32 + 8;
+/// Heap bytes of one node's neighbour lists besides the links: the `Arc<RwLock<..>>` (header,
+/// lock, outer Vec) and hnsw_rs's 16 per-layer `Vec` headers, allocated for every node.
+const NODE_LISTS_BYTES: usize = 16 + 8 + 24 + MAX_LAYERS * 24;
+
+thread_local! {
+    /// Distance evaluations made on this thread, read before and after a search to count
+    /// its cost. Per thread, so concurrent searches on other threads do not add to it.
+    static DISTANCES: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Squared L2 distance that counts its calls (see [`DISTANCES`]).
+///
+/// Squared rather than plain L2: same order, no square root. Never NaN, because hnsw_rs
+/// panics when it compares a NaN distance: a NaN (from a NaN query) becomes +∞.
+#[derive(Debug, Clone, Copy, Default)]
+struct CountingL2;
+
+impl Distance<f32> for CountingL2 {
+    fn eval(&self, a: &[f32], b: &[f32]) -> f32 {
+        DISTANCES.with(|c| c.set(c.get() + 1));
+        let d = squared_l2(a, b);
+        if d.is_nan() {
+            f32::INFINITY
+        } else {
+            d
+        }
+    }
+}
+
+/// `|a − b|²` over the common length, written (like `kernel::dot`) so that LLVM vectorises it.
+#[inline]
+fn squared_l2(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; 8];
+    let (blocks_a, blocks_b) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (tail_a, tail_b) = (blocks_a.remainder(), blocks_b.remainder());
+    for (x, y) in blocks_a.zip(blocks_b) {
+        for ((s, x), y) in acc.iter_mut().zip(x).zip(y) {
+            let d = x - y;
+            *s += d * d;
+        }
+    }
+    let mut tail = 0.0f32;
+    for (x, y) in tail_a.iter().zip(tail_b) {
+        tail += (x - y) * (x - y);
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// Runs `f` and counts the distances it evaluated on this thread.
+fn counting<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    let before = DISTANCES.with(Cell::get);
+    let out = f();
+    (out, DISTANCES.with(Cell::get).wrapping_sub(before))
+}
+
+/// `|key|²` in f64, or `None` when the key has a non-finite value (such keys stay out of the
+/// graph: their augmentation is undefined and their score is NaN or infinite).
+fn squared_norm(key: &[f32]) -> Option<f64> {
+    let s: f64 = key.iter().map(|&x| x as f64 * x as f64).sum();
+    s.is_finite().then_some(s)
+}
+
+/// What `save` writes. The graph itself is not stored: it is a deterministic
+/// function of the keys and the radius (see [`HnswIndex`]), so load rebuilds it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Body {
+    version: u32,
+    /// The augmentation radius the graph was built with.
+    radius: f64,
+}
+
+/// Maximum inner product search on an [hnsw_rs](hnsw_rs) graph over augmented keys.
+///
+/// - **Augmentation.** Keys are rotated at their positions and stored as
+///   `[k, √(R² − |k|²)]`, queries as `[q, 0]` (see the module docs), so that the graph's L2
+///   nearest neighbours of one query are its largest inner products.
+/// - **Norms.** `R` is 1.2 times the largest key norm when it is set. A
+///   later key longer than `R` would get no valid augmentation (and silently rank wrong), so
+///   such an `add` sets `R` anew from all keys and rebuilds the graph, and says so in
+///   [`BuildStats::warnings`]. The headroom makes rebuilds rare: each one grows `R` by ≥ 1.2×.
+/// - **GQA.** Each query head of the group searches the graph (`ef = max(ef_search, k)`) and
+///   contributes its `ef` nearest; the union is re-scored exactly with the group's score (the
+///   maximum over heads) and the top `k` kept. A key is in the exact top-k of the group only
+///   if it is in the top-k of some head, which that head's search looks for.
+/// - **Candidates.** The graph search is filtered to `params.candidates` (hnsw_rs's
+///   [`FilterT`]); when few keys are eligible (fewer than `max(2k, heads · ef)`, or under one
+///   in 8) the eligible keys are scanned exactly instead, which is then both
+///   cheaper and exact. A graph search that finds fewer than `k` keys also falls back.
+/// - **Determinism, save and load.** Keys are inserted one at a time in id order. hnsw_rs
+///   seeds its level generator with a constant for every new graph, and its sequential
+///   insertion is otherwise deterministic (its parallel insertion is not: thread races), so
+///   the graph is a function of the keys and `R` alone. [`KeyIndex::save`] therefore stores
+///   only `R`, and load re-inserts the keys: identical graph, identical selections. The
+///   price is a single-threaded graph build (rotation and norms use rayon): parallelism
+///   belongs across heads and layers, whose indexes are independent.
+/// - **Cost.** [`Found::scored`] counts every distance the graph searches evaluated (the
+///   distance counts its calls) plus the keys re-scored.
+pub struct HnswIndex {
+    spec: HnswSpec,
+    rope: Rope,
+    /// Rotated keys `[len, head_dim]`, for exact re-scoring and rebuilds.
+    keys: Vec<f32>,
+    /// The augmentation radius `R`.
+    radius: f64,
+    /// The largest norm of a finite key.
+    max_norm: f64,
+    graph: Hnsw<'static, f32, CountingL2>,
+    stats: BuildStats,
+}
+
+impl std::fmt::Debug for HnswIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HnswIndex")
+            .field("spec", &IndexSpec::Hnsw(self.spec).to_string())
+            .field("head_dim", &self.head_dim())
+            .field("len", &self.len())
+            .field("radius", &self.radius)
+            .field("graph_nodes", &self.graph.get_nb_point())
+            .finish_non_exhaustive()
+    }
+}
+
+impl HnswIndex {
+    /// Builds the index over pre-RoPE `keys` `[n, head_dim]` (ids `0..n`).
+    pub fn build(spec: &HnswSpec, context: &BuildContext<'_>, keys: &[f32]) -> Result<Self> {
+        let started = Instant::now();
+        let mut index = Self::empty(spec, context.rope.clone(), 0.0)?;
+        let warnings = index.append(keys)?;
+        index.stats = BuildStats::finished(index.len(), HNSW_RS_LEVEL_SEED, started, warnings);
+        Ok(index)
+    }
+
+    /// Reopens a saved index over the pre-RoPE `keys` it covered: the graph is rebuilt with
+    /// the saved radius, which gives the same graph as before the save.
+    pub fn load(
+        spec: &HnswSpec,
+        context: &BuildContext<'_>,
+        stats: BuildStats,
+        body: &[u8],
+        keys: &[f32],
+    ) -> Result<Self> {
+        let body: Body = decode(body)?;
+        if body.version != BODY_VERSION {
+            return Err(IndexError::Corrupt(format!(
+                "hnsw body version {} (this build reads {BODY_VERSION})",
+                body.version
+            )));
+        }
+        if !(body.radius.is_finite() && body.radius >= 0.0) {
+            return Err(IndexError::Corrupt(format!("hnsw radius {}", body.radius)));
+        }
+        let mut index = Self::empty(spec, context.rope.clone(), body.radius)?;
+        index.stats = stats;
+        // Keys longer than the saved radius can only come from different keys than were
+        // saved; the index then rebuilds (and says so) rather than mis-ranking.
+        let warnings = index.append(keys)?;
+        index.stats.warnings.extend(warnings);
+        Ok(index)
+    }
+
+    /// An index with no keys and augmentation radius `radius`.
+    fn empty(spec: &HnswSpec, rope: Rope, radius: f64) -> Result<Self> {
+        let invalid = |reason: String| IndexError::Build {
+            spec: IndexSpec::Hnsw(*spec).to_string(),
+            reason,
+        };
+        if !(2..=MAX_LINKS).contains(&spec.m) {
+            return Err(invalid(format!(
+                "links per node must be in 2..={MAX_LINKS}"
+            )));
+        }
+        if spec.ef_search == 0 || spec.ef_construction == 0 {
+            return Err(invalid("ef and efc must be positive".into()));
+        }
+        Ok(Self {
+            graph: Self::new_graph(spec, 0),
+            spec: *spec,
+            rope,
+            keys: Vec::new(),
+            radius,
+            max_norm: 0.0,
+            stats: BuildStats::default(),
+        })
+    }
+
+    fn new_graph(spec: &HnswSpec, expected: usize) -> Hnsw<'static, f32, CountingL2> {
+        Hnsw::new(
+            spec.m,
+            expected.max(1),
+            MAX_LAYERS,
+            spec.ef_construction,
+            CountingL2,
+        )
+    }
+
+    /// The rotated key of `id`.
+    fn key(&self, id: u32) -> &[f32] {
+        let d = self.head_dim();
+        &self.keys[id as usize * d..(id as usize + 1) * d]
+    }
+
+    /// Adds pre-RoPE `keys`, growing the radius and rebuilding the graph when one is longer
+    /// than it; returns what the stats should warn about.
+    fn append(&mut self, keys: &[f32]) -> Result<Vec<String>> {
+        let d = self.head_dim();
+        let first = self.len();
+        let adding = check_add(keys, d, first)?;
+        let mut warnings = Vec::new();
+        if adding == 0 {
+            return Ok(warnings);
+        }
+        let rotated = rotated_keys(&self.rope, keys, first);
+        let norms: Vec<Option<f64>> = rotated.par_chunks_exact(d).map(squared_norm).collect();
+        let skipped = norms.iter().filter(|n| n.is_none()).count();
+        if skipped > 0 {
+            warnings.push(format!(
+                "{skipped} keys with non-finite values are left out of the graph (only exact \
+                 scans of few candidates see them)"
+            ));
+        }
+        let longest = norms.iter().flatten().fold(0.0f64, |m, &s| m.max(s.sqrt()));
+        self.keys.extend_from_slice(&rotated);
+        self.max_norm = self.max_norm.max(longest);
+        if longest > self.radius {
+            let radius = RADIUS_HEADROOM * self.max_norm;
+            if self.graph.get_nb_point() > 0 {
+                warnings.push(format!(
+                    "a key of norm {longest:.4} exceeded the augmentation radius {:.4}: the graph \
+                     was rebuilt over {} keys with radius {radius:.4}",
+                    self.radius,
+                    self.len()
+                ));
+            }
+            self.radius = radius;
+            self.graph = Self::new_graph(&self.spec, self.len());
+            self.insert(0);
+        } else {
+            self.insert(first);
+        }
+        Ok(warnings)
+    }
+
+    /// Inserts the keys from id `first` on into the graph, one at a time in id order (see
+    /// the type's docs for why not in parallel).
+    fn insert(&self, first: usize) {
+        let d = self.head_dim();
+        let r2 = self.radius * self.radius;
+        let mut augmented = vec![0.0f32; d + 1];
+        for (id, key) in self.keys.chunks_exact(d).enumerate().skip(first) {
+            let Some(s) = squared_norm(key) else {
+                continue;
+            };
+            augmented[..d].copy_from_slice(key);
+            augmented[d] = (r2 - s).max(0.0).sqrt() as f32;
+            self.graph.insert_slice((&augmented, id));
+        }
+    }
+
+    /// The top `k` of `ids` scored exactly against rotated `queries`, unordered.
+    fn rescore(
+        &self,
+        queries: &[f32],
+        ids: impl Iterator<Item = u32>,
+        k: usize,
+    ) -> Vec<(f32, u32)> {
+        let mut scored: Vec<(f32, u32)> = ids
+            .map(|id| (group_score(queries, self.key(id)), id))
+            .collect();
+        keep_top(&mut scored, k);
+        scored
+    }
+
+    /// Heap bytes of the graph, from hnsw_rs's layout: per node its augmented vector, the
+    /// `Arc<Point>`, its slot in the layer table and its neighbour lists; per link an
+    /// `Arc<PointWithOrder>` and a pointer. Walks every node (O(nodes)).
+    fn graph_bytes(&self) -> usize {
+        let points = self.graph.get_point_indexation();
+        let mut bytes = 0;
+        if self.graph.get_nb_point() == 0 {
+            return bytes;
+        }
+        for layer in 0..=points.get_max_level_observed() as usize {
+            for point in points.get_layer_iterator(layer) {
+                let links: usize = point.get_neighborhood_id().iter().map(Vec::len).sum();
+                bytes += std::mem::size_of_val(point.get_v())
+                    + 16
+                    + std::mem::size_of::<Point<'static, f32>>()
+                    + std::mem::size_of::<usize>()
+                    + NODE_LISTS_BYTES
+                    + links * LINK_BYTES;
+            }
+        }
+        bytes
+    }
+}
+
+impl StatelessSearch for HnswIndex {
+    fn search_once(&self, query: &GroupQuery<'_>, params: &SearchParams) -> Result<Found> {
+        let d = self.head_dim();
+        let heads = check_query(query, d)?;
+        let eligible = eligible(&params.candidates, self.len());
+        let k = params.k;
+        if k == 0 || eligible.is_empty() {
+            return Ok(Found::default());
+        }
+        if k >= eligible.len() {
+            return Ok(Found {
+                selection: eligible.collect(),
+                ..Found::default()
+            });
+        }
+        let queries = rotated_queries(&self.rope, query);
+        let ef = self.spec.ef_search.max(k);
+        let exact = |queries: &[f32], scored: usize| Found {
+            selection: self
+                .rescore(queries, eligible.clone(), k)
+                .into_iter()
+                .map(|(_, id)| id)
+                .collect::<Selection>(),
+            scored: scored + eligible.len(),
+            unvisited: Vec::new(),
+        };
+        let few = eligible.len() <= (2 * k).max(heads.saturating_mul(ef));
+        if few || eligible.len().saturating_mul(SPARSE_ELIGIBLE) < self.len() {
+            return Ok(exact(&queries, 0));
+        }
+
+        let inside = |id: &usize| eligible.contains(&(*id as u32));
+        let filter: Option<&dyn FilterT> = if eligible.len() == self.len() {
+            None
+        } else {
+            Some(&inside)
+        };
+        let mut pool: Vec<u32> = Vec::with_capacity(heads * ef);
+        let mut distances = 0;
+        let mut augmented = vec![0.0f32; d + 1];
+        for q in queries.chunks_exact(d) {
+            augmented[..d].copy_from_slice(q);
+            let (near, evaluated) =
+                counting(|| self.graph.search_filter(&augmented, ef, ef, filter));
+            distances += evaluated;
+            pool.extend(near.iter().map(|n| n.d_id as u32));
+        }
+        pool.sort_unstable();
+        pool.dedup();
+        // hnsw_rs filters its results already; this keeps the promise whatever it does.
+        pool.retain(|id| eligible.contains(id));
+        if pool.len() < k {
+            return Ok(exact(&queries, distances));
+        }
+        let scored = distances + pool.len();
+        let best = self.rescore(&queries, pool.into_iter(), k);
+        Ok(Found {
+            selection: best.into_iter().map(|(_, id)| id).collect(),
+            scored,
+            unvisited: Vec::new(),
+        })
+    }
+}
+
+impl KeyIndex for HnswIndex {
+    fn spec(&self) -> IndexSpec {
+        IndexSpec::Hnsw(self.spec)
+    }
+
+    fn head_dim(&self) -> usize {
+        self.rope.head_dim()
+    }
+
+    fn len(&self) -> usize {
+        self.keys.len().checked_div(self.head_dim()).unwrap_or(0)
+    }
+
+    fn add(&mut self, keys: &[f32]) -> Result<()> {
+        let started = Instant::now();
+        let before = self.len();
+        let warnings = self.append(keys)?;
+        self.stats.warnings.extend(warnings);
+        self.stats.record_add(self.len() - before, started);
+        Ok(())
+    }
+
+    fn searcher(&self) -> Box<dyn Searcher + '_> {
+        Box::new(OneShot(self))
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.keys.capacity() * std::mem::size_of::<f32>() + self.graph_bytes()
+    }
+
+    fn build_stats(&self) -> &BuildStats {
+        &self.stats
+    }
+
+    fn save(&self) -> Result<Vec<u8>> {
+        encode(&Body {
+            version: BODY_VERSION,
+            radius: self.radius,
+        })
+    }
+}

@@ -1,0 +1,384 @@
+//! [`IvfIndex`]: faiss's IndexIVFFlat with inner product, searched list by list.
+//!
+//! faiss trains the partition (k-means, `C` centroids) and assigns keys to inverted lists;
+//! the search is ours so that a GQA group probes one set of lists and every score it computes
+//! is counted:
+//!
+//! 1. the group's queries are scored against the `C` centroids and the `np` lists with the
+//!    best group score (maximum over the heads, as for keys) are probed;
+//! 2. the probed lists' ids (read from faiss's inverted lists) restricted to the candidates
+//!    are either all attended (`all`) or re-scored exactly on RoPE'd keys, keeping the top k.
+//!
+//! By default the partition is built on RoPE'd keys (each key rotated at its id) and probed
+//! with the query rotated at its position. `norope` trains, assigns and probes on de-roped
+//! (pre-RoPE) keys and queries instead: SAAP's observation is that the un-rotated key
+//! geometry is stable across positions. `ivfC,npP,norope,all` is SAAP's k-means baseline.
+//!
+//! Saved bytes hold the centroids and the list of every key; loading rebuilds the faiss index
+//! from them (the keys are in the store), so the saved form does not duplicate the keys.
+
+use std::time::Instant;
+
+use faiss::index::ivf_flat::IVFFlatIndexImpl;
+use faiss::index::NativeIndex;
+use faiss::{FlatIndex as FaissFlat, Index as _};
+use serde::{Deserialize, Serialize};
+
+use crate::common::{
+    check_add, check_query, decode, eligible, encode, group_score, keep_top, rotated_keys,
+    rotated_queries, top_indices,
+};
+use crate::key_index::{OneShot, StatelessSearch};
+use crate::kernel::dot;
+use crate::{
+    BucketIndex, BuildContext, BuildStats, Found, GroupQuery, IndexError, IndexSpec, IvfSpec,
+    KeyIndex, Result, SearchParams, Searcher, Selection, UnvisitedBucket,
+};
+
+/// Fewest training keys per list: below this, k-means has too little to place a centroid
+/// well and the lists are reduced (faiss itself refuses fewer than one per list and warns
+/// below 39).
+pub(crate) const MIN_KEYS_PER_LIST: usize = 16;
+
+/// faiss's k-means seed (its `ClusteringParameters` default), recorded in the build stats.
+const FAISS_KMEANS_SEED: u64 = 1234;
+
+/// faiss IVF-Flat with inner product; see the module documentation.
+pub struct IvfIndex {
+    /// As built (lists reduced when there were too few keys).
+    spec: IvfSpec,
+    /// As asked for.
+    requested: IvfSpec,
+    rope: kvdb_model::Rope,
+    faiss: IVFFlatIndexImpl,
+    /// Keys rotated at their ids `[len, d]`, for exact re-scoring.
+    keys: Vec<f32>,
+    /// The partition's centroids `[lists, d]` (in the space the partition lives in).
+    centroids: Vec<f32>,
+    /// Ids of each list, ascending.
+    lists: Vec<Vec<u32>>,
+    stats: BuildStats,
+}
+
+impl std::fmt::Debug for IvfIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IvfIndex")
+            .field("spec", &self.spec)
+            .field("len", &self.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`IvfIndex::save`] writes.
+#[derive(Serialize, Deserialize)]
+struct Body {
+    centroids: Vec<f32>,
+}
+
+fn faiss_error(e: faiss::error::Error) -> IndexError {
+    IndexError::Faiss(e.to_string())
+}
+
+impl IvfIndex {
+    /// Trains the partition on pre-RoPE `keys` (ids `0..`) and adds them.
+    pub fn build(spec: &IvfSpec, context: &BuildContext<'_>, keys: &[f32]) -> Result<Self> {
+        let started = Instant::now();
+        let d = context.rope.head_dim();
+        let n = check_add(keys, d, 0)?;
+        let mut effective = *spec;
+        let mut warnings = Vec::new();
+        let most = (n / MIN_KEYS_PER_LIST).max(1);
+        if spec.lists > most {
+            effective.lists = most;
+            // Probe the same share of the lists.
+            effective.probes = (spec.probes * most).div_ceil(spec.lists).clamp(1, most);
+            warnings.push(format!(
+                "{n} keys are too few to train {} lists (at least {MIN_KEYS_PER_LIST} keys per \
+                 list): built {}",
+                spec.lists,
+                IndexSpec::Ivf(effective)
+            ));
+        }
+        let rope = context.rope.clone();
+        let rotated = rotated_keys(&rope, keys, 0);
+        let space = if effective.norope { keys } else { &rotated[..] };
+        let quantizer = FaissFlat::new_ip(d as u32).map_err(faiss_error)?;
+        let mut faiss = IVFFlatIndexImpl::new_ip(quantizer, d as u32, effective.lists as u32)
+            .map_err(faiss_error)?;
+        if n > 0 {
+            faiss.train(space).map_err(faiss_error)?;
+        }
+        let centroids = quantizer_centroids(&faiss, d)?;
+        let mut index = Self {
+            spec: effective,
+            requested: *spec,
+            rope,
+            faiss,
+            keys: Vec::new(),
+            centroids,
+            lists: Vec::new(),
+            stats: BuildStats::default(),
+        };
+        index.insert(keys, rotated)?;
+        index.stats = BuildStats::finished(n, FAISS_KMEANS_SEED, started, warnings);
+        Ok(index)
+    }
+
+    /// Rebuilds a saved index: its centroids from `body`, its keys re-assigned by faiss.
+    pub fn load(
+        spec: &IvfSpec,
+        context: &BuildContext<'_>,
+        stats: BuildStats,
+        body: &[u8],
+        keys: &[f32],
+    ) -> Result<Self> {
+        let body: Body = decode(body)?;
+        let d = context.rope.head_dim();
+        if body.centroids.len() != spec.lists * d {
+            return Err(IndexError::Corrupt(format!(
+                "{} centroid floats for {} lists of {d}",
+                body.centroids.len(),
+                spec.lists
+            )));
+        }
+        let mut quantizer = FaissFlat::new_ip(d as u32).map_err(faiss_error)?;
+        quantizer.add(&body.centroids).map_err(faiss_error)?;
+        let mut faiss =
+            IVFFlatIndexImpl::new_ip(quantizer, d as u32, spec.lists as u32).map_err(faiss_error)?;
+        // The quantizer already holds `lists` centroids, so faiss skips k-means and only
+        // marks the index trained.
+        faiss.train(&body.centroids).map_err(faiss_error)?;
+        let mut index = Self {
+            spec: *spec,
+            requested: *spec,
+            rope: context.rope.clone(),
+            faiss,
+            keys: Vec::new(),
+            centroids: body.centroids,
+            lists: Vec::new(),
+            stats,
+        };
+        let rotated = rotated_keys(&index.rope, keys, 0);
+        index.insert(keys, rotated)?;
+        Ok(index)
+    }
+
+    /// Adds pre-RoPE `keys` (and their rotations) to faiss and mirrors its lists.
+    fn insert(&mut self, keys: &[f32], rotated: Vec<f32>) -> Result<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let space = if self.spec.norope { keys } else { &rotated[..] };
+        let first = self.len();
+        let ids: Vec<faiss::Idx> = (first..first + rotated.len() / self.head_dim())
+            .map(|i| faiss::Idx::new(i as u64))
+            .collect();
+        self.faiss.add_with_ids(space, &ids).map_err(faiss_error)?;
+        self.keys.extend_from_slice(&rotated);
+        self.lists = inverted_lists(&self.faiss, self.spec.lists)?;
+        Ok(())
+    }
+
+    /// The group's queries in the partition's space.
+    fn partition_queries(&self, query: &GroupQuery<'_>) -> Vec<f32> {
+        if self.spec.norope {
+            query.queries.to_vec()
+        } else {
+            rotated_queries(&self.rope, query)
+        }
+    }
+}
+
+/// The centroids faiss trained, `[lists, d]`.
+fn quantizer_centroids(faiss: &IVFFlatIndexImpl, d: usize) -> Result<Vec<f32>> {
+    // SAFETY: the quantizer belongs to the IVF index, which outlives this call; faiss hands
+    // out a pointer to its `xb` vector and its length in floats, copied before returning.
+    unsafe {
+        let ivf = faiss_sys::faiss_IndexIVF_cast(faiss.inner_ptr());
+        if ivf.is_null() {
+            return Err(IndexError::Faiss("not an IVF index".into()));
+        }
+        let flat = faiss_sys::faiss_IndexFlat_cast(faiss_sys::faiss_IndexIVF_quantizer(ivf));
+        if flat.is_null() {
+            return Err(IndexError::Faiss("the quantizer is not a flat index".into()));
+        }
+        let (mut data, mut len) = (std::ptr::null_mut(), 0usize);
+        faiss_sys::faiss_IndexFlat_xb(flat, &mut data, &mut len);
+        if len % d.max(1) != 0 || (len > 0 && data.is_null()) {
+            return Err(IndexError::Faiss(format!("quantizer of {len} floats")));
+        }
+        Ok(if len == 0 {
+            Vec::new()
+        } else {
+            std::slice::from_raw_parts(data, len).to_vec()
+        })
+    }
+}
+
+/// The ids of every inverted list, each ascending.
+fn inverted_lists(faiss: &IVFFlatIndexImpl, lists: usize) -> Result<Vec<Vec<u32>>> {
+    // SAFETY: each list is read into a buffer of the size faiss reports for it.
+    unsafe {
+        let ivf = faiss_sys::faiss_IndexIVF_cast(faiss.inner_ptr());
+        if ivf.is_null() {
+            return Err(IndexError::Faiss("not an IVF index".into()));
+        }
+        (0..lists)
+            .map(|list| {
+                let size = faiss_sys::faiss_IndexIVF_get_list_size(ivf, list);
+                let mut ids: Vec<faiss_sys::idx_t> = vec![0; size];
+                if size > 0 {
+                    faiss_sys::faiss_IndexIVF_invlists_get_ids(ivf, list, ids.as_mut_ptr());
+                }
+                let mut ids = ids
+                    .into_iter()
+                    .map(|id| u32::try_from(id).map_err(|_| IndexError::Faiss(format!("id {id}"))))
+                    .collect::<Result<Vec<u32>>>()?;
+                ids.sort_unstable();
+                Ok(ids)
+            })
+            .collect()
+    }
+}
+
+impl StatelessSearch for IvfIndex {
+    fn search_once(&self, query: &GroupQuery<'_>, params: &SearchParams) -> Result<Found> {
+        let d = self.head_dim();
+        check_query(query, d)?;
+        let eligible = eligible(&params.candidates, self.len());
+        let whole = self.spec.all;
+        if eligible.is_empty() || (params.k == 0 && !whole) {
+            return Ok(Found::default());
+        }
+        let partition = self.partition_queries(query);
+        let heads: Vec<&[f32]> = partition.chunks_exact(d).collect();
+        let logits: Vec<Vec<f32>> = self
+            .centroids
+            .chunks_exact(d)
+            .map(|c| heads.iter().map(|q| dot(q, c)).collect())
+            .collect();
+        let group: Vec<f32> = logits
+            .iter()
+            .map(|l| l.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+            .collect();
+        let probed = top_indices(&group, self.spec.probes);
+        let mut ids: Vec<u32> = probed
+            .iter()
+            .flat_map(|&l| &self.lists[l as usize])
+            .copied()
+            .filter(|id| eligible.contains(id))
+            .collect();
+        let mut scored = self.spec.lists;
+        let selection = if whole {
+            Selection::new(ids)
+        } else {
+            scored += ids.len();
+            let queries = rotated_queries(&self.rope, query);
+            let mut best: Vec<(f32, u32)> = ids
+                .drain(..)
+                .map(|id| {
+                    let at = id as usize * d;
+                    (group_score(&queries, &self.keys[at..at + d]), id)
+                })
+                .collect();
+            keep_top(&mut best, params.k);
+            best.into_iter().map(|(_, id)| id).collect()
+        };
+        let unvisited = if params.estimate {
+            let mut visited = vec![false; self.spec.lists];
+            for &l in &probed {
+                visited[l as usize] = true;
+            }
+            (0..self.spec.lists)
+                .filter(|&l| !visited[l] && !self.lists[l].is_empty())
+                .map(|l| UnvisitedBucket {
+                    bucket: l as u32,
+                    size: self.lists[l].len() as u32,
+                    logits: logits[l].clone(),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Found {
+            selection,
+            scored,
+            unvisited,
+        })
+    }
+}
+
+impl KeyIndex for IvfIndex {
+    fn spec(&self) -> IndexSpec {
+        IndexSpec::Ivf(self.spec)
+    }
+
+    fn head_dim(&self) -> usize {
+        self.rope.head_dim()
+    }
+
+    fn len(&self) -> usize {
+        self.keys.len() / self.head_dim().max(1)
+    }
+
+    fn add(&mut self, keys: &[f32]) -> Result<()> {
+        let started = Instant::now();
+        let adding = check_add(keys, self.head_dim(), self.len())?;
+        if self.centroids.is_empty() {
+            // Built over no keys: nothing was trained yet, so this add is the build.
+            let context = BuildContext {
+                rope: self.rope.clone(),
+                seed: FAISS_KMEANS_SEED,
+                saap: None,
+            };
+            *self = Self::build(&self.requested, &context, keys)?;
+            return Ok(());
+        }
+        let rotated = rotated_keys(&self.rope, keys, self.len());
+        self.insert(keys, rotated)?;
+        self.stats.record_add(adding, started);
+        Ok(())
+    }
+
+    fn searcher(&self) -> Box<dyn Searcher + '_> {
+        Box::new(OneShot(self))
+    }
+
+    fn memory_bytes(&self) -> usize {
+        let floats = self.keys.capacity() + self.centroids.capacity();
+        let ids: usize = self.lists.iter().map(Vec::capacity).sum();
+        // faiss holds a second copy of every key (in the partition's space) and its id.
+        let faiss = self.len() * (self.head_dim() * 4 + 8) + self.centroids.len() * 4;
+        floats * 4 + ids * 4 + faiss
+    }
+
+    fn build_stats(&self) -> &BuildStats {
+        &self.stats
+    }
+
+    fn save(&self) -> Result<Vec<u8>> {
+        encode(&Body {
+            centroids: self.centroids.clone(),
+        })
+    }
+
+    fn as_buckets(&self) -> Option<&dyn BucketIndex> {
+        Some(self)
+    }
+}
+
+impl BucketIndex for IvfIndex {
+    fn buckets(&self) -> usize {
+        self.spec.lists
+    }
+
+    fn assignments(&self) -> Vec<u32> {
+        let mut of = vec![0u32; self.len()];
+        for (l, ids) in self.lists.iter().enumerate() {
+            for &id in ids {
+                of[id as usize] = l as u32;
+            }
+        }
+        of
+    }
+}

@@ -1,0 +1,739 @@
+//! SAAP: asymmetric partitions. Keys are partitioned by k-means on their **de-roped**
+//! (pre-RoPE) vectors, and queries are routed to partitions by a small trained classifier
+//! instead of by their distance to the centroids: keys and queries live in different
+//! geometries, so the partition a query needs is learned, not measured.
+//!
+//! Per retrieval layer and KV head, a [`SaapHead`] holds
+//! - `C` centroids from k-means (k-means++ seeding, Lloyd iterations, squared L2) on the
+//!   de-roped keys of the training text;
+//! - a query classifier: `Linear(d, 1024) → BatchNorm → ReLU → Linear(1024, C)`, trained with
+//!   candle (Adam) to minimise KL(target ‖ softmax(output)), where the target is the share of
+//!   the query's attention mass each bucket receives. Training queries are those whose best
+//!   key (sink excluded) lies at least [`MIN_TRAINING_DISTANCE`] tokens back: the queries
+//!   retrieval exists for. The mass is counted over the retrievable keys only (past the sink,
+//!   before the recent window), which the dense part does not cover anyway.
+//!
+//! At search time every query head of a GQA group runs the classifier on its de-roped query,
+//! the heads' softmax outputs are summed, and the top-ℓ buckets are visited; every key in a
+//! visited bucket (inside the candidates) is attended. The batch norm is folded into the
+//! first layer after training, so inference is two matrix-vector products in plain f32.
+//!
+//! A [`SaapArtifact`] (one per model, written by `kvdb saap train`) holds the heads of every
+//! retrieval layer; a [`SaapIndex`] assigns a corpus's keys to its head's centroids and keeps a
+//! copy of the head in its saved bytes, so a corpus does not depend on the artifact file.
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::{BatchNormConfig, Module, ModuleT, Optimizer, VarBuilder, VarMap};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::common::{check_add, check_query, decode, eligible, encode, top_indices};
+use crate::key_index::{OneShot, StatelessSearch};
+use crate::kernel::dot;
+use crate::{
+    BucketIndex, BuildContext, BuildStats, Found, GroupQuery, IndexError, IndexSpec, KeyIndex,
+    Result, SaapSpec, SearchParams, Searcher, Selection, UnvisitedBucket,
+};
+
+/// Width of the classifier's hidden layer.
+pub const HIDDEN: usize = 1024;
+/// Training queries have their best key at least this many tokens back.
+pub const MIN_TRAINING_DISTANCE: usize = 1024;
+/// Sink tokens ignored when training (attended densely; they would dominate the targets).
+pub const TRAINING_SINK: usize = 4;
+/// Recent tokens ignored when training (attended densely).
+pub const TRAINING_WINDOW: usize = 256;
+/// Version of the artifact file format.
+const ARTIFACT_VERSION: u32 = 1;
+
+/// One layer/KV head's trained partition and query classifier.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SaapHead {
+    /// Vector length.
+    pub head_dim: usize,
+    /// k-means centroids of de-roped keys `[C, d]`.
+    pub centroids: Vec<f32>,
+    /// First layer with the batch norm folded in, `[HIDDEN, d]` and `[HIDDEN]`.
+    pub w1: Vec<f32>,
+    /// Its bias.
+    pub b1: Vec<f32>,
+    /// Second layer `[C, HIDDEN]` and `[C]`.
+    pub w2: Vec<f32>,
+    /// Its bias.
+    pub b2: Vec<f32>,
+}
+
+impl SaapHead {
+    /// Number of buckets.
+    pub fn buckets(&self) -> usize {
+        self.centroids.len() / self.head_dim.max(1)
+    }
+
+    /// Checks the shapes agree (an artifact read from disk may not).
+    fn check(&self) -> Result<()> {
+        let (d, c, h) = (self.head_dim, self.buckets(), self.b1.len());
+        let ok = d > 0
+            && c > 0
+            && self.centroids.len() == c * d
+            && self.w1.len() == h * d
+            && self.w2.len() == c * h
+            && self.b2.len() == c;
+        if ok {
+            Ok(())
+        } else {
+            Err(IndexError::Corrupt("saap head of inconsistent shape".into()))
+        }
+    }
+
+    /// The classifier's softmax output for one de-roped query.
+    pub fn route(&self, query: &[f32]) -> Vec<f32> {
+        let d = self.head_dim;
+        let hidden: Vec<f32> = self
+            .w1
+            .chunks_exact(d)
+            .zip(&self.b1)
+            .map(|(w, b)| (dot(w, query) + b).max(0.0))
+            .collect();
+        let logits: Vec<f32> = self
+            .w2
+            .chunks_exact(hidden.len())
+            .zip(&self.b2)
+            .map(|(w, b)| dot(w, &hidden) + b)
+            .collect();
+        softmax(&logits)
+    }
+
+    /// The bucket of each de-roped key: its nearest centroid (squared L2, as k-means).
+    pub fn assign(&self, keys: &[f32]) -> Vec<u32> {
+        nearest(&self.centroids, keys, self.head_dim)
+    }
+}
+
+fn softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+    let sum: f32 = exp.iter().sum();
+    exp.into_iter().map(|e| e / sum).collect()
+}
+
+/// Index of the nearest centroid (squared L2) of every row of `points`.
+fn nearest(centroids: &[f32], points: &[f32], d: usize) -> Vec<u32> {
+    // |p - c|² = |p|² - 2 p·c + |c|²: |p|² is the same for every c.
+    let norms: Vec<f32> = centroids.chunks_exact(d).map(|c| dot(c, c)).collect();
+    points
+        .par_chunks_exact(d)
+        .map(|p| {
+            let mut best = (f32::INFINITY, 0u32);
+            for (j, (c, n)) in centroids.chunks_exact(d).zip(&norms).enumerate() {
+                let distance = n - 2.0 * dot(p, c);
+                if distance < best.0 {
+                    best = (distance, j as u32);
+                }
+            }
+            best.1
+        })
+        .collect()
+}
+
+/// k-means with k-means++ seeding and `iterations` Lloyd steps on `points` `[n, d]`.
+/// Returns `[min(c, n), d]` centroids; an empty cluster is re-seeded at a random point.
+pub fn kmeans(points: &[f32], d: usize, c: usize, iterations: usize, seed: u64) -> Vec<f32> {
+    let n = points.len() / d.max(1);
+    let c = c.min(n);
+    if c == 0 {
+        return Vec::new();
+    }
+    let mut rng = StdRng::seed_from_u64(seed);
+    let row = |i: usize| &points[i * d..(i + 1) * d];
+    // k-means++: each next centroid drawn with probability ∝ squared distance to the nearest
+    // one chosen so far.
+    let mut centroids = row(rng.random_range(0..n)).to_vec();
+    let mut nearest2: Vec<f32> = (0..n).map(|i| squared(row(i), &centroids)).collect();
+    while centroids.len() < c * d {
+        let total: f64 = nearest2.iter().map(|&x| x as f64).sum();
+        let pick = if total > 0.0 {
+            let mut target = rng.random::<f64>() * total;
+            nearest2
+                .iter()
+                .position(|&x| {
+                    target -= x as f64;
+                    target <= 0.0
+                })
+                .unwrap_or(n - 1)
+        } else {
+            rng.random_range(0..n)
+        };
+        let chosen = row(pick).to_vec();
+        nearest2
+            .par_iter_mut()
+            .enumerate()
+            .for_each(|(i, m)| *m = m.min(squared(&points[i * d..(i + 1) * d], &chosen)));
+        centroids.extend_from_slice(&chosen);
+    }
+    for _ in 0..iterations {
+        let assigned = nearest(&centroids, points, d);
+        let mut sums = vec![0f64; c * d];
+        let mut counts = vec![0usize; c];
+        for (i, &a) in assigned.iter().enumerate() {
+            counts[a as usize] += 1;
+            for (s, x) in sums[a as usize * d..(a as usize + 1) * d].iter_mut().zip(row(i)) {
+                *s += *x as f64;
+            }
+        }
+        for j in 0..c {
+            let target = &mut centroids[j * d..(j + 1) * d];
+            if counts[j] == 0 {
+                target.copy_from_slice(row(rng.random_range(0..n)));
+            } else {
+                for (t, s) in target.iter_mut().zip(&sums[j * d..(j + 1) * d]) {
+                    *t = (*s / counts[j] as f64) as f32;
+                }
+            }
+        }
+    }
+    centroids
+}
+
+fn squared(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum()
+}
+
+/// The keys and queries one layer/KV head is trained on.
+#[derive(Debug, Clone, Copy)]
+pub struct TrainingData<'a> {
+    /// Pre-RoPE keys `[n, d]` (id = position).
+    pub keys: &'a [f32],
+    /// Pre-RoPE queries `[n, group, d]` of the KV head's query heads.
+    pub queries: &'a [f32],
+    /// Query heads per KV head.
+    pub group: usize,
+    /// The layer's RoPE (the attention targets are computed on rotated vectors).
+    pub rope: &'a kvdb_model::Rope,
+    /// Attention logit scale.
+    pub scale: f32,
+}
+
+/// Training options.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrainOptions {
+    /// Buckets.
+    pub centroids: usize,
+    /// Lloyd iterations of k-means.
+    pub kmeans_iterations: usize,
+    /// At most this many training samples (query heads at eligible positions), drawn at random.
+    pub max_samples: usize,
+    /// Passes over the samples.
+    pub epochs: usize,
+    /// Samples per Adam step.
+    pub batch: usize,
+    /// Adam's learning rate.
+    pub learning_rate: f64,
+    /// Seed of k-means, sampling, initialisation and shuffling.
+    pub seed: u64,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        Self {
+            centroids: 1024,
+            kmeans_iterations: 20,
+            max_samples: 16_384,
+            epochs: 30,
+            batch: 256,
+            learning_rate: 1e-3,
+            seed: 0,
+        }
+    }
+}
+
+/// One epoch's losses (mean KL per sample, in nats).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Epoch {
+    /// The epoch, from 1.
+    pub epoch: usize,
+    /// On the training samples.
+    pub train: f64,
+    /// On the held-out samples (a tenth).
+    pub validation: f64,
+}
+
+fn candle(e: candle_core::Error) -> IndexError {
+    IndexError::Training(e.to_string())
+}
+
+/// Trains one layer/KV head: k-means on its de-roped keys, then the classifier on its
+/// queries' bucket masses. `on_epoch` sees every epoch's losses.
+pub fn train_head(
+    data: &TrainingData<'_>,
+    options: &TrainOptions,
+    on_epoch: &mut dyn FnMut(Epoch),
+) -> Result<SaapHead> {
+    let d = data.rope.head_dim();
+    let n = check_add(data.keys, d, 0)?;
+    if data.queries.len() != n * data.group * d || data.group == 0 {
+        return Err(IndexError::Shape {
+            what: "training queries",
+            len: data.queries.len(),
+            head_dim: d,
+        });
+    }
+    let centroids = kmeans(data.keys, d, options.centroids, options.kmeans_iterations, options.seed);
+    let c = centroids.len() / d;
+    if c < 2 {
+        return Err(IndexError::Training(format!("{n} keys are too few to train buckets")));
+    }
+    let assigned = nearest(&centroids, data.keys, d);
+    let (inputs, targets) = training_samples(data, &assigned, c, options)?;
+    let m = inputs.len() / d;
+    if m < 16 {
+        return Err(IndexError::Training(format!(
+            "only {m} training queries have their best key {MIN_TRAINING_DISTANCE}+ tokens back: \
+             train on longer text"
+        )));
+    }
+    let (w1, b1, w2, b2) = fit_classifier(&inputs, &targets, d, c, options, on_epoch).map_err(candle)?;
+    Ok(SaapHead {
+        head_dim: d,
+        centroids,
+        w1,
+        b1,
+        w2,
+        b2,
+    })
+}
+
+/// De-roped queries and their target bucket masses `[m, C]`.
+fn training_samples(
+    data: &TrainingData<'_>,
+    assigned: &[u32],
+    c: usize,
+    options: &TrainOptions,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let d = data.rope.head_dim();
+    let n = assigned.len();
+    let mut rotated = data.keys.to_vec();
+    data.rope.rotate_rows(&mut rotated, 0);
+    let first = TRAINING_SINK + TRAINING_WINDOW + MIN_TRAINING_DISTANCE;
+    let mut samples: Vec<(usize, usize)> = (first..n)
+        .flat_map(|p| (0..data.group).map(move |h| (p, h)))
+        .collect();
+    let mut rng = StdRng::seed_from_u64(options.seed ^ 0x5aa9);
+    samples.shuffle(&mut rng);
+    // Keep up to twice the budget of candidates: some fail the distance test.
+    samples.truncate(options.max_samples.saturating_mul(2));
+    let rows: Vec<Option<(Vec<f32>, Vec<f32>)>> = samples
+        .par_iter()
+        .map(|&(p, h)| {
+            let at = (p * data.group + h) * d;
+            let raw = &data.queries[at..at + d];
+            let mut q = raw.to_vec();
+            data.rope.rotate(&mut q, p);
+            let logits: Vec<f32> = rotated[..(p + 1) * d]
+                .chunks_exact(d)
+                .map(|k| data.scale * dot(&q, k))
+                .collect();
+            let best = (TRAINING_SINK..=p).max_by(|&a, &b| logits[a].total_cmp(&logits[b]))?;
+            if p - best < MIN_TRAINING_DISTANCE {
+                return None;
+            }
+            let retrievable = TRAINING_SINK..p + 1 - TRAINING_WINDOW;
+            let max = logits[retrievable.clone()].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut mass = vec![0f32; c];
+            let mut total = 0f32;
+            for j in retrievable {
+                let w = (logits[j] - max).exp();
+                mass[assigned[j] as usize] += w;
+                total += w;
+            }
+            mass.iter_mut().for_each(|x| *x /= total);
+            Some((raw.to_vec(), mass))
+        })
+        .collect();
+    let (mut inputs, mut targets) = (Vec::new(), Vec::new());
+    for (q, t) in rows.into_iter().flatten().take(options.max_samples) {
+        inputs.extend(q);
+        targets.extend(t);
+    }
+    Ok((inputs, targets))
+}
+
+type Weights = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// Adam on KL(target ‖ softmax(MLP(x))); returns the layers with the batch norm folded in.
+fn fit_classifier(
+    inputs: &[f32],
+    targets: &[f32],
+    d: usize,
+    c: usize,
+    options: &TrainOptions,
+    on_epoch: &mut dyn FnMut(Epoch),
+) -> candle_core::Result<Weights> {
+    let device = Device::Cpu;
+    let m = inputs.len() / d;
+    let x = Tensor::from_slice(inputs, (m, d), &device)?;
+    let t = Tensor::from_slice(targets, (m, c), &device)?;
+    // KL(t ‖ p) = Σ t ln t − Σ t ln p; the first term is constant per sample.
+    let t_ln_t = (t.clone() * (t.clone() + 1e-12)?.log()?)?.sum(1)?;
+    let validation = (m / 10).max(1).min(m - 1);
+    let train = m - validation;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &device);
+    let l1 = candle_nn::linear(d, HIDDEN, vb.pp("l1"))?;
+    let bn = candle_nn::batch_norm(HIDDEN, BatchNormConfig::default(), vb.pp("bn"))?;
+    let l2 = candle_nn::linear(HIDDEN, c, vb.pp("l2"))?;
+    // candle's CPU generator cannot be seeded: draw the linear layers' starting weights
+    // from our own seeded generator (uniform ±1/√fan_in, as candle-nn does), in name order.
+    {
+        let mut init = StdRng::seed_from_u64(options.seed ^ 0x1417);
+        let vars = varmap
+            .data()
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("poisoned var map".into()))?;
+        let mut names: Vec<&String> = vars.keys().filter(|n| n.starts_with('l')).collect();
+        names.sort();
+        for name in names {
+            let var = &vars[name];
+            let fan_in = if name.starts_with("l1") { d } else { HIDDEN } as f32;
+            let bound = 1.0 / fan_in.sqrt();
+            let values: Vec<f32> = (0..var.elem_count())
+                .map(|_| init.random_range(-bound..bound))
+                .collect();
+            var.set(&Tensor::from_vec(values, var.shape(), &device)?)?;
+        }
+    }
+    let forward = |x: &Tensor, training: bool| -> candle_core::Result<Tensor> {
+        let h = bn.forward_t(&l1.forward(x)?, training)?.relu()?;
+        l2.forward(&h)
+    };
+    let kl = |x: &Tensor, t: &Tensor, tlt: &Tensor, training: bool| -> candle_core::Result<Tensor> {
+        let log_p = candle_nn::ops::log_softmax(&forward(x, training)?, D::Minus1)?;
+        (tlt - (t * log_p)?.sum(1)?)?.mean(0)
+    };
+    let mut adam = candle_nn::AdamW::new(
+        varmap.all_vars(),
+        candle_nn::ParamsAdamW {
+            lr: options.learning_rate,
+            weight_decay: 0.0,
+            ..Default::default()
+        },
+    )?;
+    let mut rng = StdRng::seed_from_u64(options.seed ^ 0x0b5e);
+    let mut order: Vec<u32> = (0..train as u32).collect();
+    let (xv, tv, tltv) = (
+        x.narrow(0, train, validation)?,
+        t.narrow(0, train, validation)?,
+        t_ln_t.narrow(0, train, validation)?,
+    );
+    for epoch in 1..=options.epochs {
+        order.shuffle(&mut rng);
+        let (mut sum, mut batches) = (0f64, 0usize);
+        for chunk in order.chunks(options.batch.max(2)) {
+            if chunk.len() < 2 {
+                continue; // batch norm needs two samples
+            }
+            let ids = Tensor::from_slice(chunk, chunk.len(), &device)?;
+            let loss = kl(
+                &x.index_select(&ids, 0)?,
+                &t.index_select(&ids, 0)?,
+                &t_ln_t.index_select(&ids, 0)?,
+                true,
+            )?;
+            adam.backward_step(&loss)?;
+            sum += loss.to_scalar::<f32>()? as f64;
+            batches += 1;
+        }
+        let validation = kl(&xv, &tv, &tltv, false)?.to_scalar::<f32>()? as f64;
+        on_epoch(Epoch {
+            epoch,
+            train: sum / batches.max(1) as f64,
+            validation,
+        });
+    }
+    // Fold the batch norm (running statistics) into the first layer:
+    // bn(z) = (z − μ) · γ / √(σ² + ε) + β, with z = W1 x + b1.
+    let scale = match bn.weight_and_bias() {
+        Some((gamma, _)) => (gamma / (bn.running_var() + bn.eps())?.sqrt()?)?,
+        None => (bn.running_var() + bn.eps())?.sqrt()?.recip()?,
+    };
+    let shift = match bn.weight_and_bias() {
+        Some((_, beta)) => beta.clone(),
+        None => scale.zeros_like()?,
+    };
+    let w1 = l1.weight().broadcast_mul(&scale.unsqueeze(1)?)?;
+    let b1_raw = l1.bias().cloned().unwrap_or(scale.zeros_like()?);
+    let b1 = (((b1_raw - bn.running_mean())? * &scale)? + shift)?;
+    let w2 = l2.weight().clone();
+    let b2 = l2.bias().cloned().unwrap_or(Tensor::zeros(c, DType::F32, &device)?);
+    Ok((
+        w1.flatten_all()?.to_vec1()?,
+        b1.to_vec1()?,
+        w2.flatten_all()?.to_vec1()?,
+        b2.to_vec1()?,
+    ))
+}
+
+/// The trained SAAP heads of every retrieval layer of one model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SaapArtifact {
+    /// File format version.
+    pub version: u32,
+    /// sha256 of the model file the heads were trained on.
+    pub model_sha256: String,
+    /// Buckets per head.
+    pub centroids: usize,
+    /// Seed of the training.
+    pub seed: u64,
+    /// Tokens of training text.
+    pub tokens: usize,
+    /// `(layer, heads by KV head)`.
+    pub layers: Vec<(usize, Vec<SaapHead>)>,
+    /// The loss curve of every head: `(layer, KV head, epochs)`.
+    pub losses: Vec<(usize, usize, Vec<Epoch>)>,
+}
+
+impl SaapArtifact {
+    /// An empty artifact for `model_sha256`.
+    pub fn new(model_sha256: &str, centroids: usize, seed: u64, tokens: usize) -> Self {
+        Self {
+            version: ARTIFACT_VERSION,
+            model_sha256: model_sha256.to_string(),
+            centroids,
+            seed,
+            tokens,
+            layers: Vec::new(),
+            losses: Vec::new(),
+        }
+    }
+
+    /// The head of `layer` and `kv_head`.
+    pub fn head(&self, layer: usize, kv_head: usize) -> Option<&SaapHead> {
+        self.layers
+            .iter()
+            .find(|(l, _)| *l == layer)
+            .and_then(|(_, heads)| heads.get(kv_head))
+    }
+
+    /// Its bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        encode(self)
+    }
+
+    /// Reads an artifact from bytes, checking its version and shapes.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let artifact: Self = decode(bytes)?;
+        if artifact.version != ARTIFACT_VERSION {
+            return Err(IndexError::Corrupt(format!(
+                "saap artifact version {} (this build reads {ARTIFACT_VERSION})",
+                artifact.version
+            )));
+        }
+        for (_, heads) in &artifact.layers {
+            for head in heads {
+                head.check()?;
+            }
+        }
+        Ok(artifact)
+    }
+
+    /// Writes it to `path` (through a temporary file, so a crash leaves no half file).
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        let bytes = self.to_bytes().map_err(std::io::Error::other)?;
+        let tmp = path.with_extension("saap.tmp");
+        std::fs::write(&tmp, bytes)?;
+        std::fs::rename(tmp, path)
+    }
+
+    /// Reads it from `path`.
+    pub fn read(path: &Path) -> std::io::Result<Self> {
+        Self::from_bytes(&std::fs::read(path)?).map_err(std::io::Error::other)
+    }
+}
+
+/// A corpus's keys in the buckets of a trained [`SaapHead`]; see the module documentation.
+#[derive(Debug)]
+pub struct SaapIndex {
+    spec: SaapSpec,
+    head: SaapHead,
+    /// Bucket of every key, by id.
+    assigned: Vec<u32>,
+    /// Ids of each bucket, ascending.
+    buckets: Vec<Vec<u32>>,
+    stats: BuildStats,
+}
+
+impl SaapIndex {
+    /// Assigns pre-RoPE `keys` (ids `0..`) to the buckets of the context's trained head.
+    pub fn build(spec: &SaapSpec, context: &BuildContext<'_>, keys: &[f32]) -> Result<Self> {
+        let started = Instant::now();
+        let head = context.saap.ok_or_else(|| IndexError::Build {
+            spec: IndexSpec::Saap(*spec).to_string(),
+            reason: "saap needs a trained artifact for this model (`kvdb saap train`)".into(),
+        })?;
+        let mut index = Self::with_head(spec, head.clone(), context)?;
+        index.add(keys)?;
+        index.stats = BuildStats::finished(index.len(), context.seed, started, Vec::new());
+        Ok(index)
+    }
+
+    fn with_head(spec: &SaapSpec, head: SaapHead, context: &BuildContext<'_>) -> Result<Self> {
+        head.check()?;
+        let error = |reason: String| IndexError::Build {
+            spec: IndexSpec::Saap(*spec).to_string(),
+            reason,
+        };
+        if head.head_dim != context.rope.head_dim() {
+            return Err(error(format!(
+                "the artifact's heads have dimension {}, the layer {}",
+                head.head_dim,
+                context.rope.head_dim()
+            )));
+        }
+        if head.buckets() != spec.centroids {
+            return Err(error(format!(
+                "the artifact was trained with {} buckets",
+                head.buckets()
+            )));
+        }
+        Ok(Self {
+            spec: *spec,
+            buckets: vec![Vec::new(); head.buckets()],
+            head,
+            assigned: Vec::new(),
+            stats: BuildStats::default(),
+        })
+    }
+
+    /// Reopens a saved index: its head from `body`, the keys re-assigned.
+    pub fn load(
+        spec: &SaapSpec,
+        context: &BuildContext<'_>,
+        stats: BuildStats,
+        body: &[u8],
+        keys: &[f32],
+    ) -> Result<Self> {
+        let head: SaapHead = decode(body)?;
+        let mut index = Self::with_head(spec, head, context)?;
+        index.add(keys)?;
+        index.stats = stats;
+        Ok(index)
+    }
+}
+
+impl StatelessSearch for SaapIndex {
+    fn search_once(&self, query: &GroupQuery<'_>, params: &SearchParams) -> Result<Found> {
+        let d = self.head_dim();
+        check_query(query, d)?;
+        let eligible = eligible(&params.candidates, self.len());
+        if eligible.is_empty() {
+            return Ok(Found::default());
+        }
+        let c = self.spec.centroids;
+        // The group's heads sum their classifier outputs.
+        let mut summed = vec![0f32; c];
+        for q in query.queries.chunks_exact(d) {
+            for (s, p) in summed.iter_mut().zip(self.head.route(q)) {
+                *s += p;
+            }
+        }
+        let visited = top_indices(&summed, self.spec.probes);
+        let ids: Vec<u32> = visited
+            .iter()
+            .flat_map(|&b| &self.buckets[b as usize])
+            .copied()
+            .filter(|id| eligible.contains(id))
+            .collect();
+        let unvisited = if params.estimate {
+            let mut seen = vec![false; c];
+            visited.iter().for_each(|&b| seen[b as usize] = true);
+            (0..c)
+                .filter(|&b| !seen[b] && !self.buckets[b].is_empty())
+                .map(|b| {
+                    let centroid = &self.head.centroids[b * d..(b + 1) * d];
+                    UnvisitedBucket {
+                        bucket: b as u32,
+                        size: self.buckets[b].len() as u32,
+                        logits: query.queries.chunks_exact(d).map(|q| dot(q, centroid)).collect(),
+                    }
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Found {
+            selection: Selection::new(ids),
+            // The classifier's C outputs play the part of C centroid scores.
+            scored: c,
+            unvisited,
+        })
+    }
+}
+
+impl KeyIndex for SaapIndex {
+    fn spec(&self) -> IndexSpec {
+        IndexSpec::Saap(self.spec)
+    }
+
+    fn head_dim(&self) -> usize {
+        self.head.head_dim
+    }
+
+    fn len(&self) -> usize {
+        self.assigned.len()
+    }
+
+    fn add(&mut self, keys: &[f32]) -> Result<()> {
+        let started = Instant::now();
+        let adding = check_add(keys, self.head_dim(), self.len())?;
+        let first = self.len() as u32;
+        let assigned = self.head.assign(keys);
+        for (i, &b) in assigned.iter().enumerate() {
+            self.buckets[b as usize].push(first + i as u32);
+        }
+        self.assigned.extend(assigned);
+        self.stats.record_add(adding, started);
+        Ok(())
+    }
+
+    fn searcher(&self) -> Box<dyn Searcher + '_> {
+        Box::new(OneShot(self))
+    }
+
+    fn memory_bytes(&self) -> usize {
+        let head = self.head.centroids.capacity()
+            + self.head.w1.capacity()
+            + self.head.b1.capacity()
+            + self.head.w2.capacity()
+            + self.head.b2.capacity();
+        let ids: usize = self.buckets.iter().map(Vec::capacity).sum();
+        (head + ids + self.assigned.capacity()) * 4
+    }
+
+    fn build_stats(&self) -> &BuildStats {
+        &self.stats
+    }
+
+    fn save(&self) -> Result<Vec<u8>> {
+        // The corpus keeps its own copy of the head.
+        encode(&self.head)
+    }
+
+    fn as_buckets(&self) -> Option<&dyn BucketIndex> {
+        Some(self)
+    }
+}
+
+impl BucketIndex for SaapIndex {
+    fn buckets(&self) -> usize {
+        self.spec.centroids
+    }
+
+    fn assignments(&self) -> Vec<u32> {
+        self.assigned.clone()
+    }
+}
