@@ -52,12 +52,23 @@ fn estimate_is_exact_for_keys_that_score_like_their_centroid() -> kvdb_attention
     };
     let exact = full_attention_f64(&queries, &keys, &values, position, &rope, scale)?;
     let error = |out: &[f32]| -> f64 {
-        let err: f64 = out.iter().zip(&exact).map(|(a, b)| (*a as f64 - b).powi(2)).sum();
+        let err: f64 = out
+            .iter()
+            .zip(&exact)
+            .map(|(a, b)| (*a as f64 - b).powi(2))
+            .sum();
         (err / exact.iter().map(|b| b * b).sum::<f64>()).sqrt()
     };
     let with = retrieval_attention(&query(Some(&estimate)), &kv)?;
     let without = retrieval_attention(&query(None), &kv)?;
-    assert!(error(&with.output) < 1e-5, "seed {seed}: {}", error(&with.output));
-    assert!(error(&without.output) > 1e-2, "seed {seed}: the dense part alone is not exact");
+    assert!(
+        error(&with.output) < 1e-5,
+        "seed {seed}: {}",
+        error(&with.output)
+    );
+    assert!(
+        error(&without.output) > 1e-2,
+        "seed {seed}: the dense part alone is not exact"
+    );
     Ok(())
 }

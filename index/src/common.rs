@@ -112,7 +112,12 @@ pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
 
 impl BuildStats {
     /// Stats of a build over `keys` keys that started at `started`.
-    pub(crate) fn finished(keys: usize, seed: u64, started: Instant, warnings: Vec<String>) -> Self {
+    pub(crate) fn finished(
+        keys: usize,
+        seed: u64,
+        started: Instant,
+        warnings: Vec<String>,
+    ) -> Self {
         Self {
             keys,
             seconds: started.elapsed().as_secs_f64(),

@@ -20,7 +20,10 @@ pub enum IndexError {
         what: &'static str,
     },
     /// A spec string that does not parse.
-    #[error("bad index spec `{spec}` at `{token}`: {problem}\n{}", crate::spec::GRAMMAR)]
+    #[error(
+        "bad index spec `{spec}` at `{token}`: {problem}\n{}",
+        crate::spec::GRAMMAR
+    )]
     Spec {
         /// The whole spec.
         spec: String,

@@ -6,9 +6,13 @@ use std::time::Instant;
 use kvdb_model::Rope;
 use rayon::prelude::*;
 
-use crate::common::{check_add, check_query, eligible, group_score, keep_top, rotated_keys, rotated_queries};
+use crate::common::{
+    check_add, check_query, eligible, group_score, keep_top, rotated_keys, rotated_queries,
+};
 use crate::key_index::{OneShot, StatelessSearch};
-use crate::{BuildStats, Found, GroupQuery, IndexSpec, KeyIndex, Result, SearchParams, Searcher, Selection};
+use crate::{
+    BuildStats, Found, GroupQuery, IndexSpec, KeyIndex, Result, SearchParams, Searcher, Selection,
+};
 
 /// Keys scored per rayon task.
 const CHUNK_ROWS: usize = 4096;
@@ -74,7 +78,9 @@ impl FlatIndex {
 
     /// The top `k` of the keys with ids in `ids`, unordered, scored against rotated queries.
     fn top_in(&self, queries: &[f32], ids: Range<u32>, k: usize) -> Vec<(f32, u32)> {
-        let mut scored: Vec<(f32, u32)> = ids.map(|id| (group_score(queries, self.key(id)), id)).collect();
+        let mut scored: Vec<(f32, u32)> = ids
+            .map(|id| (group_score(queries, self.key(id)), id))
+            .collect();
         keep_top(&mut scored, k);
         scored
     }

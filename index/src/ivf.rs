@@ -28,8 +28,8 @@ use crate::common::{
     check_add, check_query, decode, eligible, encode, group_score, keep_top, rotated_keys,
     rotated_queries, top_indices,
 };
-use crate::key_index::{OneShot, StatelessSearch};
 use crate::kernel::dot;
+use crate::key_index::{OneShot, StatelessSearch};
 use crate::{
     BucketIndex, BuildContext, BuildStats, Found, GroupQuery, IndexError, IndexSpec, IvfSpec,
     KeyIndex, Result, SearchParams, Searcher, Selection, UnvisitedBucket,
@@ -143,8 +143,8 @@ impl IvfIndex {
         }
         let mut quantizer = FaissFlat::new_ip(d as u32).map_err(faiss_error)?;
         quantizer.add(&body.centroids).map_err(faiss_error)?;
-        let mut faiss =
-            IVFFlatIndexImpl::new_ip(quantizer, d as u32, spec.lists as u32).map_err(faiss_error)?;
+        let mut faiss = IVFFlatIndexImpl::new_ip(quantizer, d as u32, spec.lists as u32)
+            .map_err(faiss_error)?;
         // The quantizer already holds `lists` centroids, so faiss skips k-means and only
         // marks the index trained.
         faiss.train(&body.centroids).map_err(faiss_error)?;
@@ -200,7 +200,9 @@ fn quantizer_centroids(faiss: &IVFFlatIndexImpl, d: usize) -> Result<Vec<f32>> {
         }
         let flat = faiss_sys::faiss_IndexFlat_cast(faiss_sys::faiss_IndexIVF_quantizer(ivf));
         if flat.is_null() {
-            return Err(IndexError::Faiss("the quantizer is not a flat index".into()));
+            return Err(IndexError::Faiss(
+                "the quantizer is not a flat index".into(),
+            ));
         }
         let (mut data, mut len) = (std::ptr::null_mut(), 0usize);
         faiss_sys::faiss_IndexFlat_xb(flat, &mut data, &mut len);

@@ -93,7 +93,11 @@ struct Saved {
 }
 
 /// Builds the index `spec` names over pre-RoPE `keys` `[n, head_dim]` (ids `0..n`).
-pub fn build(spec: &IndexSpec, context: &BuildContext<'_>, keys: &[f32]) -> Result<Box<dyn KeyIndex>> {
+pub fn build(
+    spec: &IndexSpec,
+    context: &BuildContext<'_>,
+    keys: &[f32],
+) -> Result<Box<dyn KeyIndex>> {
     Ok(match spec {
         IndexSpec::Flat => Box::new(FlatIndex::build(context.rope.clone(), keys)?),
         #[cfg(feature = "faiss")]

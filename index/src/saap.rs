@@ -34,8 +34,8 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::common::{check_add, check_query, decode, eligible, encode, top_indices};
-use crate::key_index::{OneShot, StatelessSearch};
 use crate::kernel::dot;
+use crate::key_index::{OneShot, StatelessSearch};
 use crate::{
     BucketIndex, BuildContext, BuildStats, Found, GroupQuery, IndexError, IndexSpec, KeyIndex,
     Result, SaapSpec, SearchParams, Searcher, Selection, UnvisitedBucket,
@@ -87,7 +87,9 @@ impl SaapHead {
         if ok {
             Ok(())
         } else {
-            Err(IndexError::Corrupt("saap head of inconsistent shape".into()))
+            Err(IndexError::Corrupt(
+                "saap head of inconsistent shape".into(),
+            ))
         }
     }
 
@@ -182,7 +184,10 @@ pub fn kmeans(points: &[f32], d: usize, c: usize, iterations: usize, seed: u64) 
         let mut counts = vec![0usize; c];
         for (i, &a) in assigned.iter().enumerate() {
             counts[a as usize] += 1;
-            for (s, x) in sums[a as usize * d..(a as usize + 1) * d].iter_mut().zip(row(i)) {
+            for (s, x) in sums[a as usize * d..(a as usize + 1) * d]
+                .iter_mut()
+                .zip(row(i))
+            {
                 *s += *x as f64;
             }
         }
@@ -283,10 +288,18 @@ pub fn train_head(
             head_dim: d,
         });
     }
-    let centroids = kmeans(data.keys, d, options.centroids, options.kmeans_iterations, options.seed);
+    let centroids = kmeans(
+        data.keys,
+        d,
+        options.centroids,
+        options.kmeans_iterations,
+        options.seed,
+    );
     let c = centroids.len() / d;
     if c < 2 {
-        return Err(IndexError::Training(format!("{n} keys are too few to train buckets")));
+        return Err(IndexError::Training(format!(
+            "{n} keys are too few to train buckets"
+        )));
     }
     let assigned = nearest(&centroids, data.keys, d);
     let (inputs, targets) = training_samples(data, &assigned, c, options)?;
@@ -297,7 +310,8 @@ pub fn train_head(
              train on longer text"
         )));
     }
-    let (w1, b1, w2, b2) = fit_classifier(&inputs, &targets, d, c, options, on_epoch).map_err(candle)?;
+    let (w1, b1, w2, b2) =
+        fit_classifier(&inputs, &targets, d, c, options, on_epoch).map_err(candle)?;
     Ok(SaapHead {
         head_dim: d,
         centroids,
@@ -343,7 +357,10 @@ fn training_samples(
                 return None;
             }
             let retrievable = TRAINING_SINK..p + 1 - TRAINING_WINDOW;
-            let max = logits[retrievable.clone()].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let max = logits[retrievable.clone()]
+                .iter()
+                .copied()
+                .fold(f32::NEG_INFINITY, f32::max);
             let mut mass = vec![0f32; c];
             let mut total = 0f32;
             for j in retrievable {
@@ -411,10 +428,11 @@ fn fit_classifier(
         let h = bn.forward_t(&l1.forward(x)?, training)?.relu()?;
         l2.forward(&h)
     };
-    let kl = |x: &Tensor, t: &Tensor, tlt: &Tensor, training: bool| -> candle_core::Result<Tensor> {
-        let log_p = candle_nn::ops::log_softmax(&forward(x, training)?, D::Minus1)?;
-        (tlt - (t * log_p)?.sum(1)?)?.mean(0)
-    };
+    let kl =
+        |x: &Tensor, t: &Tensor, tlt: &Tensor, training: bool| -> candle_core::Result<Tensor> {
+            let log_p = candle_nn::ops::log_softmax(&forward(x, training)?, D::Minus1)?;
+            (tlt - (t * log_p)?.sum(1)?)?.mean(0)
+        };
     let mut adam = candle_nn::AdamW::new(
         varmap.all_vars(),
         candle_nn::ParamsAdamW {
@@ -469,7 +487,10 @@ fn fit_classifier(
     let b1_raw = l1.bias().cloned().unwrap_or(scale.zeros_like()?);
     let b1 = (((b1_raw - bn.running_mean())? * &scale)? + shift)?;
     let w2 = l2.weight().clone();
-    let b2 = l2.bias().cloned().unwrap_or(Tensor::zeros(c, DType::F32, &device)?);
+    let b2 = l2
+        .bias()
+        .cloned()
+        .unwrap_or(Tensor::zeros(c, DType::F32, &device)?);
     Ok((
         w1.flatten_all()?.to_vec1()?,
         b1.to_vec1()?,
@@ -658,7 +679,11 @@ impl StatelessSearch for SaapIndex {
                     UnvisitedBucket {
                         bucket: b as u32,
                         size: self.buckets[b].len() as u32,
-                        logits: query.queries.chunks_exact(d).map(|q| dot(q, centroid)).collect(),
+                        logits: query
+                            .queries
+                            .chunks_exact(d)
+                            .map(|q| dot(q, centroid))
+                            .collect(),
                     }
                 })
                 .collect()

@@ -161,8 +161,7 @@ impl IndexSpec {
 
 impl fmt::Display for IndexSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let slashed =
-            |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join("/");
+        let slashed = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join("/");
         match self {
             Self::Flat => write!(f, "flat"),
             Self::Ivf(s) => {
@@ -293,7 +292,10 @@ impl<'a> Fields<'a> {
         let (mut tables, mut bits) = (None, None);
         let (mut min_collisions, mut seed) = (DEFAULT_MIN_COLLISIONS, 0u64);
         for (token, key, value) in self.pairs(body)? {
-            let n = || self.number(value, "").map_err(|_| self.error(token, "not a positive integer"));
+            let n = || {
+                self.number(value, "")
+                    .map_err(|_| self.error(token, "not a positive integer"))
+            };
             match key {
                 "L" => tables = Some(n()?),
                 "K" => bits = Some(n()?),
@@ -366,7 +368,9 @@ impl<'a> Fields<'a> {
                 "k" => budgets = Some(self.list(token, value)?),
                 "refresh" => spec.refresh = self.list(token, value)?,
                 _ => {
-                    return Err(self.error(token, "expected `lc=`, `k=` or `refresh=` (or a preset)"))
+                    return Err(
+                        self.error(token, "expected `lc=`, `k=` or `refresh=` (or a preset)")
+                    )
                 }
             }
         }
@@ -437,8 +441,14 @@ mod tests {
             ("lsh:K=8,L=16,min=3,seed=7", "lsh:L=16,K=8,min=3,seed=7"),
             ("saap1024,l32", "saap1024,l32"),
             ("hip:k512,bq32,bk2", "hip:k512,bq32,bk2"),
-            ("ihip:paper", "ihip:lc=256/32/8,k=32768/8192/2048,refresh=16/8/4"),
-            ("ihip:3k", "ihip:lc=256/32/8,k=49152/12288/3072,refresh=16/8/4"),
+            (
+                "ihip:paper",
+                "ihip:lc=256/32/8,k=32768/8192/2048,refresh=16/8/4",
+            ),
+            (
+                "ihip:3k",
+                "ihip:lc=256/32/8,k=49152/12288/3072,refresh=16/8/4",
+            ),
             (
                 "ihip:lc=64/8,k=1024/256,refresh=8/4",
                 "ihip:lc=64/8,k=1024/256,refresh=8/4",
@@ -469,8 +479,14 @@ mod tests {
             ("lsh:L=4,K=8,min=5", "L=4,K=8,min=5"),
             ("saap8,l9", "l9"),
             ("hip:k500,bq32,bk64", "k500"),
-            ("ihip:lc=256/32,k=1/2,refresh=1/1", "lc=256/32,k=1/2,refresh=1/1"),
-            ("ihip:lc=256/30,k=8/2,refresh=1/1", "lc=256/30,k=8/2,refresh=1/1"),
+            (
+                "ihip:lc=256/32,k=1/2,refresh=1/1",
+                "lc=256/32,k=1/2,refresh=1/1",
+            ),
+            (
+                "ihip:lc=256/30,k=8/2,refresh=1/1",
+                "lc=256/30,k=8/2,refresh=1/1",
+            ),
             ("ihip:nope", "nope"),
             ("pq16", "pq16"),
         ] {

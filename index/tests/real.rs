@@ -9,7 +9,9 @@
 use std::ops::Range;
 
 use kvdb_index::saap::{train_head, SaapHead, TrainOptions, TrainingData};
-use kvdb_index::{BuildContext, FlatIndex, GroupQuery, IndexSpec, KeyIndex, SearchParams, Selection};
+use kvdb_index::{
+    BuildContext, FlatIndex, GroupQuery, IndexSpec, KeyIndex, SearchParams, Selection,
+};
 use kvdb_tests::{real_kv, RealKv};
 use rand::seq::index::sample;
 use rand::SeedableRng;
@@ -28,7 +30,9 @@ fn candidates(position: usize) -> Range<u32> {
 
 fn positions() -> Vec<usize> {
     let first = TOKENS * 3 / 4;
-    (0..QUERIES).map(|i| first + i * (TOKENS - first) / QUERIES).collect()
+    (0..QUERIES)
+        .map(|i| first + i * (TOKENS - first) / QUERIES)
+        .collect()
 }
 
 /// Measured quality of one index on one layer.
@@ -68,7 +72,10 @@ fn measure(kv: &RealKv, index: &dyn KeyIndex, k: usize) -> anyhow::Result<Qualit
         let eligible = candidates(p);
         let params = SearchParams::top(k, eligible.clone());
         let found = index.select(&query, &params)?;
-        assert!(found.ids().iter().all(|id| eligible.contains(id)), "outside the candidates");
+        assert!(
+            found.ids().iter().all(|id| eligible.contains(id)),
+            "outside the candidates"
+        );
         let truth = exact.select(&query, &params)?;
         let hits = found.ids().iter().filter(|&&id| truth.contains(id)).count();
         q.recall_at_k += hits as f64 / truth.len() as f64;
@@ -132,7 +139,10 @@ fn floors_on_real_keys() -> anyhow::Result<()> {
     let layers = real_kv(TOKENS)?;
     let top_k = ["ivf64,np8", "hnsw16,ef128", "lsh:L=64,K=4,min=3"];
     let buckets = ["ivf64,np3,norope,all", "ivf64,np3,all", "saap64,l3"];
-    let others = ["hip:k64,bq1,bk2", "ihip:lc=64/16/4,k=1024/256/64,refresh=16/8/4"];
+    let others = [
+        "hip:k64,bq1,bk2",
+        "ihip:lc=64/16/4,k=1024/256/64,refresh=16/8/4",
+    ];
     let mut failures = Vec::new();
     for kv in layers.iter() {
         let saap = train_saap(kv, 64)?;
@@ -146,7 +156,10 @@ fn floors_on_real_keys() -> anyhow::Result<()> {
                 kv.layer, q.recall_at_k, q.mass_recall, q.selectivity, q.random_mass_recall
             );
             if top_k.contains(spec) && q.recall_at_k < 0.9 {
-                failures.push(format!("layer {} {spec}: recall@k {:.3} < 0.9", kv.layer, q.recall_at_k));
+                failures.push(format!(
+                    "layer {} {spec}: recall@k {:.3} < 0.9",
+                    kv.layer, q.recall_at_k
+                ));
             }
             if buckets.contains(spec) && (q.mass_recall < 0.8 || q.selectivity > 0.05) {
                 failures.push(format!(
@@ -162,7 +175,13 @@ fn floors_on_real_keys() -> anyhow::Result<()> {
             }
             results.push((*spec, q));
         }
-        let of = |s: &str| results.iter().find(|(spec, _)| *spec == s).map(|(_, q)| *q).unwrap_or_default();
+        let of = |s: &str| {
+            results
+                .iter()
+                .find(|(spec, _)| *spec == s)
+                .map(|(_, q)| *q)
+                .unwrap_or_default()
+        };
         let (saap_q, kmeans_q) = (of("saap64,l3"), of("ivf64,np3,norope,all"));
         if saap_q.mass_recall < kmeans_q.mass_recall {
             failures.push(format!(
@@ -184,7 +203,13 @@ fn save_load_and_incremental_add_on_real_keys() -> anyhow::Result<()> {
     let d = kv.head_dim;
     let saap = train_saap(kv, 32)?;
     let first = TOKENS / 2;
-    for spec in ["flat", "ivf32,np4", "ivf32,np4,norope,all", "lsh:L=16,K=8,min=2", "saap32,l4"] {
+    for spec in [
+        "flat",
+        "ivf32,np4",
+        "ivf32,np4,norope,all",
+        "lsh:L=16,K=8,min=2",
+        "saap32,l4",
+    ] {
         let parsed: IndexSpec = spec.parse()?;
         let ctx = context(kv, Some(&saap));
         let whole = kvdb_index::build(&parsed, &ctx, &kv.keys)?;
@@ -203,7 +228,11 @@ fn save_load_and_incremental_add_on_real_keys() -> anyhow::Result<()> {
             };
             let params = SearchParams::top(K, candidates(p));
             let expected = whole.select(&query, &params)?;
-            assert_eq!(loaded.select(&query, &params)?, expected, "{spec}: save → load at {p}");
+            assert_eq!(
+                loaded.select(&query, &params)?,
+                expected,
+                "{spec}: save → load at {p}"
+            );
             assert_eq!(
                 grown.select(&query, &params)?,
                 fixed.select(&query, &params)?,

@@ -12,7 +12,9 @@ use kvdb::ingest::{layer_policy, ModelRef, DOCUMENT_SEPARATOR};
 use kvdb::store::{Access, Store, StoredLayer};
 use kvdb_index::saap::{train_head, Epoch, SaapArtifact, TrainOptions, TrainingData};
 use kvdb_index::IndexSpec;
-use kvdb_model::{AttentionBackend, AttentionInput, EncodeOptions, FullAttention, LoadOptions, Logits};
+use kvdb_model::{
+    AttentionBackend, AttentionInput, EncodeOptions, FullAttention, LoadOptions, Logits,
+};
 
 use crate::corpus_cli::{CorpusRef, ProgressMode};
 
@@ -97,25 +99,39 @@ pub(crate) fn update_with_progress(
         "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} layer/head indexes {msg}",
     )?);
     let started = Instant::now();
-    let infos = update_indexes(store, corpus, model, specs, saap, &mut |event| match event {
-        IndexEvent::Started { spec, parts } => {
-            bar.set_length(bar.length().unwrap_or(0) + parts as u64);
-            bar.set_message(format!("index {spec}"));
-            if progress == ProgressMode::Json {
-                println!("{}", serde_json::json!({"event": "index", "spec": spec, "parts": parts}));
+    let infos = update_indexes(
+        store,
+        corpus,
+        model,
+        specs,
+        saap,
+        &mut |event| match event {
+            IndexEvent::Started { spec, parts } => {
+                bar.set_length(bar.length().unwrap_or(0) + parts as u64);
+                bar.set_message(format!("index {spec}"));
+                if progress == ProgressMode::Json {
+                    println!(
+                        "{}",
+                        serde_json::json!({"event": "index", "spec": spec, "parts": parts})
+                    );
+                }
             }
-        }
-        IndexEvent::Part { .. } => bar.inc(1),
-        IndexEvent::Warning { spec, message } => {
-            bar.println(format!("kvdb: warning: {spec}: {message}"))
-        }
-    })?;
+            IndexEvent::Part { .. } => bar.inc(1),
+            IndexEvent::Warning { spec, message } => {
+                bar.println(format!("kvdb: warning: {spec}: {message}"))
+            }
+        },
+    )?;
     bar.finish_and_clear();
     if progress != ProgressMode::Json {
         eprintln!(
             "kvdb: indexes of `{corpus}` up to date in {:.1}s: {}",
             started.elapsed().as_secs_f64(),
-            infos.iter().map(|i| i.spec.as_str()).collect::<Vec<_>>().join(", ")
+            infos
+                .iter()
+                .map(|i| i.spec.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     Ok(infos)
@@ -220,8 +236,16 @@ pub(crate) fn saap(command: SaapCommand) -> Result<()> {
         if let Some(c) = captured.iter_mut().find(|c| c.layer == input.layer.index) {
             c.scale = input.scale;
             for head in 0..heads {
-                let k = input.keys.narrow(1, head, 1)?.flatten_all()?.to_vec1::<f32>()?;
-                let q = input.queries.narrow(1, head * group, group)?.flatten_all()?.to_vec1::<f32>()?;
+                let k = input
+                    .keys
+                    .narrow(1, head, 1)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let q = input
+                    .queries
+                    .narrow(1, head * group, group)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
                 c.keys[head].extend(k);
                 c.queries[head].extend(q);
             }
@@ -229,7 +253,12 @@ pub(crate) fn saap(command: SaapCommand) -> Result<()> {
         full.attend(input)
     };
     for (i, chunk) in ids.chunks(512).enumerate() {
-        model.forward(chunk, i * 512, &mut record as &mut dyn AttentionBackend, &Logits::None)?;
+        model.forward(
+            chunk,
+            i * 512,
+            &mut record as &mut dyn AttentionBackend,
+            &Logits::None,
+        )?;
         bar.inc(chunk.len() as u64);
     }
     bar.finish_and_clear();
@@ -241,7 +270,8 @@ pub(crate) fn saap(command: SaapCommand) -> Result<()> {
         seed: args.seed,
         ..TrainOptions::default()
     };
-    let mut artifact = SaapArtifact::new(&loaded.record.sha256, args.centroids, args.seed, ids.len());
+    let mut artifact =
+        SaapArtifact::new(&loaded.record.sha256, args.centroids, args.seed, ids.len());
     let bar = ProgressBar::new((captured.len() * heads * options.epochs) as u64);
     bar.set_style(ProgressStyle::with_template(
         "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} epochs, ETA {eta} {msg}",
@@ -251,7 +281,10 @@ pub(crate) fn saap(command: SaapCommand) -> Result<()> {
         let rope = model.rope(c.layer).context("no rope")?;
         let mut trained = Vec::with_capacity(heads);
         for head in 0..heads {
-            bar.set_message(format!("layer {} KV head {head}: k-means, targets", c.layer));
+            bar.set_message(format!(
+                "layer {} KV head {head}: k-means, targets",
+                c.layer
+            ));
             let mut losses = Vec::new();
             let data = TrainingData {
                 keys: &c.keys[head],
@@ -311,7 +344,13 @@ pub(crate) fn saap(command: SaapCommand) -> Result<()> {
 /// The training and validation KL of every head over the epochs, as an SVG line chart.
 fn plot_losses(artifact: &SaapArtifact, path: &Path) -> Result<()> {
     use plotters::prelude::*;
-    let epochs = artifact.losses.iter().map(|(_, _, l)| l.len()).max().unwrap_or(1).max(2);
+    let epochs = artifact
+        .losses
+        .iter()
+        .map(|(_, _, l)| l.len())
+        .max()
+        .unwrap_or(1)
+        .max(2);
     let top = artifact
         .losses
         .iter()
@@ -321,12 +360,19 @@ fn plot_losses(artifact: &SaapArtifact, path: &Path) -> Result<()> {
     let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption("SAAP classifiers: KL per epoch (thick: training, thin: validation)", ("sans-serif", 20))
+        .caption(
+            "SAAP classifiers: KL per epoch (thick: training, thin: validation)",
+            ("sans-serif", 20),
+        )
         .margin(10)
         .x_label_area_size(35)
         .y_label_area_size(55)
         .build_cartesian_2d(1f64..epochs as f64, 0f64..top * 1.05)?;
-    chart.configure_mesh().x_desc("epoch").y_desc("KL (nats)").draw()?;
+    chart
+        .configure_mesh()
+        .x_desc("epoch")
+        .y_desc("KL (nats)")
+        .draw()?;
     for (i, (layer, head, losses)) in artifact.losses.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
         chart

@@ -149,7 +149,8 @@ pub fn update_indexes(
     // A corpus's first ingest names its indexes: the default `flat` gives way to them.
     let unsaved_default = match manifest.retrieval_layers().first() {
         Some(&layer) => {
-            manifest.indexes == ["flat"] && store.index(index_key(&manifest, 0, layer, 0))?.is_none()
+            manifest.indexes == ["flat"]
+                && store.index(index_key(&manifest, 0, layer, 0))?.is_none()
         }
         None => false,
     };

@@ -425,7 +425,11 @@ impl Corpus {
     }
 
     /// The index set a mode searches (`None` for full attention).
-    fn index_for(&self, model: ModelRef<'_>, mode: &AttentionMode) -> Result<Option<Arc<IndexSet>>> {
+    fn index_for(
+        &self,
+        model: ModelRef<'_>,
+        mode: &AttentionMode,
+    ) -> Result<Option<Arc<IndexSet>>> {
         match mode {
             AttentionMode::Full => Ok(None),
             AttentionMode::Retrieval(r) => {
@@ -501,7 +505,10 @@ impl Corpus {
                 let mut searchers = HashMap::new();
                 let mut built = String::new();
                 for (&layer, indexes) in set {
-                    built = indexes.first().map(|i| i.spec().to_string()).unwrap_or_default();
+                    built = indexes
+                        .first()
+                        .map(|i| i.spec().to_string())
+                        .unwrap_or_default();
                     searchers.insert(layer, indexes.iter().map(|i| i.searcher()).collect());
                 }
                 let spec = r.index.clone().map_or_else(|| self.default_index(), Ok)?;
@@ -549,12 +556,16 @@ impl Corpus {
                     return Ok(HashMap::new());
                 };
                 let (mut keys, mut values) = (Vec::new(), Vec::new());
-                self.tier.gather(layer, head, &ids, &mut keys, &mut values)?;
+                self.tier
+                    .gather(layer, head, &ids, &mut keys, &mut values)?;
                 let mut sums = vec![0f64; buckets.buckets() * d];
                 let mut counts = vec![0usize; buckets.buckets()];
                 for (row, &b) in values.chunks_exact(d).zip(&buckets.assignments()) {
                     counts[b as usize] += 1;
-                    for (s, v) in sums[b as usize * d..(b as usize + 1) * d].iter_mut().zip(row) {
+                    for (s, v) in sums[b as usize * d..(b as usize + 1) * d]
+                        .iter_mut()
+                        .zip(row)
+                    {
                         *s += *v as f64;
                     }
                 }
@@ -744,7 +755,8 @@ impl Session<'_> {
             sink: policy.sink,
             window: policy.window.max(position + 1 - n),
         };
-        let q_of = |i: usize, g: usize| &queries[(i * h + g * group) * d..(i * h + (g + 1) * group) * d];
+        let q_of =
+            |i: usize, g: usize| &queries[(i * h + g * group) * d..(i * h + (g + 1) * group) * d];
         let means = self.bucket_means.get(&layer);
         let estimate = means.is_some();
         // Searches run in token order per KV head (a searcher may carry state from one step

@@ -625,7 +625,8 @@ impl Batch<'_> {
 
     /// Writes one saved index.
     pub fn put_index(&mut self, key: IndexKey, bytes: &[u8]) -> Result<()> {
-        self.batch.put_cf(self.store.cf("index")?, key.bytes(), bytes);
+        self.batch
+            .put_cf(self.store.cf("index")?, key.bytes(), bytes);
         Ok(())
     }
 

@@ -90,10 +90,13 @@ fn selecting_every_token_equals_full_attention() -> Result<()> {
             parse_special: false,
         },
     )?;
-    let everything = AttentionMode::top_k(n, DensePolicy {
+    let everything = AttentionMode::top_k(
+        n,
+        DensePolicy {
             sink: 4,
             window: 16,
-        });
+        },
+    );
     let retrieved = corpus.score(model.as_ref(), &ids, everything.clone())?;
     let full = corpus.score(model.as_ref(), &ids, AttentionMode::Full)?;
     // Same f16-rounded keys and values, different summation order only.
@@ -268,7 +271,9 @@ fn saap_artifact(model: &LoadedModel, centroids: usize, path: &std::path::Path) 
             rope: &kv.rope,
             scale: kv.scale,
         };
-        artifact.layers.push((kv.layer, vec![train_head(&data, &options, &mut |_| {})?]));
+        artifact
+            .layers
+            .push((kv.layer, vec![train_head(&data, &options, &mut |_| {})?]));
     }
     artifact.write(path)?;
     Ok(())
@@ -353,7 +358,11 @@ fn every_index_finds_the_needle_at_five_percent() -> Result<()> {
             stats.scored_share()
         );
         if !answer.answer.contains(number) || stats.selectivity() > 0.05 {
-            missed.push(format!("{spec}: {:?} at {:.4}", answer.answer, stats.selectivity()));
+            missed.push(format!(
+                "{spec}: {:?} at {:.4}",
+                answer.answer,
+                stats.selectivity()
+            ));
         }
     }
     assert!(missed.is_empty(), "{missed:?}");

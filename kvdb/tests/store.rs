@@ -671,7 +671,10 @@ fn index_commands_build_list_and_query() -> Result<()> {
         args.extend_from_slice(&["--progress", "none", path_str(doc)]);
         run(&args)
     };
-    let out = ingest(&docs[0], &["--index", "hnsw8,ef32", "--index", "hip:k16,bq1,bk4"]);
+    let out = ingest(
+        &docs[0],
+        &["--index", "hnsw8,ef32", "--index", "hip:k16,bq1,bk4"],
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let list = |expect: &[&str]| -> Result<String> {
         let out = run(&["index", "list", "--store", s, "--corpus", "c"]);
@@ -683,7 +686,19 @@ fn index_commands_build_list_and_query() -> Result<()> {
     };
     let listed = list(&["hnsw8,ef32,efc200", "hip:k16,bq1,bk4", "(default)"])?;
     assert!(!listed.contains("flat"), "{listed}");
-    let out = run(&["index", "add", "--store", s, "--corpus", "c", "--model", m, "--progress", "none", "lsh:L=8,K=6,min=1"]);
+    let out = run(&[
+        "index",
+        "add",
+        "--store",
+        s,
+        "--corpus",
+        "c",
+        "--model",
+        m,
+        "--progress",
+        "none",
+        "lsh:L=8,K=6,min=1",
+    ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     list(&["lsh:L=8,K=6,min=1,seed=0"])?;
     // A later ingest catches every index up with the new tokens.
@@ -693,20 +708,52 @@ fn index_commands_build_list_and_query() -> Result<()> {
     let listed = list(&[])?;
     let keys = manifest.tokens.to_string();
     assert_eq!(
-        listed.lines().skip(1).filter(|l| l.split_whitespace().nth(3) == Some(keys.as_str())).count(),
+        listed
+            .lines()
+            .skip(1)
+            .filter(|l| l.split_whitespace().nth(3) == Some(keys.as_str()))
+            .count(),
         3,
         "every index covers the {keys} tokens: {listed}"
     );
     for index in ["lsh:L=8,K=6,min=1", "hip:k16,bq1,bk4", "flat"] {
-        let out = run(&["ask", "--store", s, "--corpus", "c", "--model", m, "--index", index, "--max-tokens", "3", "--json", "question"]);
+        let out = run(&[
+            "ask",
+            "--store",
+            s,
+            "--corpus",
+            "c",
+            "--model",
+            m,
+            "--index",
+            index,
+            "--max-tokens",
+            "3",
+            "--json",
+            "question",
+        ]);
         assert!(out.status.success(), "{index}: {}", text(&out.stderr));
         let answer: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-        assert!(answer["retrieval"]["searches"].as_u64().unwrap_or(0) > 0, "{index}: {answer}");
+        assert!(
+            answer["retrieval"]["searches"].as_u64().unwrap_or(0) > 0,
+            "{index}: {answer}"
+        );
     }
-    let out = run(&["ask", "--store", s, "--corpus", "c", "--model", m, "--index", "ivf8,np2", "q"]);
-    assert!(text(&out.stderr).contains("has no index `ivf8,np2`"), "{}", text(&out.stderr));
-    let out = run(&["index", "add", "--store", s, "--corpus", "c", "--model", m, "ivf8,np9"]);
+    let out = run(&[
+        "ask", "--store", s, "--corpus", "c", "--model", m, "--index", "ivf8,np2", "q",
+    ]);
+    assert!(
+        text(&out.stderr).contains("has no index `ivf8,np2`"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run(&[
+        "index", "add", "--store", s, "--corpus", "c", "--model", m, "ivf8,np9",
+    ]);
     let err = text(&out.stderr);
-    assert!(!out.status.success() && err.contains("np9") && err.contains("hnsw<M>,ef<E>"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("np9") && err.contains("hnsw<M>,ef<E>"),
+        "{err}"
+    );
     Ok(())
 }

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use anyhow::{ensure, Context, Result};
 use candle_core::Device;
 use kvdb_model::{
-    AttentionBackend, AttentionInput, EncodeOptions, FullAttention, GgufFile, LayerKind, LoadOptions,
-    Model, Rope, Tokenizer, WeightMode,
+    AttentionBackend, AttentionInput, EncodeOptions, FullAttention, GgufFile, LayerKind,
+    LoadOptions, Model, Rope, Tokenizer, WeightMode,
 };
 
 /// One retrieval layer's first KV head, as the model produced it over real text.
@@ -66,7 +66,10 @@ impl RealKv {
                     .chunks_exact(d)
                     .map(|k| {
                         self.scale as f64
-                            * q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                            * q.iter()
+                                .zip(k)
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum::<f64>()
                     })
                     .collect();
                 let max = logits.iter().fold(f64::NEG_INFINITY, |m, &l| m.max(l));
@@ -129,7 +132,11 @@ pub fn real_kv(tokens: usize) -> Result<Arc<Vec<RealKv>>> {
 fn capture(model: &Model, tokenizer: &Tokenizer, tokens: usize) -> Result<Vec<RealKv>> {
     let text = gpl_text()?;
     let mut ids = tokenizer.encode(&text, EncodeOptions::default())?;
-    ensure!(ids.len() >= tokens, "the GPL-3 text has only {} tokens", ids.len());
+    ensure!(
+        ids.len() >= tokens,
+        "the GPL-3 text has only {} tokens",
+        ids.len()
+    );
     ids.truncate(tokens);
     let config = model.config().clone();
     let layers: Vec<usize> = config
@@ -157,9 +164,21 @@ fn capture(model: &Model, tokenizer: &Tokenizer, tokens: usize) -> Result<Vec<Re
         if let Some(slot) = out.iter_mut().find(|s| s.layer == input.layer.index) {
             slot.scale = input.scale;
             // KV head 0 and its query heads 0..group.
-            let k = input.keys.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
-            let v = input.values.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
-            let q = input.queries.narrow(1, 0, group)?.flatten_all()?.to_vec1::<f32>()?;
+            let k = input
+                .keys
+                .narrow(1, 0, 1)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let v = input
+                .values
+                .narrow(1, 0, 1)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let q = input
+                .queries
+                .narrow(1, 0, group)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             slot.keys.extend(k);
             slot.values.extend(v);
             slot.queries.extend(q);
@@ -167,7 +186,12 @@ fn capture(model: &Model, tokenizer: &Tokenizer, tokens: usize) -> Result<Vec<Re
         full.attend(input)
     };
     for (i, chunk) in ids.chunks(512).enumerate() {
-        model.forward(chunk, i * 512, &mut record as &mut dyn AttentionBackend, &kvdb_model::Logits::None)?;
+        model.forward(
+            chunk,
+            i * 512,
+            &mut record as &mut dyn AttentionBackend,
+            &kvdb_model::Logits::None,
+        )?;
     }
     Ok(out)
 }
@@ -196,7 +220,11 @@ fn read_cached(model: &Model, tokens: usize) -> Result<Vec<RealKv>> {
         Ok(floats[at - n..at].to_vec())
     };
     let mut out = Vec::new();
-    for l in config.layers.iter().filter(|l| matches!(l.kind, LayerKind::Global)) {
+    for l in config
+        .layers
+        .iter()
+        .filter(|l| matches!(l.kind, LayerKind::Global))
+    {
         let scale = take(1)?[0];
         out.push(RealKv {
             layer: l.index,
