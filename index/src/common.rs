@@ -100,6 +100,19 @@ pub(crate) fn top_indices(scores: &[f32], k: usize) -> Vec<u32> {
     scored.into_iter().map(|(_, i)| i).collect()
 }
 
+/// Checks that the saved body of an index that saves nothing (its structure derives from
+/// the keys) is empty: anything else was not written by it.
+pub(crate) fn expect_empty_body(kind: &str, body: &[u8]) -> Result<()> {
+    if body.is_empty() {
+        Ok(())
+    } else {
+        Err(IndexError::Corrupt(format!(
+            "a saved {kind} index has an empty body, this one has {} bytes",
+            body.len()
+        )))
+    }
+}
+
 /// Serialises an index body.
 pub(crate) fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
     postcard::to_allocvec(value).map_err(|e| IndexError::Corrupt(format!("encoding: {e}")))

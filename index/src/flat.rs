@@ -76,8 +76,29 @@ impl FlatIndex {
         &self.keys[id as usize * d..(id as usize + 1) * d]
     }
 
-    /// The top `k` of the keys with ids in `ids`, unordered, scored against rotated queries.
-    fn top_in(&self, queries: &[f32], ids: Range<u32>, k: usize) -> Vec<(f32, u32)> {
+    /// The layer's RoPE.
+    pub(crate) fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
+    /// Every rotated key, `[len, head_dim]`.
+    pub(crate) fn rows(&self) -> &[f32] {
+        &self.keys
+    }
+
+    /// The group's queries rotated to their position.
+    pub(crate) fn rotate_query(&self, query: &GroupQuery<'_>) -> Vec<f32> {
+        rotated_queries(&self.rope, query)
+    }
+
+    /// The top `k` of the keys `ids`, unordered, scored exactly against rotated `queries`:
+    /// how the approximate indexes re-score their candidates.
+    pub(crate) fn top_of(
+        &self,
+        queries: &[f32],
+        ids: impl Iterator<Item = u32>,
+        k: usize,
+    ) -> Vec<(f32, u32)> {
         let mut scored: Vec<(f32, u32)> = ids
             .map(|id| (group_score(queries, self.key(id)), id))
             .collect();
@@ -88,7 +109,7 @@ impl FlatIndex {
     /// The top `k` of the eligible keys for rotated `queries`, unordered.
     pub(crate) fn top_k(&self, queries: &[f32], eligible: Range<u32>, k: usize) -> Vec<(f32, u32)> {
         if eligible.len() < PARALLEL_MIN_ROWS {
-            return self.top_in(queries, eligible, k);
+            return self.top_of(queries, eligible, k);
         }
         let chunk = CHUNK_ROWS as u32;
         let chunks = eligible.len().div_ceil(CHUNK_ROWS) as u32;
@@ -97,7 +118,7 @@ impl FlatIndex {
             .map(|c| {
                 let start = eligible.start + c * chunk;
                 let ids = start..start.saturating_add(chunk).min(eligible.end);
-                self.top_in(queries, ids, k)
+                self.top_of(queries, ids, k)
             })
             .collect();
         let mut merged = tops.concat();
@@ -120,7 +141,7 @@ impl StatelessSearch for FlatIndex {
             });
         }
         let scored = eligible.len();
-        let queries = rotated_queries(&self.rope, query);
+        let queries = self.rotate_query(query);
         let best = self.top_k(&queries, eligible, params.k);
         Ok(Found {
             selection: best.into_iter().map(|(_, id)| id).collect::<Selection>(),

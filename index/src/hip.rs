@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use kvdb_model::Rope;
 
-use crate::common::{check_query, eligible, group_score, rank, rotated_queries};
+use crate::common::{check_query, eligible, expect_empty_body, group_score, rank, rotated_queries};
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::{
     BuildContext, BuildStats, FlatIndex, Found, GroupQuery, HipSpec, IndexError, IndexSpec,
@@ -124,12 +124,7 @@ impl HipIndex {
         body: &[u8],
         keys: &[f32],
     ) -> Result<Self> {
-        if !body.is_empty() {
-            return Err(IndexError::Corrupt(format!(
-                "a saved hip index has an empty body, this one has {} bytes",
-                body.len()
-            )));
-        }
+        expect_empty_body("hip", body)?;
         let mut index = Self::empty(spec, context)?;
         index.keys.add(keys)?;
         index.stats = stats;

@@ -19,14 +19,11 @@ use hnsw_rs::prelude::{Distance, FilterT, Hnsw};
 use kvdb_model::Rope;
 use rayon::prelude::*;
 
-use crate::common::{
-    check_add, check_query, decode, eligible, encode, group_score, keep_top, rotated_keys,
-    rotated_queries,
-};
+use crate::common::{check_add, check_query, decode, eligible, encode};
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::{
-    BuildContext, BuildStats, Found, GroupQuery, HnswSpec, IndexError, IndexSpec, KeyIndex, Result,
-    SearchParams, Searcher, Selection,
+    BuildContext, BuildStats, FlatIndex, Found, GroupQuery, HnswSpec, IndexError, IndexSpec,
+    KeyIndex, Result, SearchParams, Searcher, Selection,
 };
 
 /// The augmentation radius is this many times the largest key norm seen when it is set, so
@@ -149,9 +146,8 @@ struct Body {
 ///   distance counts its calls) plus the keys re-scored.
 pub struct HnswIndex {
     spec: HnswSpec,
-    rope: Rope,
-    /// Rotated keys `[len, head_dim]`, for exact re-scoring and rebuilds.
-    keys: Vec<f32>,
+    /// The keys rotated at their ids, for exact re-scoring and rebuilds.
+    keys: FlatIndex,
     /// The augmentation radius `R`.
     radius: f64,
     /// The largest norm of a finite key.
@@ -227,8 +223,7 @@ impl HnswIndex {
         Ok(Self {
             graph: Self::new_graph(spec, 0),
             spec: *spec,
-            rope,
-            keys: Vec::new(),
+            keys: FlatIndex::new(rope),
             radius,
             max_norm: 0.0,
             stats: BuildStats::default(),
@@ -245,12 +240,6 @@ impl HnswIndex {
         )
     }
 
-    /// The rotated key of `id`.
-    fn key(&self, id: u32) -> &[f32] {
-        let d = self.head_dim();
-        &self.keys[id as usize * d..(id as usize + 1) * d]
-    }
-
     /// Adds pre-RoPE `keys`, growing the radius and rebuilding the graph when one is longer
     /// than it; returns what the stats should warn about.
     fn append(&mut self, keys: &[f32]) -> Result<Vec<String>> {
@@ -261,8 +250,11 @@ impl HnswIndex {
         if adding == 0 {
             return Ok(warnings);
         }
-        let rotated = rotated_keys(&self.rope, keys, first);
-        let norms: Vec<Option<f64>> = rotated.par_chunks_exact(d).map(squared_norm).collect();
+        self.keys.add(keys)?;
+        let norms: Vec<Option<f64>> = self.keys.rows()[first * d..]
+            .par_chunks_exact(d)
+            .map(squared_norm)
+            .collect();
         let skipped = norms.iter().filter(|n| n.is_none()).count();
         if skipped > 0 {
             warnings.push(format!(
@@ -271,7 +263,6 @@ impl HnswIndex {
             ));
         }
         let longest = norms.iter().flatten().fold(0.0f64, |m, &s| m.max(s.sqrt()));
-        self.keys.extend_from_slice(&rotated);
         self.max_norm = self.max_norm.max(longest);
         if longest > self.radius {
             let radius = RADIUS_HEADROOM * self.max_norm;
@@ -298,7 +289,7 @@ impl HnswIndex {
         let d = self.head_dim();
         let r2 = self.radius * self.radius;
         let mut augmented = vec![0.0f32; d + 1];
-        for (id, key) in self.keys.chunks_exact(d).enumerate().skip(first) {
+        for (id, key) in self.keys.rows().chunks_exact(d).enumerate().skip(first) {
             let Some(s) = squared_norm(key) else {
                 continue;
             };
@@ -306,20 +297,6 @@ impl HnswIndex {
             augmented[d] = (r2 - s).max(0.0).sqrt() as f32;
             self.graph.insert_slice((&augmented, id));
         }
-    }
-
-    /// The top `k` of `ids` scored exactly against rotated `queries`, unordered.
-    fn rescore(
-        &self,
-        queries: &[f32],
-        ids: impl Iterator<Item = u32>,
-        k: usize,
-    ) -> Vec<(f32, u32)> {
-        let mut scored: Vec<(f32, u32)> = ids
-            .map(|id| (group_score(queries, self.key(id)), id))
-            .collect();
-        keep_top(&mut scored, k);
-        scored
     }
 
     /// Heap bytes of the graph, from hnsw_rs's layout: per node its augmented vector, the
@@ -361,11 +338,12 @@ impl StatelessSearch for HnswIndex {
                 ..Found::default()
             });
         }
-        let queries = rotated_queries(&self.rope, query);
+        let queries = self.keys.rotate_query(query);
         let ef = self.spec.ef_search.max(k);
         let exact = |queries: &[f32], scored: usize| Found {
             selection: self
-                .rescore(queries, eligible.clone(), k)
+                .keys
+                .top_of(queries, eligible.clone(), k)
                 .into_iter()
                 .map(|(_, id)| id)
                 .collect::<Selection>(),
@@ -401,7 +379,7 @@ impl StatelessSearch for HnswIndex {
             return Ok(exact(&queries, distances));
         }
         let scored = distances + pool.len();
-        let best = self.rescore(&queries, pool.into_iter(), k);
+        let best = self.keys.top_of(&queries, pool.into_iter(), k);
         Ok(Found {
             selection: best.into_iter().map(|(_, id)| id).collect(),
             scored,
@@ -416,11 +394,11 @@ impl KeyIndex for HnswIndex {
     }
 
     fn head_dim(&self) -> usize {
-        self.rope.head_dim()
+        self.keys.head_dim()
     }
 
     fn len(&self) -> usize {
-        self.keys.len().checked_div(self.head_dim()).unwrap_or(0)
+        self.keys.len()
     }
 
     fn add(&mut self, keys: &[f32]) -> Result<()> {
@@ -437,7 +415,7 @@ impl KeyIndex for HnswIndex {
     }
 
     fn memory_bytes(&self) -> usize {
-        self.keys.capacity() * std::mem::size_of::<f32>() + self.graph_bytes()
+        self.keys.memory_bytes() + self.graph_bytes()
     }
 
     fn build_stats(&self) -> &BuildStats {

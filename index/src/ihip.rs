@@ -67,7 +67,7 @@ use std::time::Instant;
 use kvdb_model::Rope;
 use rayon::prelude::*;
 
-use crate::common::{check_query, eligible, group_score, rank, rotated_queries};
+use crate::common::{check_query, eligible, expect_empty_body, group_score, rank, rotated_queries};
 use crate::hip::representative;
 use crate::{
     BuildContext, BuildStats, FlatIndex, Found, GroupQuery, IhipSpec, IndexError, IndexSpec,
@@ -133,12 +133,7 @@ impl IhipIndex {
         body: &[u8],
         keys: &[f32],
     ) -> Result<Self> {
-        if !body.is_empty() {
-            return Err(IndexError::Corrupt(format!(
-                "a saved ihip index has an empty body, this one has {} bytes",
-                body.len()
-            )));
-        }
+        expect_empty_body("ihip", body)?;
         let mut index = Self::empty(spec, context)?;
         index.keys.add(keys)?;
         index.stats = stats;

@@ -24,15 +24,12 @@ use faiss::index::NativeIndex;
 use faiss::{FlatIndex as FaissFlat, Index as _};
 use serde::{Deserialize, Serialize};
 
-use crate::common::{
-    check_add, check_query, decode, eligible, encode, group_score, keep_top, rotated_keys,
-    rotated_queries, top_indices,
-};
+use crate::common::{check_add, check_query, decode, eligible, encode, top_indices};
 use crate::kernel::dot;
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::{
-    BucketIndex, BuildContext, BuildStats, Found, GroupQuery, IndexError, IndexSpec, IvfSpec,
-    KeyIndex, Result, SearchParams, Searcher, Selection, UnvisitedBucket,
+    BucketIndex, BuildContext, BuildStats, FlatIndex, Found, GroupQuery, IndexError, IndexSpec,
+    IvfSpec, KeyIndex, Result, SearchParams, Searcher, Selection, UnvisitedBucket,
 };
 
 /// Fewest training keys per list: below this, k-means has too little to place a centroid
@@ -49,10 +46,9 @@ pub struct IvfIndex {
     spec: IvfSpec,
     /// As asked for.
     requested: IvfSpec,
-    rope: kvdb_model::Rope,
     faiss: IVFFlatIndexImpl,
-    /// Keys rotated at their ids `[len, d]`, for exact re-scoring.
-    keys: Vec<f32>,
+    /// The keys rotated at their ids, for exact re-scoring.
+    keys: FlatIndex,
     /// The partition's centroids `[lists, d]` (in the space the partition lives in).
     centroids: Vec<f32>,
     /// Ids of each list, ascending.
@@ -99,9 +95,13 @@ impl IvfIndex {
                 IndexSpec::Ivf(effective)
             ));
         }
-        let rope = context.rope.clone();
-        let rotated = rotated_keys(&rope, keys, 0);
-        let space = if effective.norope { keys } else { &rotated[..] };
+        let mut rotated = FlatIndex::new(context.rope.clone());
+        rotated.add(keys)?;
+        let space = if effective.norope {
+            keys
+        } else {
+            rotated.rows()
+        };
         let quantizer = FaissFlat::new_ip(d as u32).map_err(faiss_error)?;
         let mut faiss = IVFFlatIndexImpl::new_ip(quantizer, d as u32, effective.lists as u32)
             .map_err(faiss_error)?;
@@ -112,14 +112,13 @@ impl IvfIndex {
         let mut index = Self {
             spec: effective,
             requested: *spec,
-            rope,
             faiss,
-            keys: Vec::new(),
+            keys: rotated,
             centroids,
             lists: Vec::new(),
             stats: BuildStats::default(),
         };
-        index.insert(keys, rotated)?;
+        index.assign(keys, 0)?;
         index.stats = BuildStats::finished(n, FAISS_KMEANS_SEED, started, warnings);
         Ok(index)
     }
@@ -151,41 +150,35 @@ impl IvfIndex {
         let mut index = Self {
             spec: *spec,
             requested: *spec,
-            rope: context.rope.clone(),
             faiss,
-            keys: Vec::new(),
+            keys: FlatIndex::new(context.rope.clone()),
             centroids: body.centroids,
             lists: Vec::new(),
             stats,
         };
-        let rotated = rotated_keys(&index.rope, keys, 0);
-        index.insert(keys, rotated)?;
+        index.keys.add(keys)?;
+        index.assign(keys, 0)?;
         Ok(index)
     }
 
-    /// Adds pre-RoPE `keys` (and their rotations) to faiss and mirrors its lists.
-    fn insert(&mut self, keys: &[f32], rotated: Vec<f32>) -> Result<()> {
-        if keys.is_empty() {
+    /// Has faiss assign the keys from id `first` on (already in `self.keys`; `pre_rope` are
+    /// the same keys before rotation) to their lists, and mirrors the lists.
+    fn assign(&mut self, pre_rope: &[f32], first: usize) -> Result<()> {
+        if pre_rope.is_empty() {
             return Ok(());
         }
-        let space = if self.spec.norope { keys } else { &rotated[..] };
-        let first = self.len();
-        let ids: Vec<faiss::Idx> = (first..first + rotated.len() / self.head_dim())
+        let d = self.head_dim();
+        let space = if self.spec.norope {
+            pre_rope
+        } else {
+            &self.keys.rows()[first * d..]
+        };
+        let ids: Vec<faiss::Idx> = (first..self.keys.len())
             .map(|i| faiss::Idx::new(i as u64))
             .collect();
         self.faiss.add_with_ids(space, &ids).map_err(faiss_error)?;
-        self.keys.extend_from_slice(&rotated);
         self.lists = inverted_lists(&self.faiss, self.spec.lists)?;
         Ok(())
-    }
-
-    /// The group's queries in the partition's space.
-    fn partition_queries(&self, query: &GroupQuery<'_>) -> Vec<f32> {
-        if self.spec.norope {
-            query.queries.to_vec()
-        } else {
-            rotated_queries(&self.rope, query)
-        }
     }
 }
 
@@ -252,7 +245,12 @@ impl StatelessSearch for IvfIndex {
         if eligible.is_empty() || (params.k == 0 && !whole) {
             return Ok(Found::default());
         }
-        let partition = self.partition_queries(query);
+        // Rotated once: to probe a RoPE'd partition and to re-score keys.
+        let rotated = (!self.spec.norope || !whole).then(|| self.keys.rotate_query(query));
+        let partition = match &rotated {
+            Some(r) if !self.spec.norope => &r[..],
+            _ => query.queries,
+        };
         let heads: Vec<&[f32]> = partition.chunks_exact(d).collect();
         let logits: Vec<Vec<f32>> = self
             .centroids
@@ -264,27 +262,20 @@ impl StatelessSearch for IvfIndex {
             .map(|l| l.iter().copied().fold(f32::NEG_INFINITY, f32::max))
             .collect();
         let probed = top_indices(&group, self.spec.probes);
-        let mut ids: Vec<u32> = probed
+        let ids: Vec<u32> = probed
             .iter()
             .flat_map(|&l| &self.lists[l as usize])
             .copied()
             .filter(|id| eligible.contains(id))
             .collect();
         let mut scored = self.spec.lists;
-        let selection = if whole {
-            Selection::new(ids)
-        } else {
-            scored += ids.len();
-            let queries = rotated_queries(&self.rope, query);
-            let mut best: Vec<(f32, u32)> = ids
-                .drain(..)
-                .map(|id| {
-                    let at = id as usize * d;
-                    (group_score(&queries, &self.keys[at..at + d]), id)
-                })
-                .collect();
-            keep_top(&mut best, params.k);
-            best.into_iter().map(|(_, id)| id).collect()
+        let selection = match &rotated {
+            Some(queries) if !whole => {
+                scored += ids.len();
+                let best = self.keys.top_of(queries, ids.into_iter(), params.k);
+                best.into_iter().map(|(_, id)| id).collect()
+            }
+            _ => Selection::new(ids),
         };
         let unvisited = if params.estimate {
             let mut visited = vec![false; self.spec.lists];
@@ -316,11 +307,11 @@ impl KeyIndex for IvfIndex {
     }
 
     fn head_dim(&self) -> usize {
-        self.rope.head_dim()
+        self.keys.head_dim()
     }
 
     fn len(&self) -> usize {
-        self.keys.len() / self.head_dim().max(1)
+        self.keys.len()
     }
 
     fn add(&mut self, keys: &[f32]) -> Result<()> {
@@ -329,15 +320,16 @@ impl KeyIndex for IvfIndex {
         if self.centroids.is_empty() {
             // Built over no keys: nothing was trained yet, so this add is the build.
             let context = BuildContext {
-                rope: self.rope.clone(),
+                rope: self.keys.rope().clone(),
                 seed: FAISS_KMEANS_SEED,
                 saap: None,
             };
             *self = Self::build(&self.requested, &context, keys)?;
             return Ok(());
         }
-        let rotated = rotated_keys(&self.rope, keys, self.len());
-        self.insert(keys, rotated)?;
+        let first = self.len();
+        self.keys.add(keys)?;
+        self.assign(keys, first)?;
         self.stats.record_add(adding, started);
         Ok(())
     }
@@ -347,11 +339,10 @@ impl KeyIndex for IvfIndex {
     }
 
     fn memory_bytes(&self) -> usize {
-        let floats = self.keys.capacity() + self.centroids.capacity();
         let ids: usize = self.lists.iter().map(Vec::capacity).sum();
         // faiss holds a second copy of every key (in the partition's space) and its id.
         let faiss = self.len() * (self.head_dim() * 4 + 8) + self.centroids.len() * 4;
-        floats * 4 + ids * 4 + faiss
+        self.keys.memory_bytes() + self.centroids.capacity() * 4 + ids * 4 + faiss
     }
 
     fn build_stats(&self) -> &BuildStats {

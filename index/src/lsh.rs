@@ -15,15 +15,12 @@ use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 use rayon::prelude::*;
 
-use crate::common::{
-    check_add, check_query, decode, eligible, encode, group_score, keep_top, rotated_keys,
-    rotated_queries,
-};
+use crate::common::{check_add, check_query, decode, eligible, encode};
 use crate::kernel::dot;
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::{
-    BuildContext, BuildStats, Found, GroupQuery, IndexError, IndexSpec, KeyIndex, LshSpec, Result,
-    SearchParams, Searcher, Selection,
+    BuildContext, BuildStats, FlatIndex, Found, GroupQuery, IndexError, IndexSpec, KeyIndex,
+    LshSpec, Result, SearchParams, Searcher, Selection,
 };
 
 /// Version of the body `save` writes.
@@ -76,9 +73,8 @@ struct Body {
 ///   fingerprint), load rehashes the keys and warns instead.
 pub struct LshIndex {
     spec: LshSpec,
-    rope: Rope,
-    /// Rotated keys `[len, head_dim]`, for exact re-scoring.
-    keys: Vec<f32>,
+    /// The keys rotated at their ids, for hashing and exact re-scoring.
+    keys: FlatIndex,
     /// Hyperplanes `[tables · bits, head_dim]`, table-major.
     planes: Vec<f32>,
     /// Per table, code → ids (ascending).
@@ -172,7 +168,7 @@ impl LshIndex {
                 "an lsh code wider than {bits} bits"
             )));
         }
-        index.keys = rotated_keys(&index.rope, keys, 0);
+        index.keys.add(keys)?;
         index.fill(&body.codes, 0);
         Ok(index)
     }
@@ -197,8 +193,7 @@ impl LshIndex {
         let planes = draw_planes(spec.seed, spec.tables * spec.bits, rope.head_dim());
         Ok(Self {
             spec: *spec,
-            rope,
-            keys: Vec::new(),
+            keys: FlatIndex::new(rope),
             planes,
             buckets: vec![HashMap::new(); spec.tables],
             stats: BuildStats::default(),
@@ -257,17 +252,10 @@ impl LshIndex {
         if adding == 0 {
             return Ok(0);
         }
-        let rotated = rotated_keys(&self.rope, keys, first);
-        let codes = self.hash_rows(&rotated);
-        self.keys.extend_from_slice(&rotated);
+        self.keys.add(keys)?;
+        let codes = self.hash_rows(&self.keys.rows()[first * self.head_dim()..]);
         self.fill(&codes, first);
         Ok(adding)
-    }
-
-    /// The rotated key of `id`.
-    fn key(&self, id: u32) -> &[f32] {
-        let d = self.head_dim();
-        &self.keys[id as usize * d..(id as usize + 1) * d]
     }
 
     /// Every key's codes, key-major, read back from the buckets.
@@ -300,7 +288,7 @@ impl StatelessSearch for LshIndex {
                 ..Found::default()
             });
         }
-        let queries = rotated_queries(&self.rope, query);
+        let queries = self.keys.rotate_query(query);
         let (tables, min) = (self.spec.tables, self.spec.min_collisions);
         let start = eligible.start;
         // Collisions of the current head per eligible key, and whether a key is already a
@@ -336,11 +324,7 @@ impl StatelessSearch for LshIndex {
             }
         }
         let scored = pool.len() + heads * tables * self.spec.bits;
-        let mut best: Vec<(f32, u32)> = pool
-            .into_iter()
-            .map(|id| (group_score(&queries, self.key(id)), id))
-            .collect();
-        keep_top(&mut best, k);
+        let best = self.keys.top_of(&queries, pool.into_iter(), k);
         Ok(Found {
             selection: best.into_iter().map(|(_, id)| id).collect::<Selection>(),
             scored,
@@ -355,11 +339,11 @@ impl KeyIndex for LshIndex {
     }
 
     fn head_dim(&self) -> usize {
-        self.rope.head_dim()
+        self.keys.head_dim()
     }
 
     fn len(&self) -> usize {
-        self.keys.len().checked_div(self.head_dim()).unwrap_or(0)
+        self.keys.len()
     }
 
     fn add(&mut self, keys: &[f32]) -> Result<()> {
@@ -374,7 +358,7 @@ impl KeyIndex for LshIndex {
     }
 
     fn memory_bytes(&self) -> usize {
-        let f32s = (self.keys.capacity() + self.planes.capacity()) * std::mem::size_of::<f32>();
+        let f32s = self.keys.memory_bytes() + self.planes.capacity() * std::mem::size_of::<f32>();
         let buckets: usize = self
             .buckets
             .iter()
