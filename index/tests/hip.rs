@@ -6,23 +6,18 @@
 
 use std::ops::Range;
 
+mod support;
+
+use support::{context, mass_recalls, planted};
+
 use kvdb_index::{
-    BuildContext, FlatIndex, GroupQuery, HipIndex, HipSpec, IndexError, IndexSpec, KeyIndex,
-    SearchParams, Selection,
+    GroupQuery, HipIndex, HipSpec, IndexError, IndexSpec, KeyIndex, SearchParams, Selection,
 };
-use kvdb_model::{Rope, RopeStyle};
-use kvdb_tests::{random_vec, real_kv, seeded, test_rope, RealKv};
+use kvdb_model::RopeStyle;
+use kvdb_tests::{random_vec, real_kv, seeded, test_rope};
 use rand::Rng;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
-
-fn context(rope: Rope) -> BuildContext<'static> {
-    BuildContext {
-        rope,
-        seed: 0,
-        saap: None,
-    }
-}
 
 fn hip(k: usize, bk: usize) -> IndexSpec {
     IndexSpec::Hip(HipSpec {
@@ -159,29 +154,6 @@ fn scored_grows_as_k_log_n() -> TestResult {
     Ok(())
 }
 
-/// Keys that score low except a run of `len` keys at `at` that score high for the query
-/// returned with them (on RoPE's slowest pair, which turns by under 1 radian over 5000
-/// positions, so the run keeps scoring high when it is within 5000 of the query).
-fn planted(
-    rng: &mut rand::rngs::StdRng,
-    n: usize,
-    d: usize,
-    at: usize,
-    len: usize,
-) -> (Vec<f32>, Vec<f32>) {
-    let slow = d / 2 - 1; // with RopeStyle::Halves, dims (d/2 - 1, d - 1) rotate slowest
-    let mut keys: Vec<f32> = random_vec(rng, n * d).iter().map(|x| 0.1 * x).collect();
-    for id in at..at + len {
-        keys[id * d + slow] = 10.0;
-    }
-    let mut queries = vec![0.0; 2 * d];
-    queries[slow] = 1.0;
-    for (q, r) in queries[d..].iter_mut().zip(random_vec(rng, d)) {
-        *q = 0.1 * r;
-    }
-    (keys, queries)
-}
-
 /// A strongly attended run of keys is found although only O(k log N) keys are scored.
 #[test]
 fn finds_a_planted_region() -> TestResult {
@@ -220,48 +192,6 @@ fn finds_a_planted_region() -> TestResult {
     Ok(())
 }
 
-/// The share of the eligible attention mass on `selection`, averaged over the group's heads.
-fn mass_recall(weights: &[Vec<f64>], selection: &Selection, eligible: &Range<u32>) -> f64 {
-    let per_head: Vec<f64> = weights
-        .iter()
-        .map(|w| {
-            let total: f64 = eligible.clone().map(|id| w[id as usize]).sum();
-            let selected: f64 = selection.ids().iter().map(|&id| w[id as usize]).sum();
-            selected / total
-        })
-        .collect();
-    per_head.iter().sum::<f64>() / per_head.len() as f64
-}
-
-/// Positions from the last quarter of the real text: 32 of them.
-fn positions(n: usize) -> Vec<usize> {
-    (0..32).map(|i| n - n / 4 + i * (n / 4) / 32).collect()
-}
-
-/// The mean mass recall of `index`, of flat's exact top-k and the expected recall of a
-/// uniform random selection of the same size, over `positions`.
-fn recalls(kv: &RealKv, index: &dyn KeyIndex, k: usize) -> Result<(f64, f64, f64), IndexError> {
-    let flat = FlatIndex::build(kv.rope.clone(), &kv.keys)?;
-    let (mut ours, mut exact, mut random) = (0.0, 0.0, 0.0);
-    let positions = positions(kv.len());
-    for &position in &positions {
-        let eligible = 4..position as u32 - 256;
-        let params = SearchParams::top(k, eligible.clone());
-        let query = GroupQuery {
-            queries: kv.query(position),
-            position,
-        };
-        let weights = kv.weights(position);
-        let found = index.select(&query, &params)?;
-        ours += mass_recall(&weights, &found, &eligible);
-        exact += mass_recall(&weights, &flat.select(&query, &params)?, &eligible);
-        // A uniform random selection of the same size holds this share in expectation.
-        random += found.len() as f64 / eligible.len() as f64;
-    }
-    let count = positions.len() as f64;
-    Ok((ours / count, exact / count, random / count))
-}
-
 /// On the real model's keys, HiP's selection of 5% of the context holds at least twice the
 /// attention mass of a random selection of the same size with key blocks of 1 and 2 tokens.
 /// Larger blocks are only reported: one representative token per block says less about the
@@ -274,7 +204,7 @@ fn mass_recall_on_real_keys() -> TestResult {
             let k = kv.len() * 5 / 100;
             let spec = hip(512, bk);
             let index = kvdb_index::build(&spec, &context(kv.rope.clone()), &kv.keys)?;
-            let (ours, exact, random) = recalls(kv, index.as_ref(), k)?;
+            let (ours, exact, random) = mass_recalls(kv, index.as_ref(), k)?;
             println!(
                 "hip bk {bk} layer {} k {k}: mass recall {ours:.3} (flat top-k {exact:.3}, random {random:.3})",
                 kv.layer

@@ -5,15 +5,17 @@
 //! assertion message, so a failure can be replayed with `KVDB_TEST_SEED=<seed>`. The real
 //! keys and queries are Gemma 3 270M's over the GPL-3 text (`kvdb_tests::real_kv`).
 
-use std::ops::Range;
 use std::time::Instant;
 
+mod support;
+
+use support::{context, random_positions, recall, SINK};
+
 use kvdb_index::{
-    BuildContext, FlatIndex, GroupQuery, HnswIndex, HnswSpec, IndexError, IndexSpec, KeyIndex,
-    SearchParams,
+    FlatIndex, GroupQuery, HnswIndex, HnswSpec, IndexError, IndexSpec, KeyIndex, SearchParams,
 };
-use kvdb_model::{Rope, RopeStyle};
-use kvdb_tests::{random_vec, real_kv, seeded, test_rope, RealKv};
+use kvdb_model::RopeStyle;
+use kvdb_tests::{random_vec, real_kv, seeded, test_rope};
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -29,72 +31,11 @@ const K: usize = 64;
 /// Query positions averaged over, from the last quarter of the sequence.
 const POSITIONS: usize = 40;
 /// Attention sinks and the recent window, attended densely and so excluded from candidates.
-const SINK: u32 = 4;
-const WINDOW: usize = 256;
 /// Mean recall@K the index must reach against exact top-K.
 const FLOOR: f64 = 0.9;
 
-fn context(rope: &Rope) -> BuildContext<'static> {
-    BuildContext {
-        rope: rope.clone(),
-        seed: 0,
-        saap: None,
-    }
-}
-
 fn spec() -> Result<IndexSpec, IndexError> {
     SPEC.parse()
-}
-
-/// `count` positions drawn from the last quarter of `n` tokens.
-fn positions(rng: &mut StdRng, n: usize, count: usize) -> Vec<usize> {
-    (0..count).map(|_| rng.random_range(n - n / 4..n)).collect()
-}
-
-/// The candidates of a query at `position`: past the sink, before the window.
-fn candidates(position: usize) -> Range<u32> {
-    SINK..(position - WINDOW) as u32
-}
-
-/// Mean recall@K of `index` against `exact` over real queries at `positions` and the mean
-/// `Found::scored`; asserts each selection lies inside its candidates.
-fn recall(
-    index: &dyn KeyIndex,
-    exact: &dyn KeyIndex,
-    kv: &RealKv,
-    positions: &[usize],
-    context: &str,
-) -> Result<(f64, f64), IndexError> {
-    let (mut hits, mut total, mut scored) = (0, 0, 0);
-    for &position in positions {
-        let query = GroupQuery {
-            queries: kv.query(position),
-            position,
-        };
-        let params = SearchParams::top(K, candidates(position));
-        let found = index.searcher().search(&query, &params)?;
-        let truth = exact.select(&query, &params)?;
-        assert!(
-            found
-                .selection
-                .ids()
-                .iter()
-                .all(|id| params.candidates.contains(id)),
-            "{context}: position {position} selected outside {:?}",
-            params.candidates
-        );
-        hits += truth
-            .ids()
-            .iter()
-            .filter(|&&id| found.selection.contains(id))
-            .count();
-        total += truth.len();
-        scored += found.scored;
-    }
-    Ok((
-        hits as f64 / total.max(1) as f64,
-        scored as f64 / positions.len().max(1) as f64,
-    ))
 }
 
 /// Recall@64 over 4096 real keys is at least 0.9 in every retrieval layer.
@@ -103,14 +44,14 @@ fn real_keys_reach_the_recall_floor() -> TestResult {
     let (seed, mut rng) = seeded();
     let spec = spec()?;
     for kv in real_kv(N)?.iter() {
-        let ctx = context(&kv.rope);
+        let ctx = context(kv.rope.clone());
         let started = Instant::now();
         let index = kvdb_index::build(&spec, &ctx, &kv.keys)?;
         let built = started.elapsed().as_secs_f64();
         let exact = FlatIndex::build(kv.rope.clone(), &kv.keys)?;
-        let at = positions(&mut rng, N, POSITIONS);
+        let at = random_positions(&mut rng, N, POSITIONS);
         let context = format!("seed {seed} layer {}", kv.layer);
-        let (recall, scored) = recall(&*index, &exact, kv, &at, &context)?;
+        let (recall, scored) = recall(&*index, &exact, kv, &at, K, &context)?;
         println!(
             "{SPEC} layer {}: recall@{K} {recall:.3}, scored {scored:.0} of {N}, build {built:.2}s, {} MB",
             kv.layer,
@@ -140,16 +81,16 @@ fn parameter_sweep() -> TestResult {
     let grid = std::env::var("HNSW_GRID")
         .unwrap_or_else(|_| "hnsw8,ef32;hnsw16,ef64;hnsw16,ef128;hnsw32,ef128".into());
     let kvs = real_kv(N)?;
-    let at = positions(&mut rng, N, POSITIONS);
+    let at = random_positions(&mut rng, N, POSITIONS);
     for spec in grid.split(';') {
         let spec: IndexSpec = spec.parse()?;
         let mut line = format!("{spec}:");
         for kv in kvs.iter() {
             let started = Instant::now();
-            let index = kvdb_index::build(&spec, &context(&kv.rope), &kv.keys)?;
+            let index = kvdb_index::build(&spec, &context(kv.rope.clone()), &kv.keys)?;
             let built = started.elapsed().as_secs_f64();
             let exact = FlatIndex::build(kv.rope.clone(), &kv.keys)?;
-            let (recall, scored) = recall(&*index, &exact, kv, &at, &format!("seed {seed}"))?;
+            let (recall, scored) = recall(&*index, &exact, kv, &at, K, &format!("seed {seed}"))?;
             line += &format!(
                 " layer {} recall {recall:.3} scored {scored:.0} build {built:.1}s;",
                 kv.layer
@@ -168,7 +109,7 @@ fn adding_in_pieces_keeps_the_recall_floor() -> TestResult {
     let kvs = real_kv(N)?;
     let kv = &kvs[rng.random_range(0..kvs.len())];
     let d = kv.head_dim;
-    let ctx = context(&kv.rope);
+    let ctx = context(kv.rope.clone());
     let mut index = kvdb_index::build(&spec, &ctx, &[])?;
     let mut at = 0;
     for len in [1, 700, 0, 1395, 2000] {
@@ -183,7 +124,8 @@ fn adding_in_pieces_keeps_the_recall_floor() -> TestResult {
         &*index,
         &exact,
         kv,
-        &positions(&mut rng, N, POSITIONS),
+        &random_positions(&mut rng, N, POSITIONS),
+        K,
         &context,
     )?;
     println!(
@@ -228,7 +170,7 @@ fn save_load_gives_identical_selections() -> TestResult {
     let (seed, mut rng) = seeded();
     let (n, more, d) = (2500, 300, 64);
     let rope = test_rope(RopeStyle::Halves, d);
-    let ctx = context(&rope);
+    let ctx = context(rope.clone());
     let keys = random_vec(&mut rng, (n + more) * d);
     let spec = spec()?;
     let mut index = kvdb_index::build(&spec, &ctx, &keys[..n * d])?;
@@ -295,7 +237,7 @@ fn longer_keys_added_later_are_found() -> TestResult {
     let kv = &kvs[rng.random_range(0..kvs.len())];
     let d = kv.head_dim;
     let (n, long) = (3000, 200);
-    let mut index = kvdb_index::build(&spec()?, &context(&kv.rope), &kv.keys[..n * d])?;
+    let mut index = kvdb_index::build(&spec()?, &context(kv.rope.clone()), &kv.keys[..n * d])?;
     assert!(index.build_stats().warnings.is_empty(), "seed {seed}");
     // Real keys from later in the text, ×10, at positions n..n + long.
     let scaled: Vec<f32> = kv.keys[n * d..(n + long) * d]
@@ -357,7 +299,7 @@ fn few_candidates_are_scanned_exactly() -> TestResult {
     let (n, d) = (3000, 32);
     let rope = test_rope(RopeStyle::Interleaved, d);
     let keys = random_vec(&mut rng, n * d);
-    let index = kvdb_index::build(&"hnsw8,ef32,efc64".parse()?, &context(&rope), &keys)?;
+    let index = kvdb_index::build(&"hnsw8,ef32,efc64".parse()?, &context(rope.clone()), &keys)?;
     let exact = FlatIndex::build(rope.clone(), &keys)?;
     for _ in 0..20 {
         let queries = random_vec(&mut rng, 2 * d);
@@ -395,7 +337,7 @@ fn errors_and_edge_cases() -> TestResult {
     let (seed, mut rng) = seeded();
     let d = 16;
     let rope = test_rope(RopeStyle::Halves, d);
-    let ctx = context(&rope);
+    let ctx = context(rope.clone());
     let mut index = kvdb_index::build(&spec()?, &ctx, &random_vec(&mut rng, 1000 * d))?;
     assert!(matches!(
         index.add(&[0.0; 17]),
@@ -479,7 +421,7 @@ fn errors_and_edge_cases() -> TestResult {
         assert!(matches!(err, IndexError::Build { .. }), "{err}");
     }
     assert!(
-        kvdb_index::build(&spec()?, &context(&test_rope(RopeStyle::Halves, 0)), &[1.0]).is_err()
+        kvdb_index::build(&spec()?, &context(test_rope(RopeStyle::Halves, 0)), &[1.0]).is_err()
     );
     Ok(())
 }

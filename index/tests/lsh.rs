@@ -5,14 +5,16 @@
 //! assertion message, so a failure can be replayed with `KVDB_TEST_SEED=<seed>`. The real
 //! keys and queries are Gemma 3 270M's over the GPL-3 text (`kvdb_tests::real_kv`).
 
-use std::ops::Range;
 use std::time::Instant;
 
+mod support;
+
+use support::{context, random_positions, recall};
+
 use kvdb_index::{
-    BuildContext, FlatIndex, GroupQuery, IndexError, IndexSpec, KeyIndex, LshIndex, LshSpec,
-    SearchParams,
+    FlatIndex, GroupQuery, IndexError, IndexSpec, KeyIndex, LshIndex, LshSpec, SearchParams,
 };
-use kvdb_model::{Rope, RopeStyle};
+use kvdb_model::RopeStyle;
 use kvdb_tests::{random_vec, real_kv, seeded, test_rope, RealKv};
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -33,73 +35,12 @@ const K: usize = 64;
 /// Query positions averaged over, from the last quarter of the sequence.
 const POSITIONS: usize = 40;
 /// Attention sinks and the recent window, attended densely and so excluded from candidates.
-const SINK: u32 = 4;
-const WINDOW: usize = 256;
 /// Mean recall@K the index must reach against exact top-K.
 const FLOOR: f64 = 0.9;
-
-fn context(rope: &Rope) -> BuildContext<'static> {
-    BuildContext {
-        rope: rope.clone(),
-        seed: 0,
-        saap: None,
-    }
-}
 
 /// The floor's spec with the seed of this run.
 fn spec(seed: u64) -> Result<IndexSpec, IndexError> {
     format!("{SPEC},seed={seed}").parse()
-}
-
-/// `count` positions drawn from the last quarter of `n` tokens.
-fn positions(rng: &mut StdRng, n: usize, count: usize) -> Vec<usize> {
-    (0..count).map(|_| rng.random_range(n - n / 4..n)).collect()
-}
-
-/// The candidates of a query at `position`: past the sink, before the window.
-fn candidates(position: usize) -> Range<u32> {
-    SINK..(position - WINDOW) as u32
-}
-
-/// Mean recall@K of `index` against `exact` over real queries at `positions` and the mean
-/// `Found::scored`; asserts each selection lies inside its candidates.
-fn recall(
-    index: &dyn KeyIndex,
-    exact: &dyn KeyIndex,
-    kv: &RealKv,
-    positions: &[usize],
-    context: &str,
-) -> Result<(f64, f64), IndexError> {
-    let (mut hits, mut total, mut scored) = (0, 0, 0);
-    for &position in positions {
-        let query = GroupQuery {
-            queries: kv.query(position),
-            position,
-        };
-        let params = SearchParams::top(K, candidates(position));
-        let found = index.searcher().search(&query, &params)?;
-        let truth = exact.select(&query, &params)?;
-        assert!(
-            found
-                .selection
-                .ids()
-                .iter()
-                .all(|id| params.candidates.contains(id)),
-            "{context}: position {position} selected outside {:?}",
-            params.candidates
-        );
-        hits += truth
-            .ids()
-            .iter()
-            .filter(|&&id| found.selection.contains(id))
-            .count();
-        total += truth.len();
-        scored += found.scored;
-    }
-    Ok((
-        hits as f64 / total.max(1) as f64,
-        scored as f64 / positions.len().max(1) as f64,
-    ))
 }
 
 /// Recall@64 over 4096 real keys is at least 0.9 in every retrieval layer.
@@ -109,12 +50,12 @@ fn real_keys_reach_the_recall_floor() -> TestResult {
     let spec = spec(seed)?;
     for kv in real_kv(N)?.iter() {
         let started = Instant::now();
-        let index = kvdb_index::build(&spec, &context(&kv.rope), &kv.keys)?;
+        let index = kvdb_index::build(&spec, &context(kv.rope.clone()), &kv.keys)?;
         let built = started.elapsed().as_secs_f64();
         let exact = FlatIndex::build(kv.rope.clone(), &kv.keys)?;
-        let at = positions(&mut rng, N, POSITIONS);
+        let at = random_positions(&mut rng, N, POSITIONS);
         let context = format!("seed {seed} layer {}", kv.layer);
-        let (recall, scored) = recall(&*index, &exact, kv, &at, &context)?;
+        let (recall, scored) = recall(&*index, &exact, kv, &at, K, &context)?;
         println!(
             "{SPEC} layer {}: recall@{K} {recall:.3}, scored {scored:.0} of {N}, build {built:.2}s, {} MB",
             kv.layer,
@@ -139,7 +80,7 @@ fn real_keys_reach_the_recall_floor() -> TestResult {
 fn parameter_sweep() -> TestResult {
     let (seed, mut rng) = seeded();
     let kvs = real_kv(N)?;
-    let at = positions(&mut rng, N, POSITIONS);
+    let at = random_positions(&mut rng, N, POSITIONS);
     let grid: Vec<(usize, usize, usize)> = std::env::var("LSH_GRID")
         .ok()
         .map(|g| {
@@ -163,9 +104,9 @@ fn parameter_sweep() -> TestResult {
         let spec: IndexSpec = format!("lsh:L={tables},K={bits},min={min},seed={seed}").parse()?;
         let mut line = format!("{spec}:");
         for kv in kvs.iter() {
-            let index = kvdb_index::build(&spec, &context(&kv.rope), &kv.keys)?;
+            let index = kvdb_index::build(&spec, &context(kv.rope.clone()), &kv.keys)?;
             let exact = FlatIndex::build(kv.rope.clone(), &kv.keys)?;
-            let (recall, scored) = recall(&*index, &exact, kv, &at, "sweep")?;
+            let (recall, scored) = recall(&*index, &exact, kv, &at, K, "sweep")?;
             let hashing = kv.group * tables * bits;
             line += &format!(
                 " layer {} recall {recall:.3} re-scored {:.0};",
@@ -206,7 +147,7 @@ fn adding_in_pieces_equals_one_build() -> TestResult {
     let kvs = real_kv(N)?;
     let kv = &kvs[rng.random_range(0..kvs.len())];
     let (d, n) = (kv.head_dim, 3500);
-    let ctx = context(&kv.rope);
+    let ctx = context(kv.rope.clone());
     let whole = kvdb_index::build(&spec, &ctx, &kv.keys[..n * d])?;
     let mut pieces = kvdb_index::build(&spec, &ctx, &kv.keys[..100 * d])?;
     let mut at = 100;
@@ -241,7 +182,7 @@ fn save_load_gives_identical_selections() -> TestResult {
     let kvs = real_kv(N)?;
     let kv = &kvs[rng.random_range(0..kvs.len())];
     let (d, n) = (kv.head_dim, 3000);
-    let ctx = context(&kv.rope);
+    let ctx = context(kv.rope.clone());
     let index = kvdb_index::build(&spec, &ctx, &kv.keys[..n * d])?;
     let bytes = kvdb_index::save(&*index)?;
     let started = Instant::now();
@@ -314,7 +255,7 @@ fn cost_seed_and_edge_cases() -> TestResult {
     let (seed, mut rng) = seeded();
     let (n, d, heads) = (2000, 32, 3);
     let rope = test_rope(RopeStyle::Interleaved, d);
-    let ctx = context(&rope);
+    let ctx = context(rope.clone());
     let keys = random_vec(&mut rng, n * d);
     let spec: IndexSpec = format!("lsh:L=16,K=6,min=2,seed={seed}").parse()?;
     let mut index = kvdb_index::build(&spec, &ctx, &keys)?;
@@ -422,7 +363,7 @@ fn cost_seed_and_edge_cases() -> TestResult {
         let err = LshIndex::build(&bad, &ctx, &keys).expect_err("bad spec");
         assert!(matches!(err, IndexError::Build { .. }), "{err}");
     }
-    assert!(kvdb_index::build(&spec, &context(&test_rope(RopeStyle::Halves, 0)), &[1.0]).is_err());
+    assert!(kvdb_index::build(&spec, &context(test_rope(RopeStyle::Halves, 0)), &[1.0]).is_err());
     assert!(index.memory_bytes() > n * d * 4);
     Ok(())
 }

@@ -6,7 +6,9 @@
 //! Needs the `faiss` feature (ivf) and the default model (`kvdb model fetch`).
 #![cfg(feature = "faiss")]
 
-use std::ops::Range;
+mod support;
+
+use support::{candidates, last_quarter, mass_recall};
 
 use kvdb_index::saap::{train_head, SaapHead, TrainOptions, TrainingData};
 use kvdb_index::{
@@ -17,23 +19,8 @@ use rand::seq::index::sample;
 use rand::SeedableRng;
 
 const TOKENS: usize = 4096;
-const SINK: u32 = 4;
-const WINDOW: usize = 256;
-/// Query positions per layer.
-const QUERIES: usize = 32;
 /// The top-k budget: 64 keys, ~1.7% of the eligible keys.
 const K: usize = 64;
-
-fn candidates(position: usize) -> Range<u32> {
-    SINK..(position + 1 - WINDOW) as u32
-}
-
-fn positions() -> Vec<usize> {
-    let first = TOKENS * 3 / 4;
-    (0..QUERIES)
-        .map(|i| first + i * (TOKENS - first) / QUERIES)
-        .collect()
-}
 
 /// Measured quality of one index on one layer.
 #[derive(Debug, Default, Clone, Copy)]
@@ -48,22 +35,11 @@ struct Quality {
     random_mass_recall: f64,
 }
 
-fn mass(weights: &[Vec<f64>], ids: &[u32], eligible: &Range<u32>) -> f64 {
-    weights
-        .iter()
-        .map(|w| {
-            let total: f64 = eligible.clone().map(|j| w[j as usize]).sum();
-            ids.iter().map(|&j| w[j as usize]).sum::<f64>() / total
-        })
-        .sum::<f64>()
-        / weights.len() as f64
-}
-
 fn measure(kv: &RealKv, index: &dyn KeyIndex, k: usize) -> anyhow::Result<Quality> {
     let exact = FlatIndex::build(kv.rope.clone(), &kv.keys)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut q = Quality::default();
-    let positions = positions();
+    let positions = last_quarter(TOKENS);
     for &p in &positions {
         let query = GroupQuery {
             queries: kv.query(p),
@@ -80,13 +56,13 @@ fn measure(kv: &RealKv, index: &dyn KeyIndex, k: usize) -> anyhow::Result<Qualit
         let hits = found.ids().iter().filter(|&&id| truth.contains(id)).count();
         q.recall_at_k += hits as f64 / truth.len() as f64;
         let weights = kv.weights(p);
-        q.mass_recall += mass(&weights, found.ids(), &eligible);
+        q.mass_recall += mass_recall(&weights, found.ids(), &eligible);
         q.selectivity += found.len() as f64 / eligible.len() as f64;
         let random: Selection = sample(&mut rng, eligible.len(), found.len().min(eligible.len()))
             .into_iter()
             .map(|i| eligible.start + i as u32)
             .collect();
-        q.random_mass_recall += mass(&weights, random.ids(), &eligible);
+        q.random_mass_recall += mass_recall(&weights, random.ids(), &eligible);
     }
     let n = positions.len() as f64;
     Ok(Quality {
@@ -221,7 +197,7 @@ fn save_load_and_incremental_add_on_real_keys() -> anyhow::Result<()> {
         grown.add(&kv.keys[(first + 100) * d..])?;
         // …equals the same partition given every key at once.
         let fixed = kvdb_index::load(&saved_half, &ctx, &kv.keys)?;
-        for &p in &positions() {
+        for &p in &last_quarter(TOKENS) {
             let query = GroupQuery {
                 queries: kv.query(p),
                 position: p,
