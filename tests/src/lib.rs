@@ -25,7 +25,7 @@
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
 mod real_kv;
-pub use real_kv::{default_model, gpl_text, real_kv, RealKv};
+pub use real_kv::{attention_weights, default_model, gpl_text, real_kv, real_kv_whole, RealKv};
 
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};

@@ -45,6 +45,18 @@ impl RealKv {
         self.keys.is_empty()
     }
 
+    /// The first `tokens` positions.
+    fn prefix(&self, tokens: usize) -> Self {
+        let d = self.head_dim;
+        Self {
+            keys: self.keys[..tokens * d].to_vec(),
+            values: self.values[..tokens * d].to_vec(),
+            queries: self.queries[..tokens * self.group * d].to_vec(),
+            rope: self.rope.clone(),
+            ..*self
+        }
+    }
+
     /// The pre-RoPE queries of the group at `position`, `[group, head_dim]`.
     pub fn query(&self, position: usize) -> &[f32] {
         let w = self.group * self.head_dim;
@@ -59,26 +71,32 @@ impl RealKv {
         self.rope.rotate_rows(&mut keys, 0);
         let mut queries = self.query(position).to_vec();
         self.rope.rotate(&mut queries, position);
-        queries
-            .chunks_exact(d)
-            .map(|q| {
-                let logits: Vec<f64> = keys
-                    .chunks_exact(d)
-                    .map(|k| {
-                        self.scale as f64
-                            * q.iter()
-                                .zip(k)
-                                .map(|(a, b)| *a as f64 * *b as f64)
-                                .sum::<f64>()
-                    })
-                    .collect();
-                let max = logits.iter().fold(f64::NEG_INFINITY, |m, &l| m.max(l));
-                let exp: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
-                let sum: f64 = exp.iter().sum();
-                exp.into_iter().map(|e| e / sum).collect()
-            })
-            .collect()
+        attention_weights(&keys, &queries, d, self.scale)
     }
+}
+
+/// Each query's exact softmax weights (f64) over `keys` `[n, d]`, with logits `scale · q·k`;
+/// queries and keys already rotated: `[queries][n]`.
+pub fn attention_weights(keys: &[f32], queries: &[f32], d: usize, scale: f32) -> Vec<Vec<f64>> {
+    queries
+        .chunks_exact(d)
+        .map(|q| {
+            let logits: Vec<f64> = keys
+                .chunks_exact(d)
+                .map(|k| {
+                    scale as f64
+                        * q.iter()
+                            .zip(k)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                })
+                .collect();
+            let max = logits.iter().fold(f64::NEG_INFINITY, |m, &l| m.max(l));
+            let exp: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+            let sum: f64 = exp.iter().sum();
+            exp.into_iter().map(|e| e / sum).collect()
+        })
+        .collect()
 }
 
 /// The GPL-3 text in `tests/data`.
@@ -107,8 +125,8 @@ pub fn default_model() -> Result<(Model, Tokenizer)> {
 }
 
 /// The retrieval layers of the default model over the first `tokens` tokens of the GPL-3
-/// text (at most the whole text, ~8K tokens), captured once per process and cached under
-/// `~/.cache/kvdb/fixtures` across test binaries.
+/// text (at most [`real_kv_whole`]'s length, ~7.5K tokens): a prefix of the whole capture,
+/// which is exact because the model is causal and prefills in the same 512-token chunks.
 pub fn real_kv(tokens: usize) -> Result<Arc<Vec<RealKv>>> {
     static CACHE: OnceLock<Mutex<Vec<(usize, Arc<Vec<RealKv>>)>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
@@ -116,28 +134,40 @@ pub fn real_kv(tokens: usize) -> Result<Arc<Vec<RealKv>>> {
     if let Some((_, kv)) = cache.iter().find(|(n, _)| *n == tokens) {
         return Ok(kv.clone());
     }
-    let (model, tokenizer) = default_model()?;
-    let kv = Arc::new(match read_cached(&model, tokens) {
-        Ok(kv) => kv,
-        Err(_) => {
-            let kv = capture(&model, &tokenizer, tokens)?;
-            write_cached(&kv, tokens)?;
-            kv
-        }
-    });
+    let whole = real_kv_whole()?;
+    let available = whole.first().map_or(0, RealKv::len);
+    ensure!(
+        tokens <= available,
+        "the GPL-3 text has only {available} tokens"
+    );
+    let kv = Arc::new(whole.iter().map(|kv| kv.prefix(tokens)).collect::<Vec<_>>());
     cache.push((tokens, kv.clone()));
     Ok(kv)
 }
 
-fn capture(model: &Model, tokenizer: &Tokenizer, tokens: usize) -> Result<Vec<RealKv>> {
-    let text = gpl_text()?;
-    let mut ids = tokenizer.encode(&text, EncodeOptions::default())?;
-    ensure!(
-        ids.len() >= tokens,
-        "the GPL-3 text has only {} tokens",
-        ids.len()
-    );
-    ids.truncate(tokens);
+/// The retrieval layers of the default model over the whole GPL-3 text, captured once per
+/// process and cached under `~/.cache/kvdb/fixtures` across test binaries.
+pub fn real_kv_whole() -> Result<Arc<Vec<RealKv>>> {
+    static WHOLE: Mutex<Option<Arc<Vec<RealKv>>>> = Mutex::new(None);
+    let mut whole = WHOLE.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+    if let Some(kv) = whole.as_ref() {
+        return Ok(kv.clone());
+    }
+    let (model, tokenizer) = default_model()?;
+    let ids = tokenizer.encode(&gpl_text()?, EncodeOptions::default())?;
+    let kv = Arc::new(match read_cached(&model, ids.len()) {
+        Ok(kv) => kv,
+        Err(_) => {
+            let kv = capture(&model, &ids)?;
+            write_cached(&kv, ids.len())?;
+            kv
+        }
+    });
+    *whole = Some(kv.clone());
+    Ok(kv)
+}
+
+fn capture(model: &Model, ids: &[u32]) -> Result<Vec<RealKv>> {
     let config = model.config().clone();
     let layers: Vec<usize> = config
         .layers
