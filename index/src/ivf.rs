@@ -1,8 +1,9 @@
 //! [`IvfIndex`]: faiss's IndexIVFFlat with inner product, searched list by list.
 //!
-//! faiss trains the partition (k-means, `C` centroids) and assigns keys to inverted lists;
-//! the search is ours so that a GQA group probes one set of lists and every score it computes
-//! is counted:
+//! The partition's `C` centroids come from [`crate::kmeans`] (k-means++ seeding: faiss's
+//! random seeding loses clusters) and are handed to faiss as its trained quantizer; faiss
+//! assigns the keys to inverted lists by inner product. The search is ours, so that a GQA
+//! group probes one set of lists and every score it computes is counted:
 //!
 //! 1. the group's queries are scored against the `C` centroids and the `np` lists with the
 //!    best group score (maximum over the heads, as for keys) are probed;
@@ -27,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::common::{check_add, check_query, decode, eligible, encode, top_indices};
 use crate::kernel::dot;
 use crate::key_index::{OneShot, StatelessSearch};
+use crate::kmeans::kmeans;
 use crate::{
     BucketIndex, BuildContext, BuildStats, FlatIndex, Found, GroupQuery, IndexError, IndexSpec,
     IvfSpec, KeyIndex, Result, SearchParams, Searcher, Selection, UnvisitedBucket,
@@ -37,8 +39,8 @@ use crate::{
 /// below 39).
 pub(crate) const MIN_KEYS_PER_LIST: usize = 16;
 
-/// faiss's k-means seed (its `ClusteringParameters` default), recorded in the build stats.
-const FAISS_KMEANS_SEED: u64 = 1234;
+/// Lloyd iterations of the partition's k-means.
+const KMEANS_ITERATIONS: usize = 20;
 
 /// faiss IVF-Flat with inner product; see the module documentation.
 pub struct IvfIndex {
@@ -102,24 +104,11 @@ impl IvfIndex {
         } else {
             rotated.rows()
         };
-        let quantizer = FaissFlat::new_ip(d as u32).map_err(faiss_error)?;
-        let mut faiss = IVFFlatIndexImpl::new_ip(quantizer, d as u32, effective.lists as u32)
-            .map_err(faiss_error)?;
-        if n > 0 {
-            faiss.train(space).map_err(faiss_error)?;
-        }
-        let centroids = quantizer_centroids(&faiss, d)?;
-        let mut index = Self {
-            spec: effective,
-            requested: *spec,
-            faiss,
-            keys: rotated,
-            centroids,
-            lists: Vec::new(),
-            stats: BuildStats::default(),
-        };
+        let centroids = kmeans(space, d, effective.lists, KMEANS_ITERATIONS, context.seed);
+        let mut index =
+            Self::with_centroids(effective, *spec, rotated, centroids, BuildStats::default())?;
         index.assign(keys, 0)?;
-        index.stats = BuildStats::finished(n, FAISS_KMEANS_SEED, started, warnings);
+        index.stats = BuildStats::finished(n, context.seed, started, warnings);
         Ok(index)
     }
 
@@ -140,25 +129,44 @@ impl IvfIndex {
                 spec.lists
             )));
         }
-        let mut quantizer = FaissFlat::new_ip(d as u32).map_err(faiss_error)?;
-        quantizer.add(&body.centroids).map_err(faiss_error)?;
-        let mut faiss = IVFFlatIndexImpl::new_ip(quantizer, d as u32, spec.lists as u32)
-            .map_err(faiss_error)?;
-        // The quantizer already holds `lists` centroids, so faiss skips k-means and only
-        // marks the index trained.
-        faiss.train(&body.centroids).map_err(faiss_error)?;
-        let mut index = Self {
-            spec: *spec,
-            requested: *spec,
-            faiss,
-            keys: FlatIndex::new(context.rope.clone()),
-            centroids: body.centroids,
-            lists: Vec::new(),
-            stats,
-        };
-        index.keys.add(keys)?;
+        let mut rotated = FlatIndex::new(context.rope.clone());
+        rotated.add(keys)?;
+        let mut index = Self::with_centroids(*spec, *spec, rotated, body.centroids, stats)?;
         index.assign(keys, 0)?;
         Ok(index)
+    }
+
+    /// An index over `keys` (not yet assigned) whose faiss quantizer holds `centroids`
+    /// (none: nothing trained yet).
+    fn with_centroids(
+        spec: IvfSpec,
+        requested: IvfSpec,
+        keys: FlatIndex,
+        centroids: Vec<f32>,
+        stats: BuildStats,
+    ) -> Result<Self> {
+        let d = keys.head_dim();
+        // Keys join the list of their nearest centroid in L2, the geometry k-means placed
+        // the centroids in (by inner product, long centroids would swallow other clusters'
+        // keys); lists are probed by inner product, the mean logit of a list's keys.
+        let mut quantizer = FaissFlat::new_l2(d as u32).map_err(faiss_error)?;
+        quantizer.add(&centroids).map_err(faiss_error)?;
+        let mut faiss = IVFFlatIndexImpl::new_ip(quantizer, d as u32, spec.lists as u32)
+            .map_err(faiss_error)?;
+        if !centroids.is_empty() {
+            // The quantizer already holds `lists` centroids, so faiss skips its k-means and
+            // only marks the index trained.
+            faiss.train(&centroids).map_err(faiss_error)?;
+        }
+        Ok(Self {
+            spec,
+            requested,
+            faiss,
+            keys,
+            centroids,
+            lists: Vec::new(),
+            stats,
+        })
     }
 
     /// Has faiss assign the keys from id `first` on (already in `self.keys`; `pre_rope` are
@@ -179,34 +187,6 @@ impl IvfIndex {
         self.faiss.add_with_ids(space, &ids).map_err(faiss_error)?;
         self.lists = inverted_lists(&self.faiss, self.spec.lists)?;
         Ok(())
-    }
-}
-
-/// The centroids faiss trained, `[lists, d]`.
-fn quantizer_centroids(faiss: &IVFFlatIndexImpl, d: usize) -> Result<Vec<f32>> {
-    // SAFETY: the quantizer belongs to the IVF index, which outlives this call; faiss hands
-    // out a pointer to its `xb` vector and its length in floats, copied before returning.
-    unsafe {
-        let ivf = faiss_sys::faiss_IndexIVF_cast(faiss.inner_ptr());
-        if ivf.is_null() {
-            return Err(IndexError::Faiss("not an IVF index".into()));
-        }
-        let flat = faiss_sys::faiss_IndexFlat_cast(faiss_sys::faiss_IndexIVF_quantizer(ivf));
-        if flat.is_null() {
-            return Err(IndexError::Faiss(
-                "the quantizer is not a flat index".into(),
-            ));
-        }
-        let (mut data, mut len) = (std::ptr::null_mut(), 0usize);
-        faiss_sys::faiss_IndexFlat_xb(flat, &mut data, &mut len);
-        if len % d.max(1) != 0 || (len > 0 && data.is_null()) {
-            return Err(IndexError::Faiss(format!("quantizer of {len} floats")));
-        }
-        Ok(if len == 0 {
-            Vec::new()
-        } else {
-            std::slice::from_raw_parts(data, len).to_vec()
-        })
     }
 }
 
@@ -321,7 +301,7 @@ impl KeyIndex for IvfIndex {
             // Built over no keys: nothing was trained yet, so this add is the build.
             let context = BuildContext {
                 rope: self.keys.rope().clone(),
-                seed: FAISS_KMEANS_SEED,
+                seed: self.stats.seed,
                 saap: None,
             };
             *self = Self::build(&self.requested, &context, keys)?;

@@ -57,6 +57,7 @@ mod ihip;
 mod ivf;
 pub mod kernel;
 mod key_index;
+pub mod kmeans;
 mod lsh;
 pub mod saap;
 mod selection;

@@ -36,6 +36,7 @@ use serde::{Deserialize, Serialize};
 use crate::common::{check_add, check_query, decode, eligible, encode, top_indices};
 use crate::kernel::dot;
 use crate::key_index::{OneShot, StatelessSearch};
+use crate::kmeans::{kmeans, nearest};
 use crate::{
     BucketIndex, BuildContext, BuildStats, Found, GroupQuery, IndexError, IndexSpec, KeyIndex,
     Result, SaapSpec, SearchParams, Searcher, Selection, UnvisitedBucket,
@@ -122,91 +123,6 @@ fn softmax(logits: &[f32]) -> Vec<f32> {
     let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
     let sum: f32 = exp.iter().sum();
     exp.into_iter().map(|e| e / sum).collect()
-}
-
-/// Index of the nearest centroid (squared L2) of every row of `points`.
-fn nearest(centroids: &[f32], points: &[f32], d: usize) -> Vec<u32> {
-    // |p - c|² = |p|² - 2 p·c + |c|²: |p|² is the same for every c.
-    let norms: Vec<f32> = centroids.chunks_exact(d).map(|c| dot(c, c)).collect();
-    points
-        .par_chunks_exact(d)
-        .map(|p| {
-            let mut best = (f32::INFINITY, 0u32);
-            for (j, (c, n)) in centroids.chunks_exact(d).zip(&norms).enumerate() {
-                let distance = n - 2.0 * dot(p, c);
-                if distance < best.0 {
-                    best = (distance, j as u32);
-                }
-            }
-            best.1
-        })
-        .collect()
-}
-
-/// k-means with k-means++ seeding and `iterations` Lloyd steps on `points` `[n, d]`.
-/// Returns `[min(c, n), d]` centroids; an empty cluster is re-seeded at a random point.
-pub fn kmeans(points: &[f32], d: usize, c: usize, iterations: usize, seed: u64) -> Vec<f32> {
-    let n = points.len() / d.max(1);
-    let c = c.min(n);
-    if c == 0 {
-        return Vec::new();
-    }
-    let mut rng = StdRng::seed_from_u64(seed);
-    let row = |i: usize| &points[i * d..(i + 1) * d];
-    // k-means++: each next centroid drawn with probability ∝ squared distance to the nearest
-    // one chosen so far.
-    let mut centroids = row(rng.random_range(0..n)).to_vec();
-    let mut nearest2: Vec<f32> = (0..n).map(|i| squared(row(i), &centroids)).collect();
-    while centroids.len() < c * d {
-        let total: f64 = nearest2.iter().map(|&x| x as f64).sum();
-        let pick = if total > 0.0 {
-            let mut target = rng.random::<f64>() * total;
-            nearest2
-                .iter()
-                .position(|&x| {
-                    target -= x as f64;
-                    target <= 0.0
-                })
-                .unwrap_or(n - 1)
-        } else {
-            rng.random_range(0..n)
-        };
-        let chosen = row(pick).to_vec();
-        nearest2
-            .par_iter_mut()
-            .enumerate()
-            .for_each(|(i, m)| *m = m.min(squared(&points[i * d..(i + 1) * d], &chosen)));
-        centroids.extend_from_slice(&chosen);
-    }
-    for _ in 0..iterations {
-        let assigned = nearest(&centroids, points, d);
-        let mut sums = vec![0f64; c * d];
-        let mut counts = vec![0usize; c];
-        for (i, &a) in assigned.iter().enumerate() {
-            counts[a as usize] += 1;
-            for (s, x) in sums[a as usize * d..(a as usize + 1) * d]
-                .iter_mut()
-                .zip(row(i))
-            {
-                *s += *x as f64;
-            }
-        }
-        for j in 0..c {
-            let target = &mut centroids[j * d..(j + 1) * d];
-            if counts[j] == 0 {
-                target.copy_from_slice(row(rng.random_range(0..n)));
-            } else {
-                for (t, s) in target.iter_mut().zip(&sums[j * d..(j + 1) * d]) {
-                    *t = (*s / counts[j] as f64) as f32;
-                }
-            }
-        }
-    }
-    centroids
-}
-
-fn squared(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum()
 }
 
 /// The keys and queries one layer/KV head is trained on.
