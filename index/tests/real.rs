@@ -1,7 +1,15 @@
 //! Every index on real keys and queries: the default model's retrieval layers over real text
-//! (the GPL-3), with fixed floors. Queries come from the last quarter of the text; the sink
-//! (4 tokens) and the recent window (256) are excluded from the candidates, as the engine
-//! does. SAAP is trained on the first three quarters only, so its test queries are unseen.
+//! (the whole GPL-3, ~7.5K tokens), with fixed floors. Queries come from the last quarter of
+//! the text; the sink (4 tokens) and the recent window (256) are excluded from the
+//! candidates, as the engine does. SAAP is trained on the first three quarters only, so its
+//! test queries are unseen.
+//!
+//! Attention on these keys is diffuse: even the exact top 5% of the candidates holds only
+//! about 0.73 / 0.47 / 0.58 of their attention mass in layers 5 / 11 / 17 (printed by the
+//! floors test), so the bucket indexes' absolute floor (0.8 of the mass at ≤ 5% of the keys)
+//! cannot hold here for any selection; it is asserted on concentrated synthetic attention in
+//! `buckets.rs`, and here the bucket indexes must stay within 5%, beat random twice over and
+//! SAAP must match or beat its k-means baseline.
 //!
 //! Needs the `faiss` feature (ivf) and the default model (`kvdb model fetch`).
 #![cfg(feature = "faiss")]
@@ -14,13 +22,27 @@ use kvdb_index::saap::{train_head, SaapHead, TrainOptions, TrainingData};
 use kvdb_index::{
     BuildContext, FlatIndex, GroupQuery, IndexSpec, KeyIndex, SearchParams, Selection,
 };
-use kvdb_tests::{real_kv, RealKv};
+use kvdb_tests::{real_kv, real_kv_whole, RealKv};
 use rand::seq::index::sample;
 use rand::SeedableRng;
 
-const TOKENS: usize = 4096;
-/// The top-k budget: 64 keys, ~1.7% of the eligible keys.
+/// The top-k budget: 64 keys, ~0.9% of the eligible keys.
 const K: usize = 64;
+
+/// The top-k indexes at their recommended settings (README): recall@k ≥ 0.9. ivf needs to
+/// probe most lists for it: the queries lie outside the keys' distribution, so centroid
+/// scores rank lists poorly (RetrievalAttention reports the same of IVF on attention keys).
+const TOP_K: [&str; 3] = ["ivf64,np40", "hnsw16,ef128", "lsh:L=64,K=4,min=3"];
+/// SAAP and its k-means baseline at equal buckets and probes, within 5% of the keys. In
+/// layer 17 SAAP only matches the baseline: at C=64, ℓ=2 it covers 0.119 of the mass against
+/// 0.121 (in layers 5 and 11, 0.57 and 0.44 against 0.32 and 0.22).
+const SAAP: &str = "saap128,l4";
+const KMEANS: &str = "ivf128,np4,norope,all";
+/// Pruning indexes at a top-64 budget.
+const PRUNING: [&str; 2] = [
+    "hip:k64,bq1,bk2",
+    "ihip:lc=64/16/4,k=1024/256/64,refresh=16/8/4",
+];
 
 /// Measured quality of one index on one layer.
 #[derive(Debug, Default, Clone, Copy)]
@@ -39,7 +61,7 @@ fn measure(kv: &RealKv, index: &dyn KeyIndex, k: usize) -> anyhow::Result<Qualit
     let exact = FlatIndex::build(kv.rope.clone(), &kv.keys)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut q = Quality::default();
-    let positions = last_quarter(TOKENS);
+    let positions = last_quarter(kv.len());
     for &p in &positions {
         let query = GroupQuery {
             queries: kv.query(p),
@@ -83,12 +105,10 @@ fn context<'a>(kv: &RealKv, saap: Option<&'a SaapHead>) -> BuildContext<'a> {
 
 /// SAAP trained on the first three quarters of the layer's keys and queries.
 fn train_saap(kv: &RealKv, centroids: usize) -> anyhow::Result<SaapHead> {
-    let n = TOKENS * 3 / 4;
+    let n = kv.len() * 3 / 4;
     let d = kv.head_dim;
     let options = TrainOptions {
         centroids,
-        max_samples: 4096,
-        epochs: 40,
         ..TrainOptions::default()
     };
     Ok(train_head(
@@ -104,65 +124,54 @@ fn train_saap(kv: &RealKv, centroids: usize) -> anyhow::Result<SaapHead> {
     )?)
 }
 
-/// The top-k indexes find at least 90% of the exact top-k at their default parameters; the
-/// bucket indexes cover at least 80% of the attention mass at no more than 5% of the keys;
-/// every index covers at least twice the mass of a random selection of its size; SAAP's
-/// learned routing beats routing by centroid at equal buckets.
+/// The top-k indexes find at least 90% of the exact top-k; the bucket indexes select at
+/// most 5% of the keys; every index covers at least twice the mass of a random selection of
+/// its size; SAAP's learned routing covers at least the mass of routing by centroid at equal
+/// buckets. Each layer's exact top 5% is printed for scale.
 #[test]
-#[ignore = "issue 4 open: ivf top-k recall and the bucket indexes' mass floors are not met yet \
-            on these keys (figures in the issue note); run with --ignored to see them"]
 fn floors_on_real_keys() -> anyhow::Result<()> {
-    let layers = real_kv(TOKENS)?;
-    let top_k = ["ivf64,np8", "hnsw16,ef128", "lsh:L=64,K=4,min=3"];
-    let buckets = ["ivf64,np3,norope,all", "ivf64,np3,all", "saap64,l3"];
-    let others = [
-        "hip:k64,bq1,bk2",
-        "ihip:lc=64/16/4,k=1024/256/64,refresh=16/8/4",
-    ];
+    let layers = real_kv_whole()?;
     let mut failures = Vec::new();
     for kv in layers.iter() {
-        let saap = train_saap(kv, 64)?;
-        let mut results = Vec::new();
-        for spec in top_k.iter().chain(&buckets).chain(&others) {
+        let exact = FlatIndex::build(kv.rope.clone(), &kv.keys)?;
+        let five = (kv.len() - 260) / 20;
+        let oracle = measure(kv, &exact, five)?;
+        eprintln!(
+            "layer {:>2} exact top 5% covers {:.3} of the mass",
+            kv.layer, oracle.mass_recall
+        );
+        let saap = train_saap(kv, 128)?;
+        let mut mass = Vec::new();
+        for spec in TOP_K.iter().chain(&[SAAP, KMEANS]).chain(&PRUNING) {
             let parsed: IndexSpec = spec.parse()?;
             let index = kvdb_index::build(&parsed, &context(kv, Some(&saap)), &kv.keys)?;
             let q = measure(kv, index.as_ref(), K)?;
             eprintln!(
-                "layer {:>2} {spec:<48} recall@{K} {:.3}  mass {:.3}  selectivity {:.4}  random mass {:.3}",
+                "layer {:>2} {spec:<46} recall@{K} {:.3}  mass {:.3}  selectivity {:.4}  \
+                 random mass {:.3}",
                 kv.layer, q.recall_at_k, q.mass_recall, q.selectivity, q.random_mass_recall
             );
-            if top_k.contains(spec) && q.recall_at_k < 0.9 {
-                failures.push(format!(
-                    "layer {} {spec}: recall@k {:.3} < 0.9",
-                    kv.layer, q.recall_at_k
-                ));
+            let mut fail =
+                |what: String| failures.push(format!("layer {} {spec}: {what}", kv.layer));
+            if TOP_K.contains(spec) && q.recall_at_k < 0.9 {
+                fail(format!("recall@k {:.3} < 0.9", q.recall_at_k));
             }
-            if buckets.contains(spec) && (q.mass_recall < 0.8 || q.selectivity > 0.05) {
-                failures.push(format!(
-                    "layer {} {spec}: mass recall {:.3} at selectivity {:.4}",
-                    kv.layer, q.mass_recall, q.selectivity
-                ));
+            if parsed.attends_whole_buckets() && q.selectivity > 0.05 {
+                fail(format!("selectivity {:.4} > 0.05", q.selectivity));
             }
             if q.mass_recall < 2.0 * q.random_mass_recall {
-                failures.push(format!(
-                    "layer {} {spec}: mass recall {:.3} < 2 × random {:.3}",
-                    kv.layer, q.mass_recall, q.random_mass_recall
+                fail(format!(
+                    "mass recall {:.3} < 2 × random {:.3}",
+                    q.mass_recall, q.random_mass_recall
                 ));
             }
-            results.push((*spec, q));
+            mass.push(q.mass_recall);
         }
-        let of = |s: &str| {
-            results
-                .iter()
-                .find(|(spec, _)| *spec == s)
-                .map(|(_, q)| *q)
-                .unwrap_or_default()
-        };
-        let (saap_q, kmeans_q) = (of("saap64,l3"), of("ivf64,np3,norope,all"));
-        if saap_q.mass_recall < kmeans_q.mass_recall {
+        let (saap_mass, kmeans_mass) = (mass[TOP_K.len()], mass[TOP_K.len() + 1]);
+        if saap_mass < kmeans_mass {
             failures.push(format!(
-                "layer {}: saap mass recall {:.3} < ivf norope all {:.3}",
-                kv.layer, saap_q.mass_recall, kmeans_q.mass_recall
+                "layer {}: {SAAP} mass recall {saap_mass:.3} < {KMEANS} {kmeans_mass:.3}",
+                kv.layer
             ));
         }
     }
@@ -174,11 +183,11 @@ fn floors_on_real_keys() -> anyhow::Result<()> {
 /// with the partition fixed (ivf: the load of a build over the first part).
 #[test]
 fn save_load_and_incremental_add_on_real_keys() -> anyhow::Result<()> {
-    let layers = real_kv(TOKENS)?;
+    let layers = real_kv(4096)?;
     let kv = &layers[0];
     let d = kv.head_dim;
     let saap = train_saap(kv, 32)?;
-    let first = TOKENS / 2;
+    let first = kv.len() / 2;
     for spec in [
         "flat",
         "ivf32,np4",
@@ -197,7 +206,7 @@ fn save_load_and_incremental_add_on_real_keys() -> anyhow::Result<()> {
         grown.add(&kv.keys[(first + 100) * d..])?;
         // …equals the same partition given every key at once.
         let fixed = kvdb_index::load(&saved_half, &ctx, &kv.keys)?;
-        for &p in &last_quarter(TOKENS) {
+        for &p in &last_quarter(kv.len()) {
             let query = GroupQuery {
                 queries: kv.query(p),
                 position: p,
@@ -215,8 +224,8 @@ fn save_load_and_incremental_add_on_real_keys() -> anyhow::Result<()> {
                 "{spec}: incremental add at {p}"
             );
         }
-        assert_eq!(loaded.len(), TOKENS);
-        assert_eq!(grown.len(), TOKENS);
+        assert_eq!(loaded.len(), kv.len());
+        assert_eq!(grown.len(), kv.len());
     }
     Ok(())
 }
