@@ -14,7 +14,7 @@ home="${KVDB_HOME:-$HOME/.cache/kvdb}"
 demo="$home/demo"
 question="${1:-Question: In the Debian Reference, what is Internationalization (I18N)? Answer: Internationalization (I18N) means}"
 
-cargo build --release -q -p kvdb
+cargo build --release -q -p kvdb-cli
 kvdb="$CARGO_TARGET_DIR/release/kvdb"
 "$kvdb" model fetch
 
