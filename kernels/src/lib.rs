@@ -1,5 +1,60 @@
-//! kvdb-kernels: CUDA C sources compiled at run time with NVRTC through cudarc, and their
-//! launchers (fused gather + merge attention, flash-decode baseline, bucket attention).
+//! kvdb-kernels: the decode step's attention on an NVIDIA GPU. CUDA C sources
+//! (`kernels/cuda/*.cu`) compiled at run time with NVRTC and launched through cudarc, which
+//! loads libcuda and libnvrtc dynamically: building needs no CUDA toolkit, and a machine
+//! without a driver gets `KernelError::NoDriver` (or `KernelError::NoNvrtc`) from
+//! `Gpu::new`, never a panic.
 //!
-//! Nothing is implemented yet: the GPU-kernels issue fills this crate behind feature `cuda`.
-//! The default build needs no CUDA toolkit and compiles to an empty library.
+//! | feature | what it adds |
+//! |---|---|
+//! | (none, the default) | nothing: an empty library, so CPU builds and CI need no CUDA |
+//! | `cuda` | everything below; running it needs an NVIDIA driver and NVRTC (CUDA 13) |
+//!
+//! | item | job |
+//! |---|---|
+//! | `Gpu` | the device, its stream, kernels compiled per (dtype, head dim, GQA group) |
+//! | `KvCache`, `Csr` | a layer's keys and values on the GPU; per-head id lists and bucket layouts |
+//! | `flash_decode` | exact attention over every token: the baseline |
+//! | `retrieval_attention` | dense part (sinks + window) plus each KV head's selected ids, merged in one launch |
+//! | `bucket_attention` | dense part plus every key of each head's visited buckets, one block per bucket |
+//! | `HostKv`, `BlockCache` | keys and values in pinned host memory behind an LRU GPU cache of blocks |
+//!
+//! All three launchers are one launch of one kernel (`cuda/attend.cu`): blocks attend to
+//! work items (a slice of the dense rows, a slice of a selection or one bucket) for all query
+//! heads of a GQA group at once, each writing a `kvdb_attention::Partial`-like triple (unnormalised output,
+//! max, sum of exponentials); the last block of each KV head merges them by log-sum-exp, as
+//! `kvdb_attention::merge` does on the CPU. Inputs are f16 or bf16 (`KvElement`),
+//! accumulation and outputs f32.
+//!
+//! Layouts are stated once. Keys and values `[kv_heads, tokens, head_dim]` (keys rotated by
+//! RoPE already, as a GPU cache holds them); queries `[kv_heads, group, head_dim]`, query
+//! head `h * group + g` using KV head `h` (the usual GQA order); outputs the same shape in
+//! f32. Token ids are `u32`.
+
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+#![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
+
+#[cfg(feature = "cuda")]
+mod attention;
+#[cfg(feature = "cuda")]
+mod buffers;
+#[cfg(feature = "cuda")]
+mod cache;
+#[cfg(feature = "cuda")]
+mod error;
+#[cfg(feature = "cuda")]
+mod gpu;
+
+#[cfg(feature = "cuda")]
+pub use attention::{
+    bucket_attention, flash_decode, retrieval_attention, Dense, Query, Selected, Workspace,
+};
+#[cfg(feature = "cuda")]
+pub use buffers::{Csr, KvCache};
+#[cfg(feature = "cuda")]
+pub use cache::{BlockCache, CacheConfig, CacheStats, HostKv};
+#[cfg(feature = "cuda")]
+pub use cudarc;
+#[cfg(feature = "cuda")]
+pub use error::{KernelError, Result};
+#[cfg(feature = "cuda")]
+pub use gpu::{Gpu, KvDtype, KvElement};

@@ -1,0 +1,282 @@
+// One decode step of attention for every KV head of a layer, split into work items and
+// merged by log-sum-exp in the same launch.
+//
+// Compiled by NVRTC (no headers: f16/bf16 are converted by hand) with these defines:
+//   KV_BF16   1 for bfloat16 keys, values and queries, 0 for float16
+//   HEAD_DIM  row length, HEAD_DIM / 8 a power of two <= 32
+//   GROUP     query heads per KV head (GQA group), 1..8
+//   THREADS   threads per block
+//   UNROLL    rows each team loads before it uses any (loads in flight)
+//
+// Layouts: queries [kv_heads, GROUP, HEAD_DIM] (query head h*GROUP+g uses KV head h); keys
+// and values are rows of HEAD_DIM elements, KV head h's rows starting at row h*stride of
+// their buffer; out [kv_heads, GROUP, HEAD_DIM] f32.
+//
+// Grid: (items, kv_heads). Item x < dense_items attends to a slice of the dense part (up to
+// two runs of consecutive rows: sinks and window). The other items attend to the head's
+// list: in list mode a slice of `list_chunk` rows of it, in bucket mode one bucket whose ids
+// (rows of the same buffer as the dense part) come from CSR offsets; bucket ids inside the
+// dense runs are skipped, so no token counts twice. Each item writes a partial (unnormalised
+// output, max, sum of exponentials, in base 2); the last block of a head to finish merges
+// the head's partials into `out` and resets its counter for the next launch.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define LANES (HEAD_DIM / 8)
+#define TEAMS (THREADS / LANES)
+#define STEP (TEAMS * UNROLL)
+#define NO_ROW 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
+// A partial: out [GROUP][HEAD_DIM], then max [GROUP], then sum [GROUP].
+#define PARTIAL (GROUP * (HEAD_DIM + 2))
+
+__device__ __forceinline__ u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
+
+// Eight elements (16 bytes) to f32.
+__device__ __forceinline__ void unpack8(uint4 raw, float* x) {
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#if KV_BF16
+        x[2 * i] = __uint_as_float(w[i] << 16);
+        x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+#else
+        const u16 lo = (u16)(w[i] & 0xffffu), hi = (u16)(w[i] >> 16);
+        asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * i]) : "h"(lo));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * i + 1]) : "h"(hi));
+#endif
+    }
+}
+
+// Running softmax state of one thread: its 8 columns of every group head's output.
+struct State {
+    float m[GROUP];
+    float l[GROUP];
+    float o[GROUP][8];
+};
+
+// Rows of a slice of the dense part: run 0 then run 1.
+struct DenseRows {
+    u32 first, run0_row, run0_len, run1_row;
+    __device__ __forceinline__ u32 operator()(u32 t) const {
+        const u32 j = first + t;
+        return j < run0_len ? run0_row + j : run1_row + (j - run0_len);
+    }
+};
+
+// Rows listed explicitly.
+struct ListRows {
+    const u32* rows;
+    __device__ __forceinline__ u32 operator()(u32 t) const { return rows[t]; }
+};
+
+// Token ids of a bucket; those inside the dense runs are skipped.
+struct BucketRows {
+    const u32* ids;
+    u32 run0_row, run0_len, run1_row, run1_len;
+    __device__ __forceinline__ u32 operator()(u32 t) const {
+        const u32 id = ids[t];
+        const bool dense = (id - run0_row < run0_len) || (id - run1_row < run1_len);
+        return dense ? NO_ROW : id;
+    }
+};
+
+// Attends the thread's team to rows row_of(0..n) of k/v, updating its state. Teams of LANES
+// threads share a row, each thread 8 columns; every thread of the block runs the same number
+// of iterations, so the shuffles see whole warps.
+template <class RowOf>
+__device__ __forceinline__ void attend_rows(const RowOf& row_of, u32 n, const u16* __restrict__ k,
+                                            const u16* __restrict__ v, const float (&qf)[GROUP][8],
+                                            State& st) {
+    const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+    for (u32 base = 0; base < n; base += STEP) {
+        uint4 kr[UNROLL], vr[UNROLL];
+        bool live[UNROLL];
+        // All loads first, so that UNROLL rows of keys and values are in flight at once.
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u32 t = base + u * TEAMS + team;
+            const u32 row = t < n ? row_of(t) : NO_ROW;
+            live[u] = row != NO_ROW;
+            if (live[u]) {
+                const u64 at = (u64)row * HEAD_DIM + lane * 8;
+                kr[u] = __ldg(reinterpret_cast<const uint4*>(k + at));
+                vr[u] = __ldg(reinterpret_cast<const uint4*>(v + at));
+            } else {
+                const uint4 zero = {0u, 0u, 0u, 0u};
+                kr[u] = zero;
+                vr[u] = zero;
+            }
+        }
+        float s[UNROLL][GROUP];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float kf[8];
+            unpack8(kr[u], kf);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) dot = fmaf(qf[g][i], kf[i], dot);
+                s[u][g] = dot;
+            }
+        }
+#pragma unroll
+        for (int off = LANES / 2; off > 0; off >>= 1) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], off);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (!live[u]) {
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) s[u][g] = NEG_INF;
+            }
+        }
+        float vf[UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) unpack8(vr[u], vf[u]);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float mx = st.m[g];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) mx = fmaxf(mx, s[u][g]);
+            // Nothing seen yet: skipping avoids -inf - -inf.
+            if (mx == NEG_INF) continue;
+            const float c = exp2f(st.m[g] - mx);
+            st.l[g] *= c;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) st.o[g][i] *= c;
+            st.m[g] = mx;
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const float p = exp2f(s[u][g] - mx);
+                st.l[g] += p;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) st.o[g][i] = fmaf(p, vf[u][i], st.o[g][i]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+attend(const u16* __restrict__ q, float scale_log2,
+       // dense part
+       const u16* __restrict__ dk, const u16* __restrict__ dv, u64 d_stride, u32 run0_row,
+       u32 run0_len, u32 run1_row, u32 run1_len, u32 dense_chunk, u32 dense_items,
+       // list part
+       const u16* __restrict__ lk, const u16* __restrict__ lv, u64 l_stride,
+       const u32* __restrict__ list_off, const u32* __restrict__ list, u32 list_chunk,
+       const u32* __restrict__ bucket_off, const u32* __restrict__ bucket_ids,
+       // results
+       float* __restrict__ partials, u32* __restrict__ counters, float* __restrict__ out) {
+    const u32 h = blockIdx.y, x = blockIdx.x;
+    const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+
+    // This thread's 8 columns of every group query, pre-scaled to base-2 logits.
+    float qf[GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const u64 at = ((u64)h * GROUP + g) * HEAD_DIM + lane * 8;
+        unpack8(__ldg(reinterpret_cast<const uint4*>(q + at)), qf[g]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qf[g][i] *= scale_log2;
+    }
+    State st;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        st.m[g] = NEG_INF;
+        st.l[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) st.o[g][i] = 0.f;
+    }
+
+    if (x < dense_items) {
+        const u32 first = x * dense_chunk, dense_len = run0_len + run1_len;
+        const u32 n = min_u32(dense_chunk, dense_len - first);
+        const DenseRows rows = {first, run0_row, run0_len, run1_row};
+        const u64 head = (u64)h * d_stride * HEAD_DIM;
+        attend_rows(rows, n, dk + head, dv + head, qf, st);
+    } else if (list_off != nullptr) {
+        const u32 i = x - dense_items, begin = list_off[h], end = list_off[h + 1];
+        const u64 head = (u64)h * l_stride * HEAD_DIM;
+        if (bucket_off == nullptr) {
+            if (i < (end - begin + list_chunk - 1) / list_chunk) {
+                const u32 first = begin + i * list_chunk;
+                const ListRows rows = {list + first};
+                attend_rows(rows, min_u32(list_chunk, end - first), lk + head, lv + head, qf, st);
+            }
+        } else if (i < end - begin) {
+            const u32 bucket = list[begin + i];
+            const u32 a = bucket_off[bucket], z = bucket_off[bucket + 1];
+            const BucketRows rows = {bucket_ids + a, run0_row, run0_len, run1_row, run1_len};
+            attend_rows(rows, z - a, lk + head, lv + head, qf, st);
+        }
+    }
+
+    // Combine the teams of the block into this item's partial.
+    __shared__ float sm_o[TEAMS][GROUP][HEAD_DIM];
+    __shared__ float sm_m[TEAMS][GROUP];
+    __shared__ float sm_l[TEAMS][GROUP];
+    __shared__ bool last;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sm_o[team][g][lane * 8 + i] = st.o[g][i];
+        if (lane == 0) {
+            sm_m[team][g] = st.m[g];
+            sm_l[team][g] = st.l[g];
+        }
+    }
+    __syncthreads();
+    float* partial = partials + ((u64)h * gridDim.x + x) * PARTIAL;
+    for (u32 e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
+        const u32 g = e / HEAD_DIM, col = e % HEAD_DIM;
+        float mx = NEG_INF;
+        for (int t = 0; t < TEAMS; ++t) mx = fmaxf(mx, sm_m[t][g]);
+        float o = 0.f, l = 0.f;
+        if (mx != NEG_INF) {
+            for (int t = 0; t < TEAMS; ++t) {
+                const float w = exp2f(sm_m[t][g] - mx);
+                o = fmaf(w, sm_o[t][g][col], o);
+                l = fmaf(w, sm_l[t][g], l);
+            }
+        }
+        partial[e] = o;
+        if (col == 0) {
+            partial[GROUP * HEAD_DIM + g] = mx;
+            partial[GROUP * HEAD_DIM + GROUP + g] = l;
+        }
+    }
+
+    // The last block of this head to finish merges all its partials (threadfence reduction).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counters[h], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* mine = partials + (u64)h * gridDim.x * PARTIAL;
+    for (u32 e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
+        const u32 g = e / HEAD_DIM;
+        float mx = NEG_INF;
+        for (u32 j = 0; j < gridDim.x; ++j) mx = fmaxf(mx, __ldcg(mine + (u64)j * PARTIAL + GROUP * HEAD_DIM + g));
+        float o = 0.f, l = 0.f;
+        if (mx != NEG_INF) {
+            for (u32 j = 0; j < gridDim.x; ++j) {
+                const float* p = mine + (u64)j * PARTIAL;
+                const float w = exp2f(__ldcg(p + GROUP * HEAD_DIM + g) - mx);
+                o = fmaf(w, __ldcg(p + e), o);
+                l = fmaf(w, __ldcg(p + GROUP * HEAD_DIM + GROUP + g), l);
+            }
+        }
+        // A head that saw no token gets zeros, as Partial::finish gives.
+        out[(u64)h * GROUP * HEAD_DIM + e] = l > 0.f ? o / l : 0.f;
+    }
+    if (threadIdx.x == 0) counters[h] = 0;
+}

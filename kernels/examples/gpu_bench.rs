@@ -1,0 +1,651 @@
+//! Decode-step attention on the GPU: `retrieval_attention` against `flash_decode` and
+//! PyTorch's `scaled_dot_product_attention` (flash and cuDNN backends, measured by
+//! `scripts/bench_sdpa.py` in the same device command), with K/V resident on the GPU and
+//! through the pinned-host block cache. bf16 inputs.
+//!
+//! ```sh
+//! gpu_bench [--sdpa sdpa.jsonl] [--json raw.jsonl] [--quick] [--iters 200]
+//! ```
+//!
+//! Timing: CUDA events around each launch, the median of `--iters` (>= 100) launches after a
+//! warm-up; and the same launches captured in a CUDA graph, replayed, per step. Every timed
+//! call takes the next of several input sets (queries, window position, selection, and a copy
+//! of the cache when one copy is small) whose bytes add up to more than 200 MB, so that the
+//! 50 MB L2 does not keep them between calls. Bytes touched follow the issue: (dense +
+//! selected tokens) × KV heads × head_dim × 2 (K and V) × 2 bytes, plus queries and outputs.
+
+use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::ops::Range;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use half::bf16;
+use kvdb_kernels::cudarc::driver::sys::{
+    CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
+use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice};
+use kvdb_kernels::{
+    flash_decode, retrieval_attention, BlockCache, CacheConfig, Csr, Dense, Gpu, HostKv, KvCache,
+    Query, Selected, Workspace,
+};
+use serde_json::{json, Value};
+
+type T = bf16;
+
+/// A model's attention shape.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    name: &'static str,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+const SHAPES: [Shape; 2] = [
+    Shape {
+        name: "llama",
+        q_heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+    },
+    Shape {
+        name: "gemma",
+        q_heads: 4,
+        kv_heads: 1,
+        head_dim: 256,
+    },
+];
+const LENGTHS: [usize; 4] = [32 << 10, 128 << 10, 512 << 10, 1 << 20];
+const KS: [usize; 4] = [256, 1024, 2048, 4096];
+const SINK: u32 = 1;
+const WINDOW: u32 = 2048;
+/// Input sets rotate over at least this many bytes.
+const ROTATE_BYTES: f64 = 200e6;
+/// Tokens per block of the pinned-host path (the store's block size).
+const BLOCK_TOKENS: usize = 64;
+
+struct Args {
+    sdpa: Option<String>,
+    json: Option<String>,
+    quick: bool,
+    iters: usize,
+}
+
+impl Args {
+    fn parse() -> Result<Self> {
+        let mut args = Self {
+            sdpa: None,
+            json: None,
+            quick: false,
+            iters: 200,
+        };
+        let mut it = std::env::args().skip(1);
+        while let Some(arg) = it.next() {
+            match arg.as_str() {
+                "--sdpa" => args.sdpa = Some(it.next().context("--sdpa FILE")?),
+                "--json" => args.json = Some(it.next().context("--json FILE")?),
+                "--quick" => args.quick = true,
+                "--iters" => args.iters = it.next().context("--iters N")?.parse()?,
+                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--iters N]"),
+            }
+        }
+        ensure!(args.iters >= 100, "--iters must be at least 100");
+        Ok(args)
+    }
+}
+
+/// SplitMix64: a fast, seedable generator, one per thread of data generation.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn below(&mut self, n: u32) -> u32 {
+        (((self.next() >> 32) * n as u64) >> 32) as u32
+    }
+}
+
+/// `len` random elements in [-1, 1), generated on every core.
+fn random(len: usize, seed: u64) -> Vec<T> {
+    let mut data = vec![T::default(); len];
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let chunk = len.div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        for (i, part) in data.chunks_mut(chunk).enumerate() {
+            scope.spawn(move || {
+                let mut rng = SplitMix(seed ^ (i as u64).wrapping_mul(0x2545_f491_4f6c_dd1d));
+                part.iter_mut().for_each(|x| *x = T::from_f32(rng.unit()));
+            });
+        }
+    });
+    data
+}
+
+/// Median and mean of event-timed calls, in microseconds.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    median_us: f64,
+    mean_us: f64,
+}
+
+fn event(gpu: &Gpu) -> Result<CudaEvent> {
+    Ok(gpu
+        .context()
+        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?)
+}
+
+/// Times `iters` calls of `step(i)`, each between two events, after ten untimed ones.
+fn time_events(
+    gpu: &Gpu,
+    iters: usize,
+    mut step: impl FnMut(usize) -> Result<()>,
+) -> Result<Timing> {
+    for i in 0..10 {
+        step(i)?;
+    }
+    let events: Vec<(CudaEvent, CudaEvent)> = (0..iters)
+        .map(|_| Ok((event(gpu)?, event(gpu)?)))
+        .collect::<Result<_>>()?;
+    for (i, (start, end)) in events.iter().enumerate() {
+        start.record(gpu.stream())?;
+        step(i)?;
+        end.record(gpu.stream())?;
+    }
+    gpu.synchronize()?;
+    let mut times: Vec<f64> = events
+        .iter()
+        .map(|(s, e)| Ok(s.elapsed_ms(e)? as f64 * 1e3))
+        .collect::<Result<_>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok(Timing {
+        median_us: times[times.len() / 2],
+        mean_us: times.iter().sum::<f64>() / times.len() as f64,
+    })
+}
+
+/// Captures `sets` calls of `step(0..sets)` in a CUDA graph and returns the time per call of
+/// its replays: launch overhead mostly gone, as in a decode loop run from a graph.
+fn time_graph(
+    gpu: &Gpu,
+    sets: usize,
+    iters: usize,
+    mut step: impl FnMut(usize) -> Result<()>,
+) -> Result<f64> {
+    let stream = gpu.stream();
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    for i in 0..sets {
+        step(i)?;
+    }
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags(0))?
+        .context("empty graph")?;
+    let replays = iters.div_ceil(sets).max(2);
+    graph.launch()?;
+    let (start, end) = (event(gpu)?, event(gpu)?);
+    start.record(stream)?;
+    for _ in 0..replays {
+        graph.launch()?;
+    }
+    end.record(stream)?;
+    Ok(start.elapsed_ms(&end)? as f64 * 1e3 / (replays * sets) as f64)
+}
+
+/// Device-to-device copy of 1 GiB: bytes read plus written per second, in GB/s.
+fn copy_gbps(gpu: &Gpu) -> Result<f64> {
+    let src: CudaSlice<u8> = gpu.zeros(1 << 30)?;
+    let mut dst: CudaSlice<u8> = gpu.zeros(1 << 30)?;
+    let t = time_events(gpu, 50, |_| Ok(gpu.stream().memcpy_dtod(&src, &mut dst)?))?;
+    Ok(2.0 * (1u64 << 30) as f64 / (t.median_us * 1e-6) / 1e9)
+}
+
+/// Host-to-device copy of 1 GiB from pinned memory, in GB/s: the PCIe ceiling of cold blocks.
+fn pcie_gbps(gpu: &Gpu) -> Result<f64> {
+    // Safety: the bytes are copied, never read as anything but bytes.
+    let pinned = unsafe { gpu.context().alloc_pinned::<u8>(1 << 30)? };
+    let mut dst: CudaSlice<u8> = gpu.zeros(1 << 30)?;
+    let t = time_events(gpu, 20, |_| {
+        Ok(gpu.stream().memcpy_htod(&pinned, &mut dst)?)
+    })?;
+    Ok((1u64 << 30) as f64 / (t.median_us * 1e-6) / 1e9)
+}
+
+/// One input set of a retrieval step: queries, dense runs, selection, and which cache copy.
+struct Set {
+    queries: CudaSlice<T>,
+    runs: Vec<Range<u32>>,
+    lists: Vec<Vec<u32>>,
+    ids: Csr,
+    copy: usize,
+}
+
+/// `k` distinct random ids in `range` per KV head.
+fn select(rng: &mut SplitMix, kv_heads: usize, range: Range<u32>, k: usize) -> Vec<Vec<u32>> {
+    (0..kv_heads)
+        .map(|_| {
+            let mut seen = HashSet::with_capacity(k);
+            let mut ids = Vec::with_capacity(k);
+            while ids.len() < k {
+                let id = range.start + rng.below(range.end - range.start);
+                if seen.insert(id) {
+                    ids.push(id);
+                }
+            }
+            ids
+        })
+        .collect()
+}
+
+/// Everything for one shape and length: the cache (in copies), host data, workspace.
+struct Bench<'g> {
+    gpu: &'g Gpu,
+    shape: Shape,
+    n: usize,
+    keys: Vec<T>,
+    values: Vec<T>,
+    copies: Vec<KvCache<T>>,
+    workspace: Workspace,
+    out: CudaSlice<f32>,
+    rng: SplitMix,
+    iters: usize,
+}
+
+impl<'g> Bench<'g> {
+    fn new(gpu: &'g Gpu, shape: Shape, n: usize, iters: usize) -> Result<Self> {
+        let len = shape.kv_heads * n * shape.head_dim;
+        let (keys, values) = (random(len, n as u64), random(len, !(n as u64)));
+        let copies = (ROTATE_BYTES / (4 * len) as f64).ceil().max(1.0) as usize;
+        let copies = (0..copies)
+            .map(|_| KvCache::upload(gpu, &keys, &values, shape.kv_heads, shape.head_dim))
+            .collect::<kvdb_kernels::Result<_>>()?;
+        Ok(Self {
+            gpu,
+            shape,
+            n,
+            keys,
+            values,
+            copies,
+            workspace: Workspace::new(gpu)?,
+            out: gpu.zeros(shape.q_heads * shape.head_dim)?,
+            rng: SplitMix(n as u64 * 31 + shape.q_heads as u64),
+            iters,
+        })
+    }
+
+    fn queries(&mut self) -> Result<CudaSlice<T>> {
+        let q = random(self.shape.q_heads * self.shape.head_dim, self.rng.next());
+        Ok(self.gpu.upload(&q)?)
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.shape.head_dim as f32).sqrt()
+    }
+
+    /// Bytes a step over `tokens` tokens touches (the issue's formula).
+    fn bytes(&self, tokens: usize) -> f64 {
+        let s = self.shape;
+        let kv = tokens * s.kv_heads * s.head_dim * 2 * size_of::<T>();
+        (kv + s.q_heads * s.head_dim * (size_of::<T>() + size_of::<f32>())) as f64
+    }
+
+    fn flash(&mut self) -> Result<Value> {
+        let sets: Vec<CudaSlice<T>> = (0..64).map(|_| self.queries()).collect::<Result<_>>()?;
+        let (gpu, n, scale) = (self.gpu, self.n, self.scale());
+        let (copies, ws, out) = (&self.copies, &mut self.workspace, &mut self.out);
+        let mut step = |i: usize| -> Result<()> {
+            let query = Query {
+                heads: &sets[i % sets.len()],
+                scale,
+            };
+            Ok(flash_decode(
+                gpu,
+                ws,
+                query,
+                &copies[i % copies.len()],
+                n,
+                out,
+            )?)
+        };
+        let events = time_events(gpu, self.iters, &mut step)?;
+        let graph = time_graph(gpu, copies.len().max(8), self.iters, &mut step)?;
+        Ok(self.record("flash_decode", None, n, events, graph))
+    }
+
+    /// A random decode position, its dense runs and a selection of `k` ids per KV head.
+    fn set(&mut self, k: usize, copy: usize) -> Result<Set> {
+        let lowest = (SINK + WINDOW) as usize + k;
+        ensure!(
+            self.n > lowest,
+            "{} tokens cannot hold k={k} plus the dense part",
+            self.n
+        );
+        let position = lowest as u32 + self.rng.below((self.n - lowest) as u32);
+        let window_start = position + 1 - WINDOW;
+        let lists = select(&mut self.rng, self.shape.kv_heads, SINK..window_start, k);
+        Ok(Set {
+            queries: self.queries()?,
+            runs: vec![0..SINK, window_start..position + 1],
+            ids: Csr::from_lists(self.gpu, &lists)?,
+            lists,
+            copy,
+        })
+    }
+
+    fn retrieval(&mut self, k: usize) -> Result<(Value, Vec<Set>)> {
+        let tokens = (SINK + WINDOW) as usize + k;
+        let count = (ROTATE_BYTES / self.bytes(tokens)).ceil().clamp(8.0, 256.0) as usize;
+        let copies = self.copies.len();
+        let sets: Vec<Set> = (0..count)
+            .map(|i| self.set(k, i % copies))
+            .collect::<Result<_>>()?;
+        let (gpu, scale) = (self.gpu, self.scale());
+        let (caches, ws, out) = (&self.copies, &mut self.workspace, &mut self.out);
+        let mut step = |i: usize| -> Result<()> {
+            let set = &sets[i % sets.len()];
+            let kv = &caches[set.copy];
+            let query = Query {
+                heads: &set.queries,
+                scale,
+            };
+            let dense = Dense {
+                kv,
+                runs: &set.runs,
+            };
+            Ok(retrieval_attention(
+                gpu,
+                ws,
+                query,
+                dense,
+                Selected::resident(kv, &set.ids),
+                out,
+            )?)
+        };
+        let events = time_events(gpu, self.iters, &mut step)?;
+        let graph = time_graph(gpu, sets.len(), self.iters, &mut step)?;
+        Ok((
+            self.record("retrieval", Some(k), tokens, events, graph),
+            sets,
+        ))
+    }
+
+    /// Retrieval with K/V in pinned host memory behind the block cache: each of a few
+    /// selections once on an empty cache (cold), then again (warm). Wall-clock latency of
+    /// the whole step (block lookups on the CPU, copies, attention, synchronisation).
+    fn pinned(
+        &mut self,
+        host: &HostKv<T>,
+        cache: &mut BlockCache<T>,
+        k: usize,
+        sets: &[Set],
+    ) -> Result<Value> {
+        let s = self.shape;
+        let d = s.head_dim;
+        let (mut cold, mut warm) = (Vec::new(), Vec::new());
+        let (mut cold_bytes, mut warm_stats) = (0u64, (0u64, 0u64));
+        for set in sets.iter().take(5) {
+            // The dense part (sink and window) stays on the GPU, compacted to its own rows.
+            let mut dense_keys = Vec::new();
+            let mut dense_values = Vec::new();
+            for h in 0..s.kv_heads {
+                for id in set.runs.iter().cloned().flatten() {
+                    let at = (h * self.n + id as usize) * d;
+                    dense_keys.extend_from_slice(&self.keys[at..at + d]);
+                    dense_values.extend_from_slice(&self.values[at..at + d]);
+                }
+            }
+            let dense_kv = KvCache::upload(self.gpu, &dense_keys, &dense_values, s.kv_heads, d)?;
+            let dense_rows = 0..(dense_keys.len() / (s.kv_heads * d)) as u32;
+            cache.clear();
+            for pass in 0..21 {
+                let before = cache.stats();
+                let start = Instant::now();
+                let selected = cache.gather(self.gpu, host, &set.lists)?;
+                let query = Query {
+                    heads: &set.queries,
+                    scale: self.scale(),
+                };
+                let dense = Dense {
+                    kv: &dense_kv,
+                    runs: std::slice::from_ref(&dense_rows),
+                };
+                retrieval_attention(
+                    self.gpu,
+                    &mut self.workspace,
+                    query,
+                    dense,
+                    selected,
+                    &mut self.out,
+                )?;
+                self.gpu.synchronize()?;
+                let us = start.elapsed().as_secs_f64() * 1e6;
+                let after = cache.stats();
+                if pass == 0 {
+                    cold.push(us);
+                    cold_bytes += after.bytes_copied - before.bytes_copied;
+                } else {
+                    warm.push(us);
+                    warm_stats.0 += after.hits - before.hits;
+                    warm_stats.1 += after.misses - before.misses;
+                }
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (cold_us, warm_us) = (median(&mut cold), median(&mut warm));
+        let cold_mb = cold_bytes as f64 / cold.len() as f64 / 1e6;
+        let warm_hit = warm_stats.0 as f64 / (warm_stats.0 + warm_stats.1).max(1) as f64;
+        let v = json!({
+            "impl": "pinned", "shape": s.name, "n": self.n, "k": k,
+            "cold_us": cold_us, "warm_us": warm_us, "cold_copied_mb": cold_mb,
+            "cold_pcie_gbps": cold_mb * 1e6 / (cold_us * 1e-6) / 1e9,
+            "warm_hit_ratio": warm_hit, "cache_hit_ratio_total": cache.stats().hit_ratio(),
+        });
+        println!("{v}");
+        Ok(v)
+    }
+
+    fn record(
+        &self,
+        what: &str,
+        k: Option<usize>,
+        tokens: usize,
+        t: Timing,
+        graph_us: f64,
+    ) -> Value {
+        let bytes = self.bytes(tokens);
+        let v = json!({
+            "impl": what, "shape": self.shape.name, "n": self.n, "k": k, "tokens": tokens,
+            "median_us": t.median_us, "mean_us": t.mean_us, "graph_us": graph_us,
+            "bytes": bytes, "gbps": bytes / (t.median_us * 1e-6) / 1e9,
+            "graph_gbps": bytes / (graph_us * 1e-6) / 1e9,
+            "copies": self.copies.len(),
+        });
+        println!("{v}");
+        v
+    }
+}
+
+fn find<'a>(
+    rows: &'a [Value],
+    what: &str,
+    shape: &str,
+    n: usize,
+    k: Option<usize>,
+) -> Option<&'a Value> {
+    rows.iter().find(|r| {
+        r["impl"] == what && r["shape"] == shape && r["n"] == n && k.is_none_or(|k| r["k"] == k)
+    })
+}
+
+fn f(v: Option<&Value>, key: &str) -> Option<f64> {
+    v.and_then(|v| v[key].as_f64())
+}
+
+fn cell(x: Option<f64>, digits: usize) -> String {
+    x.map_or("n/a".into(), |x| format!("{x:.digits$}"))
+}
+
+/// The tables of docs/benchmarks.md, from this run's records and the SDPA script's.
+fn tables(rows: &[Value], sdpa: &[Value], copy: f64, lengths: &[usize]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\n### Full attention: flash_decode vs PyTorch SDPA (µs, median of events)\n"
+    );
+    let _ = writeln!(s, "| shape | N | flash_decode | graph | GB/s | SDPA flash | SDPA cuDNN | flash_decode / SDPA flash |");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    for shape in SHAPES {
+        for &n in lengths {
+            let ours = find(rows, "flash_decode", shape.name, n, None);
+            let fl = f(find(sdpa, "sdpa_flash", shape.name, n, None), "median_us");
+            let cu = f(find(sdpa, "sdpa_cudnn", shape.name, n, None), "median_us");
+            let o = f(ours, "median_us");
+            let _ = writeln!(
+                s,
+                "| {} | {}K | {} | {} | {} | {} | {} | {} |",
+                shape.name,
+                n >> 10,
+                cell(o, 1),
+                cell(f(ours, "graph_us"), 1),
+                cell(f(ours, "gbps"), 0),
+                cell(fl, 1),
+                cell(cu, 1),
+                cell(o.zip(fl).map(|(o, fl)| o / fl), 2),
+            );
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\n### Retrieval attention (window {WINDOW} + {SINK} sink + k selected), resident K/V\n"
+    );
+    let _ = writeln!(
+        s,
+        "Copy bandwidth (device-to-device, read + write) in this run: {copy:.0} GB/s.\n"
+    );
+    let _ = writeln!(s, "| shape | N | k | µs (events) | µs/step (graph) | MB touched | GB/s | % of copy | × fastest SDPA | × flash_decode |");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for shape in SHAPES {
+        for &n in lengths {
+            let best = ["sdpa_flash", "sdpa_cudnn"]
+                .iter()
+                .filter_map(|b| f(find(sdpa, b, shape.name, n, None), "median_us"))
+                .reduce(f64::min);
+            let flash = f(find(rows, "flash_decode", shape.name, n, None), "median_us");
+            for k in KS {
+                let r = find(rows, "retrieval", shape.name, n, Some(k));
+                let us = f(r, "median_us");
+                let gbps = f(r, "gbps");
+                let _ = writeln!(
+                    s,
+                    "| {} | {}K | {k} | {} | {} | {} | {} | {} | {} | {} |",
+                    shape.name,
+                    n >> 10,
+                    cell(us, 1),
+                    cell(f(r, "graph_us"), 1),
+                    cell(f(r, "bytes").map(|b| b / 1e6), 1),
+                    cell(gbps, 0),
+                    cell(gbps.map(|g| 100.0 * g / copy), 0),
+                    cell(us.zip(best).map(|(u, b)| b / u), 0),
+                    cell(us.zip(flash).map(|(u, fl)| fl / u), 0),
+                );
+            }
+        }
+    }
+    let _ = writeln!(s, "\n### Retrieval through the pinned-host block cache (blocks of {BLOCK_TOKENS} tokens, LRU)\n");
+    let _ = writeln!(s, "| shape | N | k | cold µs | MB copied cold | cold GB/s over PCIe | warm µs | warm hit ratio |");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    for shape in SHAPES {
+        for &n in lengths {
+            for k in KS {
+                let r = find(rows, "pinned", shape.name, n, Some(k));
+                let _ = writeln!(
+                    s,
+                    "| {} | {}K | {k} | {} | {} | {} | {} | {} |",
+                    shape.name,
+                    n >> 10,
+                    cell(f(r, "cold_us"), 0),
+                    cell(f(r, "cold_copied_mb"), 1),
+                    cell(f(r, "cold_pcie_gbps"), 1),
+                    cell(f(r, "warm_us"), 1),
+                    cell(f(r, "warm_hit_ratio"), 3),
+                );
+            }
+        }
+    }
+    s
+}
+
+fn read_jsonl(path: &str) -> Result<Vec<Value>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).with_context(|| format!("a line of {path}")))
+        .collect()
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse()?;
+    let gpu = Gpu::new(0)?;
+    let copy = copy_gbps(&gpu)?;
+    let pcie = pcie_gbps(&gpu)?;
+    let device = json!({
+        "impl": "device", "name": gpu.name()?, "multiprocessors": gpu.multiprocessors(),
+        "copy_gbps": copy, "pcie_h2d_gbps": pcie,
+    });
+    println!("{device}");
+    let lengths: &[usize] = if args.quick { &LENGTHS[..1] } else { &LENGTHS };
+    let mut rows = vec![device];
+    for shape in SHAPES {
+        for &n in lengths {
+            let started = Instant::now();
+            let mut bench = Bench::new(&gpu, shape, n, args.iters)?;
+            rows.push(bench.flash()?);
+            let host = HostKv::new(
+                &gpu,
+                &bench.keys,
+                &bench.values,
+                shape.kv_heads,
+                shape.head_dim,
+                BLOCK_TOKENS,
+            )?;
+            let config = CacheConfig {
+                capacity_bytes: 2 << 30,
+                block_tokens: BLOCK_TOKENS,
+            };
+            let mut cache = BlockCache::new(&gpu, shape.head_dim, config)?;
+            for k in KS {
+                let (record, sets) = bench.retrieval(k)?;
+                rows.push(record);
+                rows.push(bench.pinned(&host, &mut cache, k, &sets)?);
+            }
+            eprintln!(
+                "{} N={n}: {:.1} s",
+                shape.name,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    if let Some(path) = &args.json {
+        let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
+        std::fs::write(path, text).with_context(|| format!("writing {path}"))?;
+    }
+    let sdpa = match &args.sdpa {
+        Some(path) => read_jsonl(path)?,
+        None => Vec::new(),
+    };
+    println!("{}", tables(&rows, &sdpa, copy, lengths));
+    Ok(())
+}

@@ -1,0 +1,413 @@
+//! The launchers: [`flash_decode`], [`retrieval_attention`] and [`bucket_attention`], all
+//! one launch of `attend.cu`.
+
+use std::ops::Range;
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use crate::buffers::{Csr, KvCache};
+use crate::error::{driver, length, KernelError, Result};
+use crate::gpu::{Gpu, KvElement, Variant, MAX_GROUP, THREADS, UNROLL};
+
+/// The queries of one decode step: `[kv_heads, group, head_dim]` (query head `h * group + g`
+/// attends with KV head `h`), and the logit scale (usually `1 / sqrt(head_dim)`).
+#[derive(Debug)]
+pub struct Query<'a, T> {
+    /// The query heads, rotated like the keys.
+    pub heads: &'a CudaSlice<T>,
+    /// Scale of `q · k`.
+    pub scale: f32,
+}
+
+/// Scratch of the launches: one partial per work item, and one counter per KV head that
+/// the kernel leaves at zero. Grows on demand; reuse one across steps.
+pub struct Workspace {
+    partials: CudaSlice<f32>,
+    counters: CudaSlice<u32>,
+}
+
+impl std::fmt::Debug for Workspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workspace")
+            .field("partial_floats", &self.partials.len())
+            .field("counters", &self.counters.len())
+            .finish()
+    }
+}
+
+impl Workspace {
+    /// An empty workspace.
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        Ok(Self {
+            partials: gpu.zeros(1)?,
+            counters: gpu.zeros(1)?,
+        })
+    }
+
+    fn reserve(&mut self, gpu: &Gpu, partial_floats: usize, heads: usize) -> Result<()> {
+        if self.partials.len() < partial_floats {
+            self.partials = gpu.zeros(partial_floats)?;
+        }
+        if self.counters.len() < heads {
+            self.counters = gpu.zeros(heads)?;
+        }
+        Ok(())
+    }
+}
+
+/// Where rows of keys and values come from: KV head `h`'s row `r` is row
+/// `h * head_stride + r` of the buffers, and `rows` rows exist per head.
+#[derive(Debug)]
+pub(crate) struct KvRows<'a, T> {
+    pub(crate) keys: &'a CudaSlice<T>,
+    pub(crate) values: &'a CudaSlice<T>,
+    pub(crate) head_stride: u64,
+    pub(crate) rows: usize,
+    pub(crate) head_dim: usize,
+}
+
+impl<'a, T> From<&'a KvCache<T>> for KvRows<'a, T> {
+    fn from(kv: &'a KvCache<T>) -> Self {
+        Self {
+            keys: &kv.keys,
+            values: &kv.values,
+            head_stride: kv.tokens() as u64,
+            rows: kv.tokens(),
+            head_dim: kv.head_dim(),
+        }
+    }
+}
+
+/// The selected tokens of a step, per KV head: rows of a [`KvCache`] ([`Selected::resident`])
+/// or of a [`crate::BlockCache`] ([`crate::BlockCache::gather`]).
+#[derive(Debug)]
+pub struct Selected<'a, T> {
+    pub(crate) rows: KvRows<'a, T>,
+    pub(crate) lists: &'a Csr,
+}
+
+impl<'a, T> Selected<'a, T> {
+    /// Token ids `lists` (one list per KV head) of `kv`. Ids must be deduplicated and
+    /// cleared of the dense part's ids by the caller, as `kvdb-attention` does; they are
+    /// checked against `kv`'s length at launch.
+    pub fn resident(kv: &'a KvCache<T>, lists: &'a Csr) -> Self {
+        Self {
+            rows: kv.into(),
+            lists,
+        }
+    }
+}
+
+/// The dense part of a step: up to two runs of rows of a [`KvCache`] (sinks and recent
+/// window, as `DensePolicy::dense_ranges` gives them), the same for every KV head.
+#[derive(Debug)]
+pub struct Dense<'a, T> {
+    /// Where the rows are.
+    pub kv: &'a KvCache<T>,
+    /// Disjoint runs of rows, at most two.
+    pub runs: &'a [Range<u32>],
+}
+
+// Copy whatever `T` is: these only borrow.
+macro_rules! impl_copy {
+    ($($name:ident),*) => {$(
+        impl<T> Clone for $name<'_, T> {
+            fn clone(&self) -> Self {
+                *self
+            }
+        }
+        impl<T> Copy for $name<'_, T> {}
+    )*};
+}
+impl_copy!(Query, KvRows, Selected, Dense);
+
+/// One launch's arguments after validation.
+struct Launch<'a, T> {
+    query: Query<'a, T>,
+    dense: KvRows<'a, T>,
+    runs: [(u32, u32); 2],
+    list: Option<(KvRows<'a, T>, &'a Csr)>,
+    buckets: Option<&'a Csr>,
+    kv_heads: usize,
+}
+
+/// Exact attention of one decode step over the first `len` tokens of every KV head of `kv`
+/// (the flash-decoding baseline): split over the sequence into one work item per block,
+/// merged by log-sum-exp. Writes `out` `[kv_heads, group, head_dim]` (f32).
+pub fn flash_decode<T: KvElement>(
+    gpu: &Gpu,
+    workspace: &mut Workspace,
+    query: Query<'_, T>,
+    kv: &KvCache<T>,
+    len: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if len > kv.tokens() {
+        return Err(KernelError::OutOfRange {
+            what: "flash_decode length",
+            index: len as u64,
+            len: kv.tokens() as u64,
+        });
+    }
+    let all = 0..len as u32;
+    let dense = Dense {
+        kv,
+        runs: std::slice::from_ref(&all),
+    };
+    launch(gpu, workspace, plan(query, dense, None, None)?, out)
+}
+
+/// Retrieval attention of one decode step: every query head over its KV head's dense part
+/// and selected tokens, merged by log-sum-exp in the same launch. Writes `out`
+/// `[kv_heads, group, head_dim]` (f32).
+///
+/// The selection must not repeat a token nor contain one of the dense part (the caller
+/// dedups and clears them, as `kvdb-attention`'s `retrieval_attention` does).
+pub fn retrieval_attention<T: KvElement>(
+    gpu: &Gpu,
+    workspace: &mut Workspace,
+    query: Query<'_, T>,
+    dense: Dense<'_, T>,
+    selected: Selected<'_, T>,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let plan = plan(query, dense, Some((selected.rows, selected.lists)), None)?;
+    launch(gpu, workspace, plan, out)
+}
+
+/// Bucket attention of one decode step (SAAP / IVF with every key of the visited buckets):
+/// `buckets` holds each bucket's token ids (CSR; the buckets of all KV heads numbered
+/// together), `visited` one list of bucket numbers per KV head. One block attends to each
+/// visited bucket, skipping ids of the dense part, whose runs are token ids of `kv` here;
+/// all merged with the dense part in the same launch. Writes `out` `[kv_heads, group,
+/// head_dim]` (f32).
+pub fn bucket_attention<T: KvElement>(
+    gpu: &Gpu,
+    workspace: &mut Workspace,
+    query: Query<'_, T>,
+    dense: Dense<'_, T>,
+    buckets: &Csr,
+    visited: &Csr,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    buckets.check("bucket token ids", buckets.lists(), dense.kv.tokens())?;
+    let list = Some((dense.kv.into(), visited));
+    let plan = plan(query, dense, list, Some(buckets))?;
+    launch(gpu, workspace, plan, out)
+}
+
+/// Checks shapes and ranges.
+fn plan<'a, T>(
+    query: Query<'a, T>,
+    dense: Dense<'a, T>,
+    list: Option<(KvRows<'a, T>, &'a Csr)>,
+    buckets: Option<&'a Csr>,
+) -> Result<Launch<'a, T>> {
+    let kv = dense.kv;
+    let (kv_heads, head_dim) = (kv.kv_heads(), kv.head_dim());
+    if dense.runs.len() > 2 {
+        return Err(KernelError::Unsupported {
+            what: "number of dense runs",
+            value: dense.runs.len(),
+            supported: "0 to 2 (sinks and window)",
+        });
+    }
+    let mut runs = [(0u32, 0u32); 2];
+    for (run, range) in runs.iter_mut().zip(dense.runs) {
+        if range.start > range.end || range.end as usize > kv.tokens() {
+            return Err(KernelError::OutOfRange {
+                what: "dense run end",
+                index: range.end.into(),
+                len: kv.tokens() as u64,
+            });
+        }
+        *run = (range.start, range.end - range.start);
+    }
+    let dense_len = runs[0].1 as usize + runs[1].1 as usize;
+    if dense_len > kv.tokens() {
+        return Err(KernelError::OutOfRange {
+            what: "dense rows (runs must be disjoint)",
+            index: dense_len as u64,
+            len: kv.tokens() as u64,
+        });
+    }
+    if let Some((rows, lists)) = list {
+        length("list row length (head_dim)", head_dim, rows.head_dim)?;
+        let bound = match buckets {
+            Some(buckets) => buckets.lists(),
+            None => rows.rows,
+        };
+        lists.check("selected rows or visited buckets", kv_heads, bound)?;
+    }
+    let per_group = kv_heads * head_dim;
+    if per_group == 0 || !query.heads.len().is_multiple_of(per_group) {
+        return Err(KernelError::Length {
+            what: "queries [kv_heads, group, head_dim]",
+            expected: per_group.max(1),
+            found: query.heads.len(),
+        });
+    }
+    Ok(Launch {
+        query,
+        dense: dense.kv.into(),
+        runs,
+        list,
+        buckets,
+        kv_heads,
+    })
+}
+
+fn launch<T: KvElement>(
+    gpu: &Gpu,
+    workspace: &mut Workspace,
+    launch: Launch<'_, T>,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let head_dim = launch.dense.head_dim;
+    let group = launch.query.heads.len() / (launch.kv_heads * head_dim);
+    if !(1..=MAX_GROUP).contains(&group) {
+        return Err(KernelError::Unsupported {
+            what: "GQA group size",
+            value: group,
+            supported: "1 to 8",
+        });
+    }
+    let lanes = head_dim / 8;
+    if !head_dim.is_multiple_of(8) || !lanes.is_power_of_two() || lanes > 32 {
+        return Err(KernelError::Unsupported {
+            what: "head dimension",
+            value: head_dim,
+            supported: "8, 16, 32, 64, 128, 256",
+        });
+    }
+    length(
+        "out [kv_heads, group, head_dim]",
+        launch.query.heads.len(),
+        out.len(),
+    )?;
+    let kernel = gpu.attend_kernel(Variant {
+        dtype: T::DTYPE,
+        head_dim,
+        group,
+    })?;
+
+    // Work items: a chunk of rows each, sized so that one wave of blocks covers the step
+    // (few partials to merge, no tail), but never less than one iteration of the block.
+    let dense_len = launch.runs[0].1 as usize + launch.runs[1].1 as usize;
+    let longest = launch.list.map_or(0, |(_, lists)| lists.longest());
+    let step = (THREADS as usize / lanes) * UNROLL as usize;
+    let wave = (gpu.multiprocessors() * kernel.blocks_per_sm) as usize;
+    let rows = launch.kv_heads * (dense_len + longest);
+    let chunk = rows.div_ceil(wave).next_multiple_of(step).max(step);
+    let dense_items = dense_len.div_ceil(chunk);
+    let list_items = match launch.buckets {
+        Some(_) => longest,
+        None => longest.div_ceil(chunk),
+    };
+    // At least one item, so that every head's output is written.
+    let items = (dense_items + list_items).max(1);
+    let too_large = |what, value| KernelError::TooLarge { what, value };
+    let items_u32 = u32::try_from(items).map_err(|_| too_large("work items per head", items))?;
+    let chunk_u32 = u32::try_from(chunk).map_err(|_| too_large("rows per work item", chunk))?;
+    let heads_u32 = u32::try_from(launch.kv_heads)
+        .ok()
+        .filter(|&h| h <= 65_535)
+        .ok_or(too_large("KV heads", launch.kv_heads))?;
+    workspace.reserve(
+        gpu,
+        launch.kv_heads * items * group * (head_dim + 2),
+        launch.kv_heads,
+    )?;
+
+    let address = |data: &CudaSlice<u32>| gpu.address(data);
+    let (list_keys, list_values, list_stride, list_off, list_items_ptr) = match launch.list {
+        Some((rows, lists)) => (
+            gpu.address(rows.keys),
+            gpu.address(rows.values),
+            rows.head_stride,
+            address(&lists.offsets),
+            address(&lists.items),
+        ),
+        None => (0, 0, 0, 0, 0),
+    };
+    let (bucket_off, bucket_ids) = launch
+        .buckets
+        .map_or((0, 0), |b| (address(&b.offsets), address(&b.items)));
+    let args = Args {
+        q: gpu.address(launch.query.heads),
+        scale_log2: launch.query.scale * std::f32::consts::LOG2_E,
+        dense_keys: gpu.address(launch.dense.keys),
+        dense_values: gpu.address(launch.dense.values),
+        dense_stride: launch.dense.head_stride,
+        runs: launch.runs,
+        dense_chunk: chunk_u32,
+        dense_items: dense_items as u32,
+        list_keys,
+        list_values,
+        list_stride,
+        list_off,
+        list: list_items_ptr,
+        list_chunk: chunk_u32,
+        bucket_off,
+        bucket_ids,
+        partials: gpu.address(&workspace.partials),
+        counters: gpu.address(&workspace.counters),
+        out: gpu.address(out),
+    };
+    let config = LaunchConfig {
+        grid_dim: (items_u32, heads_u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut builder = gpu.stream().launch_builder(&kernel.function);
+    builder
+        .arg(&args.q)
+        .arg(&args.scale_log2)
+        .arg(&args.dense_keys)
+        .arg(&args.dense_values)
+        .arg(&args.dense_stride)
+        .arg(&args.runs[0].0)
+        .arg(&args.runs[0].1)
+        .arg(&args.runs[1].0)
+        .arg(&args.runs[1].1)
+        .arg(&args.dense_chunk)
+        .arg(&args.dense_items)
+        .arg(&args.list_keys)
+        .arg(&args.list_values)
+        .arg(&args.list_stride)
+        .arg(&args.list_off)
+        .arg(&args.list)
+        .arg(&args.list_chunk)
+        .arg(&args.bucket_off)
+        .arg(&args.bucket_ids)
+        .arg(&args.partials)
+        .arg(&args.counters)
+        .arg(&args.out);
+    // Safety: the arguments match `attend`'s signature in order and type; every address is
+    // of a live buffer whose length was checked against the rows the kernel reads.
+    unsafe { builder.launch(config) }.map_err(driver("launching attend"))?;
+    Ok(())
+}
+
+/// `attend`'s arguments, named (pointers as device addresses, 0 for none).
+struct Args {
+    q: u64,
+    scale_log2: f32,
+    dense_keys: u64,
+    dense_values: u64,
+    dense_stride: u64,
+    runs: [(u32, u32); 2],
+    dense_chunk: u32,
+    dense_items: u32,
+    list_keys: u64,
+    list_values: u64,
+    list_stride: u64,
+    list_off: u64,
+    list: u64,
+    list_chunk: u32,
+    bucket_off: u64,
+    bucket_ids: u64,
+    partials: u64,
+    counters: u64,
+    out: u64,
+}

@@ -1,0 +1,207 @@
+//! Device buffers: a layer's keys and values ([`KvCache`]) and per-head or per-bucket lists
+//! of ids ([`Csr`]).
+
+use cudarc::driver::CudaSlice;
+
+use crate::error::{driver, length, KernelError, Result};
+use crate::gpu::{Gpu, KvElement};
+
+/// Keys and values of one layer on the GPU, `[kv_heads, tokens, head_dim]` each: token `i`
+/// of KV head `h` is row `h * tokens + i`. Keys are stored as attended, i.e. already rotated
+/// by RoPE.
+pub struct KvCache<T> {
+    pub(crate) keys: CudaSlice<T>,
+    pub(crate) values: CudaSlice<T>,
+    kv_heads: usize,
+    tokens: usize,
+    head_dim: usize,
+}
+
+impl<T> std::fmt::Debug for KvCache<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("kv_heads", &self.kv_heads)
+            .field("tokens", &self.tokens)
+            .field("head_dim", &self.head_dim)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: KvElement> KvCache<T> {
+    /// Copies keys and values `[kv_heads, tokens, head_dim]` to the GPU; `tokens` follows
+    /// from their length.
+    pub fn upload(
+        gpu: &Gpu,
+        keys: &[T],
+        values: &[T],
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let row = kv_heads * head_dim;
+        if row == 0 || !keys.len().is_multiple_of(row) {
+            return Err(KernelError::Length {
+                what: "keys (whole [kv_heads, tokens, head_dim])",
+                expected: keys.len().next_multiple_of(row.max(1)),
+                found: keys.len(),
+            });
+        }
+        length("values", keys.len(), values.len())?;
+        let tokens = keys.len() / row;
+        if u32::try_from(tokens).is_err() {
+            return Err(KernelError::TooLarge {
+                what: "tokens",
+                value: tokens,
+            });
+        }
+        Ok(Self {
+            keys: gpu.upload(keys)?,
+            values: gpu.upload(values)?,
+            kv_heads,
+            tokens,
+            head_dim,
+        })
+    }
+}
+
+impl<T> KvCache<T> {
+    /// Number of KV heads.
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// Tokens held per KV head.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Length of each key and value row.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+}
+
+/// Lists of `u32` on the GPU in CSR form: list `r` is `items[offsets[r]..offsets[r + 1]]`.
+///
+/// One list per KV head holds the token ids a step selects ([`crate::retrieval_attention`])
+/// or the buckets it visits ([`crate::bucket_attention`]); one list per bucket holds a
+/// bucket index's token ids.
+pub struct Csr {
+    pub(crate) offsets: CudaSlice<u32>,
+    pub(crate) items: CudaSlice<u32>,
+    lists: usize,
+    longest: usize,
+    /// The largest item, `None` when there is none.
+    max_item: Option<u32>,
+}
+
+impl std::fmt::Debug for Csr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Csr")
+            .field("lists", &self.lists)
+            .field("longest", &self.longest)
+            .field("max_item", &self.max_item)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Csr {
+    /// Uploads one list per entry of `lists`.
+    pub fn from_lists<L: AsRef<[u32]>>(gpu: &Gpu, lists: &[L]) -> Result<Self> {
+        let (offsets, items) = flatten(lists)?;
+        Self::from_csr(gpu, &offsets, &items)
+    }
+
+    /// Uploads lists already in CSR form: `offsets` rise from 0 to `items.len()`.
+    pub fn from_csr(gpu: &Gpu, offsets: &[u32], items: &[u32]) -> Result<Self> {
+        let bad = KernelError::Offsets {
+            what: "csr",
+            items: items.len(),
+        };
+        let (Some(&first), Some(&last)) = (offsets.first(), offsets.last()) else {
+            return Err(bad);
+        };
+        if first != 0 || last as usize != items.len() || offsets.windows(2).any(|w| w[0] > w[1]) {
+            return Err(bad);
+        }
+        Ok(Self {
+            offsets: gpu.upload(offsets)?,
+            items: gpu.upload(items)?,
+            lists: offsets.len() - 1,
+            longest: offsets
+                .windows(2)
+                .map(|w| (w[1] - w[0]) as usize)
+                .max()
+                .unwrap_or(0),
+            max_item: items.iter().copied().max(),
+        })
+    }
+
+    /// Replaces the lists, reusing the device buffers when they are large enough.
+    pub(crate) fn rewrite(&mut self, gpu: &Gpu, offsets: &[u32], items: &[u32]) -> Result<()> {
+        write_into(gpu, &mut self.offsets, offsets)?;
+        write_into(gpu, &mut self.items, items)?;
+        self.lists = offsets.len().saturating_sub(1);
+        self.longest = offsets
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0);
+        self.max_item = items.iter().copied().max();
+        Ok(())
+    }
+
+    /// Number of lists.
+    pub fn lists(&self) -> usize {
+        self.lists
+    }
+
+    /// Length of the longest list.
+    pub fn longest(&self) -> usize {
+        self.longest
+    }
+
+    /// An error unless there are `lists` lists whose items are all below `bound`.
+    pub(crate) fn check(&self, what: &'static str, lists: usize, bound: usize) -> Result<()> {
+        length(what, lists, self.lists)?;
+        match self.max_item {
+            Some(item) if item as usize >= bound => Err(KernelError::OutOfRange {
+                what,
+                index: item.into(),
+                len: bound as u64,
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// CSR offsets and items of `lists`.
+pub(crate) fn flatten<L: AsRef<[u32]>>(lists: &[L]) -> Result<(Vec<u32>, Vec<u32>)> {
+    let total: usize = lists.iter().map(|l| l.as_ref().len()).sum();
+    if u32::try_from(total).is_err() {
+        return Err(KernelError::TooLarge {
+            what: "list items",
+            value: total,
+        });
+    }
+    let mut offsets = Vec::with_capacity(lists.len() + 1);
+    let mut items = Vec::with_capacity(total);
+    offsets.push(0);
+    for list in lists {
+        items.extend_from_slice(list.as_ref());
+        offsets.push(items.len() as u32);
+    }
+    Ok((offsets, items))
+}
+
+/// Copies `data` into the front of `buffer`, first growing it when it is too short.
+pub(crate) fn write_into(gpu: &Gpu, buffer: &mut CudaSlice<u32>, data: &[u32]) -> Result<()> {
+    if data.is_empty() {
+        return Ok(());
+    }
+    if buffer.len() < data.len() {
+        *buffer = gpu.zeros(data.len().next_power_of_two())?;
+    }
+    gpu.stream()
+        .memcpy_htod(data, &mut buffer.slice_mut(..data.len()))
+        .map_err(driver("copying lists to the device"))
+}

@@ -1,0 +1,122 @@
+//! The crate's error type.
+
+use cudarc::driver::DriverError;
+
+/// What can go wrong on the GPU path.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// libcuda could not be loaded: no NVIDIA driver on this machine.
+    #[error("no CUDA driver: libcuda could not be loaded (is there an NVIDIA GPU and driver?)")]
+    NoDriver,
+    /// libnvrtc could not be loaded, so no kernel can be compiled.
+    #[error("no NVRTC: libnvrtc could not be loaded (install CUDA's NVRTC or add it to LD_LIBRARY_PATH)")]
+    NoNvrtc,
+    /// A driver call failed.
+    #[error("CUDA driver, {op}: {source}")]
+    Driver {
+        /// What was being done.
+        op: &'static str,
+        /// The driver's error code.
+        #[source]
+        source: DriverError,
+    },
+    /// cudarc panicked while opening the device (e.g. a driver too old for a symbol it binds).
+    #[error("CUDA driver, opening device {ordinal}: {message}")]
+    Open {
+        /// The device asked for.
+        ordinal: usize,
+        /// The panic's message.
+        message: String,
+    },
+    /// NVRTC rejected a kernel source.
+    #[error("NVRTC compiling {kernel}: {log}")]
+    Compile {
+        /// The kernel and its variant.
+        kernel: String,
+        /// NVRTC's message and log.
+        log: String,
+    },
+    /// A shape the kernels are not built for.
+    #[error("unsupported {what} {value}: supported are {supported}")]
+    Unsupported {
+        /// Which dimension.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+        /// What is supported.
+        supported: &'static str,
+    },
+    /// A buffer does not have the length its companions imply.
+    #[error("{what}: expected {expected} elements, found {found}")]
+    Length {
+        /// Which argument.
+        what: &'static str,
+        /// The length implied by the other arguments.
+        expected: usize,
+        /// Its actual length.
+        found: usize,
+    },
+    /// An id, row or bucket number beyond what it indexes.
+    #[error("{what}: {index} is out of range (there are {len})")]
+    OutOfRange {
+        /// Which argument.
+        what: &'static str,
+        /// The value found.
+        index: u64,
+        /// How many there are.
+        len: u64,
+    },
+    /// CSR offsets that are not a non-decreasing run from 0 to the item count.
+    #[error("{what}: offsets must rise from 0 to the {items} items")]
+    Offsets {
+        /// Which argument.
+        what: &'static str,
+        /// Number of items.
+        items: usize,
+    },
+    /// A size whose bytes or rows overflow the kernels' 32-bit row numbers or the address space.
+    #[error("{what}: {value} is too large")]
+    TooLarge {
+        /// Which quantity.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+    },
+    /// One step selects more distinct blocks than the GPU block cache holds.
+    #[error("block cache of {slots} blocks cannot hold the {needed} blocks one step selects")]
+    CacheTooSmall {
+        /// Distinct blocks the step needs.
+        needed: usize,
+        /// Blocks the cache holds.
+        slots: usize,
+    },
+    /// A host copy of keys and values and a block cache disagree on their layout.
+    #[error("host keys and values have {host} but the block cache {cache}")]
+    CacheMismatch {
+        /// The host side's block tokens and head dimension.
+        host: String,
+        /// The cache's.
+        cache: String,
+    },
+}
+
+/// The crate's result type.
+pub type Result<T> = std::result::Result<T, KernelError>;
+
+/// Maps a driver error to [`KernelError::Driver`] with what was being done.
+pub(crate) fn driver(op: &'static str) -> impl FnOnce(DriverError) -> KernelError {
+    move |source| KernelError::Driver { op, source }
+}
+
+/// An error unless `found == expected`.
+pub(crate) fn length(what: &'static str, expected: usize, found: usize) -> Result<()> {
+    if found == expected {
+        Ok(())
+    } else {
+        Err(KernelError::Length {
+            what,
+            expected,
+            found,
+        })
+    }
+}

@@ -1,0 +1,293 @@
+//! [`Gpu`]: the device, its stream, and the kernels compiled for it with NVRTC.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions};
+
+use crate::error::{driver, KernelError, Result};
+
+const ATTEND_SOURCE: &str = include_str!("../cuda/attend.cu");
+const FILL_SOURCE: &str = include_str!("../cuda/fill.cu");
+
+/// Threads per block of the attention kernel.
+pub(crate) const THREADS: u32 = 128;
+/// Rows each team of threads loads before using any (see `attend.cu`).
+pub(crate) const UNROLL: u32 = 4;
+/// Query heads per KV head the attention kernel is built for: its registers grow with it.
+pub(crate) const MAX_GROUP: usize = 8;
+
+/// Element type of keys, values and queries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// A 16-bit float the kernels read: [`half::f16`] or [`half::bf16`]. Accumulation is f32.
+pub trait KvElement:
+    DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + Unpin + 'static + sealed::Sealed
+{
+    /// Which of the two.
+    const DTYPE: KvDtype;
+    /// Rounds an f32 to this type (nearest even).
+    fn from_f32(x: f32) -> Self;
+    /// The exact f32 value.
+    fn to_f32(self) -> f32;
+}
+
+impl KvElement for half::f16 {
+    const DTYPE: KvDtype = KvDtype::F16;
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+}
+
+impl KvElement for half::bf16 {
+    const DTYPE: KvDtype = KvDtype::Bf16;
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+}
+
+/// One compiled variant of the attention kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Variant {
+    pub(crate) dtype: KvDtype,
+    pub(crate) head_dim: usize,
+    pub(crate) group: usize,
+}
+
+/// The attention kernel of one variant and how many of its blocks fit on a multiprocessor.
+#[derive(Debug, Clone)]
+pub(crate) struct AttendKernel {
+    pub(crate) function: CudaFunction,
+    pub(crate) blocks_per_sm: u32,
+}
+
+/// One CUDA device: its context, the stream every launch of this crate goes to, and the
+/// kernels compiled for it (NVRTC, once per variant, on first use).
+///
+/// ```no_run
+/// # fn main() -> kvdb_kernels::Result<()> {
+/// match kvdb_kernels::Gpu::new(0) {
+///     Ok(gpu) => println!("running on {}", gpu.name()?),
+///     // No driver, no NVRTC or no device: a typed error, never a panic.
+///     Err(e) => println!("no GPU: {e}"),
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    /// NVRTC's target, `compute_XY` for the device's compute capability X.Y.
+    arch: String,
+    multiprocessors: u32,
+    attend: Mutex<HashMap<Variant, AttendKernel>>,
+    fill: Mutex<Option<CudaFunction>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("arch", &self.arch)
+            .field("multiprocessors", &self.multiprocessors)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Gpu {
+    /// Opens device `ordinal`. Without a driver, NVRTC or such a device this is an error.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // cudarc panics when it cannot load libcuda or libnvrtc: look for both first.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(KernelError::NoDriver);
+        }
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(KernelError::NoNvrtc);
+        }
+        // It also panics on a symbol the installed driver lacks.
+        catch_unwind(AssertUnwindSafe(|| Self::open(ordinal))).unwrap_or_else(|panic| {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "cudarc panicked".into());
+            Err(KernelError::Open { ordinal, message })
+        })
+    }
+
+    fn open(ordinal: usize) -> Result<Self> {
+        let ctx = CudaContext::new(ordinal).map_err(driver("opening the device"))?;
+        // Everything runs on one stream, in order, so cudarc's per-buffer events (a wait and
+        // a record per kernel argument) would only add launch overhead.
+        unsafe { ctx.disable_event_tracking() };
+        // A stream of our own rather than the legacy default stream: it can be captured into
+        // a CUDA graph.
+        let stream = ctx.new_stream().map_err(driver("creating a stream"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver("reading the compute capability"))?;
+        let multiprocessors = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver("reading the multiprocessor count"))?;
+        Ok(Self {
+            ctx,
+            stream,
+            arch: format!("compute_{major}{minor}"),
+            multiprocessors: multiprocessors.max(1) as u32,
+            attend: Mutex::new(HashMap::new()),
+            fill: Mutex::new(None),
+        })
+    }
+
+    /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn name(&self) -> Result<String> {
+        self.ctx.name().map_err(driver("reading the device name"))
+    }
+
+    /// The CUDA context, for what this crate does not wrap (events, graphs, pinned memory).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every launch of this crate is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Number of streaming multiprocessors.
+    pub fn multiprocessors(&self) -> u32 {
+        self.multiprocessors
+    }
+
+    /// Copies `data` to a new device buffer (at least one element long, so that an empty
+    /// list still has an address).
+    pub fn upload<T: DeviceRepr + ValidAsZeroBits>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        if data.is_empty() {
+            return self.zeros(1);
+        }
+        self.stream
+            .clone_htod(data)
+            .map_err(driver("copying to the device"))
+    }
+
+    /// A new device buffer of `len` zeros (at least one element).
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros(len.max(1))
+            .map_err(driver("allocating device memory"))
+    }
+
+    /// Copies a device buffer back to the host (waits for the stream).
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, data: &CudaSlice<T>) -> Result<Vec<T>> {
+        let host = self
+            .stream
+            .clone_dtoh(data)
+            .map_err(driver("copying from the device"))?;
+        self.synchronize()?;
+        Ok(host)
+    }
+
+    /// Waits until everything queued on the stream has run.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(driver("waiting for the stream"))
+    }
+
+    /// The device address of a buffer, as the kernels take it.
+    pub(crate) fn address<T>(&self, data: &CudaSlice<T>) -> u64 {
+        data.device_ptr(&self.stream).0
+    }
+
+    /// The attention kernel of `variant`, compiled on first use.
+    pub(crate) fn attend_kernel(&self, variant: Variant) -> Result<AttendKernel> {
+        let mut kernels = self.attend.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(kernel) = kernels.get(&variant) {
+            return Ok(kernel.clone());
+        }
+        let defines = [
+            ("KV_BF16", u32::from(variant.dtype == KvDtype::Bf16)),
+            ("HEAD_DIM", variant.head_dim as u32),
+            ("GROUP", variant.group as u32),
+            ("THREADS", THREADS),
+            ("UNROLL", UNROLL),
+        ];
+        let name = format!("attend {variant:?}");
+        let function = self.compile(&name, ATTEND_SOURCE, &defines, "attend")?;
+        let blocks_per_sm = function
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+            .map_err(driver("reading the attention kernel's occupancy"))?
+            .max(1);
+        let kernel = AttendKernel {
+            function,
+            blocks_per_sm,
+        };
+        kernels.insert(variant, kernel.clone());
+        Ok(kernel)
+    }
+
+    /// The block-cache fill kernel, compiled on first use.
+    pub(crate) fn fill_kernel(&self) -> Result<CudaFunction> {
+        let mut fill = self.fill.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(function) = fill.as_ref() {
+            return Ok(function.clone());
+        }
+        let function = self.compile("fill_slots", FILL_SOURCE, &[], "fill_slots")?;
+        *fill = Some(function.clone());
+        Ok(function)
+    }
+
+    fn compile(
+        &self,
+        name: &str,
+        source: &str,
+        defines: &[(&str, u32)],
+        entry: &str,
+    ) -> Result<CudaFunction> {
+        let mut options: Vec<String> = defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect();
+        options.push(format!("--gpu-architecture={}", self.arch));
+        // exp2 as one hardware instruction; its error (~1e-7) is far under the tests' bound.
+        options.push("--use_fast_math".into());
+        let opts = CompileOptions {
+            options,
+            name: Some(format!("{entry}.cu")),
+            ..Default::default()
+        };
+        let ptx = compile_ptx_with_opts(source, opts).map_err(|e| KernelError::Compile {
+            kernel: name.to_string(),
+            log: match e {
+                CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+                other => other.to_string(),
+            },
+        })?;
+        let module = self
+            .ctx
+            .load_module(ptx)
+            .map_err(driver("loading a compiled module"))?;
+        module
+            .load_function(entry)
+            .map_err(driver("finding a kernel in its module"))
+    }
+}

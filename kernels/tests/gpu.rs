@@ -1,0 +1,650 @@
+//! The GPU kernels against `kvdb-attention`'s exact f64 reference, on fresh random inputs.
+//!
+//! Every test needs a GPU: on a machine without one (CI), or built without feature `cuda`,
+//! each says on stderr that it skipped, and passes.
+
+use std::io::Write;
+
+/// Says that a test skipped, on stderr itself: libtest captures `eprintln!`, not this.
+fn skip(test: &str, reason: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "SKIPPED {test}: {reason}");
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn gpu_tests() {
+    skip("gpu_tests", "built without feature `cuda`");
+}
+
+#[cfg(feature = "cuda")]
+mod on_gpu {
+    use std::ops::Range;
+
+    use anyhow::{ensure, Result};
+    use kvdb_attention::reference::attention_over_f64;
+    use kvdb_attention::DensePolicy;
+    use kvdb_kernels::cudarc::driver::CudaSlice;
+    use kvdb_kernels::{
+        bucket_attention, flash_decode, retrieval_attention, BlockCache, CacheConfig, Csr, Dense,
+        Gpu, HostKv, KernelError, KvCache, KvElement, Query, Selected, Workspace,
+    };
+    use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
+    use rand::rngs::StdRng;
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+
+    use super::skip;
+
+    /// The relative L2 error allowed against the f64 reference.
+    const TOLERANCE: f64 = 1e-3;
+
+    /// The device, or `None` after saying why the test skips.
+    fn gpu(test: &str) -> Option<Gpu> {
+        match Gpu::new(0) {
+            Ok(gpu) => Some(gpu),
+            Err(e) => {
+                skip(test, &e.to_string());
+                None
+            }
+        }
+    }
+
+    /// A fresh seed per run, printed so that a failure can be replayed.
+    fn rng(test: &str) -> StdRng {
+        let seed: u64 = rand::rng().random();
+        println!("{test}: seed {seed}");
+        StdRng::seed_from_u64(seed)
+    }
+
+    /// One layer's random inputs, rounded to `T`, with their exact f32 values.
+    struct Layer<T> {
+        kv_heads: usize,
+        group: usize,
+        head_dim: usize,
+        tokens: usize,
+        keys: Vec<T>,
+        values: Vec<T>,
+        queries: Vec<T>,
+        keys_f32: Vec<f32>,
+        values_f32: Vec<f32>,
+        queries_f32: Vec<f32>,
+        scale: f32,
+    }
+
+    fn random<T: KvElement>(rng: &mut StdRng, len: usize, amplitude: f32) -> (Vec<T>, Vec<f32>) {
+        let rounded: Vec<T> = (0..len)
+            .map(|_| T::from_f32(rng.random_range(-amplitude..amplitude)))
+            .collect();
+        let exact = rounded.iter().map(|x| x.to_f32()).collect();
+        (rounded, exact)
+    }
+
+    impl<T: KvElement> Layer<T> {
+        fn new(
+            rng: &mut StdRng,
+            kv_heads: usize,
+            group: usize,
+            head_dim: usize,
+            tokens: usize,
+        ) -> Self {
+            let n = kv_heads * tokens * head_dim;
+            let (keys, keys_f32) = random(rng, n, 1.0);
+            let (values, values_f32) = random(rng, n, 1.0);
+            // Queries of varied size, so that some heads' attention is sharp and some flat.
+            let amplitude = rng.random_range(0.5..6.0);
+            let (queries, queries_f32) = random(rng, kv_heads * group * head_dim, amplitude);
+            Self {
+                kv_heads,
+                group,
+                head_dim,
+                tokens,
+                keys,
+                values,
+                queries,
+                keys_f32,
+                values_f32,
+                queries_f32,
+                scale: 1.0 / (head_dim as f32).sqrt(),
+            }
+        }
+
+        /// The exact attention of every query head over `ids[h]` (any order), `[kv_heads,
+        /// group, head_dim]`.
+        fn reference(&self, ids: &[Vec<u32>]) -> Result<Vec<f64>> {
+            let d = self.head_dim;
+            // Keys are given rotated, so the reference rotates with RoPE of zero frequency.
+            let config = RopeConfig {
+                base: 10_000.0,
+                style: RopeStyle::Halves,
+                scaling: RopeScaling::Linear {
+                    factor: f32::INFINITY,
+                },
+            };
+            let rope = Rope::new(&config, d, None);
+            let mut out = Vec::with_capacity(self.queries.len());
+            for (h, ids) in ids.iter().enumerate() {
+                let head = |data: &[f32]| -> Vec<f32> {
+                    let rows = &data[h * self.tokens * d..(h + 1) * self.tokens * d];
+                    ids.iter()
+                        .flat_map(|&id| &rows[id as usize * d..(id as usize + 1) * d])
+                        .copied()
+                        .collect()
+                };
+                let queries = &self.queries_f32[h * self.group * d..(h + 1) * self.group * d];
+                let position = ids.iter().copied().max().unwrap_or(0) as usize;
+                let (keys, values) = (head(&self.keys_f32), head(&self.values_f32));
+                let exact =
+                    attention_over_f64(queries, &keys, &values, ids, position, &rope, self.scale)?;
+                out.extend(exact.output);
+            }
+            Ok(out)
+        }
+
+        fn upload(&self, gpu: &Gpu) -> Result<(KvCache<T>, CudaSlice<T>)> {
+            let kv = KvCache::upload(gpu, &self.keys, &self.values, self.kv_heads, self.head_dim)?;
+            Ok((kv, gpu.upload(&self.queries)?))
+        }
+    }
+
+    /// An output buffer full of NaN, so that an element the kernel does not write shows.
+    fn poisoned(gpu: &Gpu, len: usize) -> Result<CudaSlice<f32>> {
+        Ok(gpu.upload(&vec![f32::NAN; len])?)
+    }
+
+    /// Downloads `out`, checks that every element was written, and returns it.
+    fn written(gpu: &Gpu, out: &CudaSlice<f32>) -> Result<Vec<f32>> {
+        let got = gpu.download(out)?;
+        let unwritten = got.iter().filter(|x| !x.is_finite()).count();
+        ensure!(
+            unwritten == 0,
+            "{unwritten} of {} outputs not written",
+            got.len()
+        );
+        Ok(got)
+    }
+
+    fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
+        let diff: f64 = got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (*g as f64 - w).powi(2))
+            .sum();
+        let norm: f64 = want.iter().map(|w| w * w).sum();
+        (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+    }
+
+    fn close(what: &str, got: &[f32], want: &[f64], tolerance: f64) -> Result<()> {
+        let error = rel_l2(got, want);
+        println!("{what}: rel L2 {error:.2e}");
+        ensure!(
+            error <= tolerance,
+            "{what}: rel L2 {error:.3e} > {tolerance:.0e}"
+        );
+        Ok(())
+    }
+
+    /// Ids of `ranges`, in order.
+    fn ids_of(ranges: &[Range<u32>]) -> Vec<u32> {
+        ranges.iter().cloned().flatten().collect()
+    }
+
+    /// (kv_heads, group, head_dim, tokens): head dims 64/128/256, GQA 1/4/8, from 1 token up.
+    const SHAPES: [(usize, usize, usize, usize); 9] = [
+        (2, 1, 64, 1),
+        (2, 4, 64, 1000),
+        (1, 8, 64, 33_333),
+        (2, 4, 128, 4097),
+        (1, 8, 128, 70_001),
+        (3, 1, 128, 130_000),
+        (1, 1, 256, 333),
+        (2, 4, 256, 20_000),
+        (1, 8, 256, 5000),
+    ];
+
+    fn flash_case<T: KvElement>(
+        gpu: &Gpu,
+        rng: &mut StdRng,
+        shape: (usize, usize, usize, usize),
+    ) -> Result<()> {
+        let (kv_heads, group, head_dim, tokens) = shape;
+        let layer = Layer::<T>::new(rng, kv_heads, group, head_dim, tokens);
+        let (kv, queries) = layer.upload(gpu)?;
+        let mut workspace = Workspace::new(gpu)?;
+        let query = Query {
+            heads: &queries,
+            scale: layer.scale,
+        };
+        // The whole cache and a random prefix of it.
+        for len in [tokens, rng.random_range(1..=tokens)] {
+            let mut out = poisoned(gpu, layer.queries.len())?;
+            flash_decode(gpu, &mut workspace, query, &kv, len, &mut out)?;
+            let want = layer.reference(&vec![(0..len as u32).collect(); kv_heads])?;
+            close(
+                &format!("flash_decode {:?} {shape:?} len {len}", T::DTYPE),
+                &written(gpu, &out)?,
+                &want,
+                TOLERANCE,
+            )?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn flash_decode_matches_reference() -> Result<()> {
+        let Some(gpu) = gpu("flash_decode_matches_reference") else {
+            return Ok(());
+        };
+        let mut rng = rng("flash_decode_matches_reference");
+        for shape in SHAPES {
+            flash_case::<half::f16>(&gpu, &mut rng, shape)?;
+            flash_case::<half::bf16>(&gpu, &mut rng, shape)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn flash_decode_at_a_million_tokens() -> Result<()> {
+        let Some(gpu) = gpu("flash_decode_at_a_million_tokens") else {
+            return Ok(());
+        };
+        let mut rng = rng("flash_decode_at_a_million_tokens");
+        flash_case::<half::bf16>(&gpu, &mut rng, (1, 4, 128, 1 << 20))?;
+        flash_case::<half::f16>(&gpu, &mut rng, (1, 8, 64, 1_000_000))
+    }
+
+    /// A random dense policy and, per KV head, a random selection of `fraction` of the
+    /// candidates (deduplicated, outside the dense part), at the last position.
+    fn selection(
+        rng: &mut StdRng,
+        kv_heads: usize,
+        tokens: usize,
+        fraction: f64,
+    ) -> (Vec<Range<u32>>, Vec<Vec<u32>>) {
+        let policy = DensePolicy {
+            sink: [0, 1, 4][rng.random_range(0..3)],
+            window: [1, 16, 2048][rng.random_range(0..3)],
+        };
+        let position = tokens - 1;
+        let candidates: Vec<u32> = policy.candidates(position).collect();
+        let take = (candidates.len() as f64 * fraction).round() as usize;
+        let lists = (0..kv_heads)
+            .map(|_| {
+                let mut ids = candidates.clone();
+                ids.shuffle(rng);
+                ids.truncate(take);
+                ids
+            })
+            .collect();
+        (policy.dense_ranges(position), lists)
+    }
+
+    fn retrieval_case<T: KvElement>(
+        gpu: &Gpu,
+        rng: &mut StdRng,
+        shape: (usize, usize, usize, usize),
+    ) -> Result<()> {
+        let (kv_heads, group, head_dim, tokens) = shape;
+        let layer = Layer::<T>::new(rng, kv_heads, group, head_dim, tokens);
+        let (kv, queries) = layer.upload(gpu)?;
+        let mut workspace = Workspace::new(gpu)?;
+        let query = Query {
+            heads: &queries,
+            scale: layer.scale,
+        };
+        let mut full = poisoned(gpu, layer.queries.len())?;
+        flash_decode(gpu, &mut workspace, query, &kv, tokens, &mut full)?;
+        let full = written(gpu, &full)?;
+        // Empty, partial (one head may differ from another) and full selections.
+        for fraction in [0.0, rng.random_range(0.0..0.2), 1.0] {
+            let (runs, lists) = selection(rng, kv_heads, tokens, fraction);
+            let ids = Csr::from_lists(gpu, &lists)?;
+            let mut out = poisoned(gpu, layer.queries.len())?;
+            let dense = Dense {
+                kv: &kv,
+                runs: &runs,
+            };
+            retrieval_attention(
+                gpu,
+                &mut workspace,
+                query,
+                dense,
+                Selected::resident(&kv, &ids),
+                &mut out,
+            )?;
+            let got = written(gpu, &out)?;
+            let attended: Vec<Vec<u32>> = lists
+                .iter()
+                .map(|l| [ids_of(&runs), l.clone()].concat())
+                .collect();
+            let what = format!(
+                "retrieval {:?} {shape:?} runs {runs:?} selected {}",
+                T::DTYPE,
+                lists[0].len()
+            );
+            close(&what, &got, &layer.reference(&attended)?, TOLERANCE)?;
+            if fraction == 1.0 {
+                let full: Vec<f64> = full.iter().map(|&x| x.into()).collect();
+                close(
+                    &format!("{what}: all tokens == flash_decode"),
+                    &got,
+                    &full,
+                    1e-5,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn retrieval_attention_matches_reference() -> Result<()> {
+        let Some(gpu) = gpu("retrieval_attention_matches_reference") else {
+            return Ok(());
+        };
+        let mut rng = rng("retrieval_attention_matches_reference");
+        for shape in SHAPES {
+            retrieval_case::<half::f16>(&gpu, &mut rng, shape)?;
+            retrieval_case::<half::bf16>(&gpu, &mut rng, shape)?;
+        }
+        retrieval_case::<half::bf16>(&gpu, &mut rng, (1, 4, 128, 1 << 20))
+    }
+
+    /// Every token of the first `tokens` in one of `buckets` random buckets per KV head
+    /// (numbered together, head h's bucket b is h * buckets + b), as CSR.
+    fn random_buckets(
+        rng: &mut StdRng,
+        kv_heads: usize,
+        tokens: usize,
+        buckets: usize,
+    ) -> Vec<Vec<u32>> {
+        let mut lists = vec![Vec::new(); kv_heads * buckets];
+        for h in 0..kv_heads {
+            for id in 0..tokens as u32 {
+                lists[h * buckets + rng.random_range(0..buckets)].push(id);
+            }
+        }
+        lists
+    }
+
+    fn bucket_case<T: KvElement>(
+        gpu: &Gpu,
+        rng: &mut StdRng,
+        shape: (usize, usize, usize, usize),
+    ) -> Result<()> {
+        let (kv_heads, group, head_dim, tokens) = shape;
+        let layer = Layer::<T>::new(rng, kv_heads, group, head_dim, tokens);
+        let (kv, queries) = layer.upload(gpu)?;
+        let mut workspace = Workspace::new(gpu)?;
+        let query = Query {
+            heads: &queries,
+            scale: layer.scale,
+        };
+        let count = rng.random_range(1..=64);
+        let bucket_lists = random_buckets(rng, kv_heads, tokens, count);
+        let buckets = Csr::from_lists(gpu, &bucket_lists)?;
+        let (runs, _) = selection(rng, kv_heads, tokens, 0.0);
+        let dense_ids = ids_of(&runs);
+        // No bucket, some, and all of them.
+        for fraction in [0.0, rng.random_range(0.0..0.5), 1.0] {
+            let visited: Vec<Vec<u32>> = (0..kv_heads)
+                .map(|h| {
+                    let mut b: Vec<u32> =
+                        (0..count as u32).map(|b| (h * count) as u32 + b).collect();
+                    b.shuffle(rng);
+                    b.truncate((count as f64 * fraction).round() as usize);
+                    b
+                })
+                .collect();
+            let visited_csr = Csr::from_lists(gpu, &visited)?;
+            let mut out = poisoned(gpu, layer.queries.len())?;
+            let dense = Dense {
+                kv: &kv,
+                runs: &runs,
+            };
+            bucket_attention(
+                gpu,
+                &mut workspace,
+                query,
+                dense,
+                &buckets,
+                &visited_csr,
+                &mut out,
+            )?;
+            let got = written(gpu, &out)?;
+            let attended: Vec<Vec<u32>> = visited
+                .iter()
+                .map(|bs| {
+                    let mut ids = dense_ids.clone();
+                    let bucket_ids = bs.iter().flat_map(|&b| &bucket_lists[b as usize]);
+                    ids.extend(bucket_ids.filter(|id| !runs.iter().any(|r| r.contains(id))));
+                    ids
+                })
+                .collect();
+            let what = format!(
+                "buckets {:?} {shape:?} {count} buckets, visited {}",
+                T::DTYPE,
+                visited[0].len()
+            );
+            close(&what, &got, &layer.reference(&attended)?, TOLERANCE)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn bucket_attention_matches_reference() -> Result<()> {
+        let Some(gpu) = gpu("bucket_attention_matches_reference") else {
+            return Ok(());
+        };
+        let mut rng = rng("bucket_attention_matches_reference");
+        for shape in SHAPES {
+            bucket_case::<half::f16>(&gpu, &mut rng, shape)?;
+            bucket_case::<half::bf16>(&gpu, &mut rng, shape)?;
+        }
+        Ok(())
+    }
+
+    /// Through the pinned-host block cache the outputs equal the resident ones, a repeated
+    /// step hits every block, and evictions keep it right.
+    #[test]
+    fn block_cache_matches_resident() -> Result<()> {
+        let Some(gpu) = gpu("block_cache_matches_resident") else {
+            return Ok(());
+        };
+        let mut rng = rng("block_cache_matches_resident");
+        let (kv_heads, group, head_dim, tokens) = (2, 4, 128, 50_000);
+        let layer = Layer::<half::bf16>::new(&mut rng, kv_heads, group, head_dim, tokens);
+        let (kv, queries) = layer.upload(&gpu)?;
+        let host = HostKv::new(&gpu, &layer.keys, &layer.values, kv_heads, head_dim, 64)?;
+        let block_bytes = 2 * 64 * head_dim * 2;
+        let config = CacheConfig {
+            capacity_bytes: 300 * block_bytes,
+            block_tokens: 64,
+        };
+        let mut cache = BlockCache::<half::bf16>::new(&gpu, head_dim, config)?;
+        ensure!(cache.slots() == 300, "{} slots", cache.slots());
+        let mut workspace = Workspace::new(&gpu)?;
+        let query = Query {
+            heads: &queries,
+            scale: layer.scale,
+        };
+        let runs = DensePolicy {
+            sink: 1,
+            window: 256,
+        }
+        .dense_ranges(tokens - 1);
+        for step in 0..6 {
+            // At most 100 blocks per head: with 2 heads the cache evicts from step 2 on.
+            let lists: Vec<Vec<u32>> = (0..kv_heads)
+                .map(|_| {
+                    let mut ids: Vec<u32> = (1..tokens as u32 - 256).collect();
+                    ids.shuffle(&mut rng);
+                    ids.truncate(100);
+                    ids
+                })
+                .collect();
+            let ids = Csr::from_lists(&gpu, &lists)?;
+            let mut want = poisoned(&gpu, layer.queries.len())?;
+            let dense = Dense {
+                kv: &kv,
+                runs: &runs,
+            };
+            retrieval_attention(
+                &gpu,
+                &mut workspace,
+                query,
+                dense,
+                Selected::resident(&kv, &ids),
+                &mut want,
+            )?;
+            let want: Vec<f64> = written(&gpu, &want)?.iter().map(|&x| x.into()).collect();
+            for pass in ["cold", "warm"] {
+                let before = cache.stats();
+                let selected = cache.gather(&gpu, &host, &lists)?;
+                let mut got = poisoned(&gpu, layer.queries.len())?;
+                retrieval_attention(&gpu, &mut workspace, query, dense, selected, &mut got)?;
+                close(
+                    &format!("block cache step {step} {pass}"),
+                    &written(&gpu, &got)?,
+                    &want,
+                    1e-6,
+                )?;
+                let after = cache.stats();
+                if pass == "warm" {
+                    ensure!(
+                        after.misses == before.misses,
+                        "a repeated step missed: {after:?}"
+                    );
+                    ensure!(after.hits > before.hits, "no hits counted: {after:?}");
+                }
+            }
+        }
+        println!(
+            "block cache: {:?}, hit ratio {:.3}",
+            cache.stats(),
+            cache.stats().hit_ratio()
+        );
+        // A step needing more blocks than the cache holds fails cleanly, and the cache works on.
+        let every: Vec<Vec<u32>> = vec![(0..tokens as u32).step_by(64).collect(); kv_heads];
+        let too_many = cache.gather(&gpu, &host, &every);
+        ensure!(
+            matches!(too_many, Err(KernelError::CacheTooSmall { needed, slots: 300 }) if needed == 2 * tokens.div_ceil(64)),
+            "{too_many:?}"
+        );
+        cache.clear();
+        cache.gather(&gpu, &host, &[vec![5u32], vec![7u32]])?;
+        Ok(())
+    }
+
+    /// Bad arguments are typed errors, never panics.
+    #[test]
+    fn bad_arguments_are_errors() -> Result<()> {
+        let Some(gpu) = gpu("bad_arguments_are_errors") else {
+            return Ok(());
+        };
+        ensure!(matches!(Gpu::new(4096), Err(KernelError::Driver { .. })));
+        let mut rng = rng("bad_arguments_are_errors");
+        let layer = Layer::<half::f16>::new(&mut rng, 2, 4, 64, 100);
+        let (kv, queries) = layer.upload(&gpu)?;
+        let mut ws = Workspace::new(&gpu)?;
+        let query = Query {
+            heads: &queries,
+            scale: 0.125,
+        };
+        let mut out = poisoned(&gpu, layer.queries.len())?;
+        let mut short = poisoned(&gpu, 3)?;
+        let unsupported =
+            |r: kvdb_kernels::Result<()>| matches!(r, Err(KernelError::Unsupported { .. }));
+        let out_of_range =
+            |r: kvdb_kernels::Result<()>| matches!(r, Err(KernelError::OutOfRange { .. }));
+        let wrong_length =
+            |r: kvdb_kernels::Result<()>| matches!(r, Err(KernelError::Length { .. }));
+        ensure!(out_of_range(flash_decode(
+            &gpu, &mut ws, query, &kv, 101, &mut out
+        )));
+        ensure!(wrong_length(flash_decode(
+            &gpu, &mut ws, query, &kv, 100, &mut short
+        )));
+        // Nine query heads per KV head: no kernel for that group size.
+        let nine = gpu.upload(&vec![half::f16::ZERO; 2 * 9 * 64])?;
+        let mut nine_out = poisoned(&gpu, 2 * 9 * 64)?;
+        let nine = Query {
+            heads: &nine,
+            scale: 0.125,
+        };
+        ensure!(unsupported(flash_decode(
+            &gpu,
+            &mut ws,
+            nine,
+            &kv,
+            100,
+            &mut nine_out
+        )));
+        let runs = [0..1, 50..100, 10..20];
+        ensure!(unsupported(flash_or_dense(
+            &gpu, &mut ws, query, &kv, &runs, &mut out
+        )));
+        let past_end = 0..101;
+        let past_end = std::slice::from_ref(&past_end);
+        ensure!(out_of_range(flash_or_dense(
+            &gpu, &mut ws, query, &kv, past_end, &mut out
+        )));
+        let ids = Csr::from_lists(&gpu, &[vec![1u32, 100], vec![]])?;
+        let dense = Dense { kv: &kv, runs: &[] };
+        ensure!(out_of_range(retrieval_attention(
+            &gpu,
+            &mut ws,
+            query,
+            dense,
+            Selected::resident(&kv, &ids),
+            &mut out
+        )));
+        let one_head = Csr::from_lists(&gpu, &[vec![1u32]])?;
+        ensure!(wrong_length(retrieval_attention(
+            &gpu,
+            &mut ws,
+            query,
+            dense,
+            Selected::resident(&kv, &one_head),
+            &mut out
+        )));
+        ensure!(matches!(
+            Csr::from_csr(&gpu, &[0, 2, 1], &[1, 2]),
+            Err(KernelError::Offsets { .. })
+        ));
+        ensure!(matches!(
+            Csr::from_csr(&gpu, &[], &[]),
+            Err(KernelError::Offsets { .. })
+        ));
+        let buckets = Csr::from_lists(&gpu, &[vec![1u32, 2], vec![3]])?;
+        let visited = Csr::from_lists(&gpu, &[vec![0u32], vec![2]])?;
+        ensure!(out_of_range(bucket_attention(
+            &gpu, &mut ws, query, dense, &buckets, &visited, &mut out
+        )));
+        let no_cache = BlockCache::<half::f16>::new(
+            &gpu,
+            64,
+            CacheConfig {
+                capacity_bytes: 10,
+                block_tokens: 64,
+            },
+        );
+        ensure!(matches!(no_cache, Err(KernelError::TooLarge { .. })));
+        // Nothing to attend to: zeros, every output written.
+        flash_decode(&gpu, &mut ws, query, &kv, 0, &mut out)?;
+        ensure!(written(&gpu, &out)?.iter().all(|&x| x == 0.0));
+        Ok(())
+    }
+
+    /// Retrieval attention over `runs` alone (an empty selection).
+    fn flash_or_dense(
+        gpu: &Gpu,
+        ws: &mut Workspace,
+        query: Query<'_, half::f16>,
+        kv: &KvCache<half::f16>,
+        runs: &[Range<u32>],
+        out: &mut CudaSlice<f32>,
+    ) -> kvdb_kernels::Result<()> {
+        let none = Csr::from_lists(gpu, &vec![Vec::<u32>::new(); kv.kv_heads()])?;
+        let dense = Dense { kv, runs };
+        retrieval_attention(gpu, ws, query, dense, Selected::resident(kv, &none), out)
+    }
+}
