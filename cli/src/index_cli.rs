@@ -77,6 +77,10 @@ pub(crate) struct SaapTrainArgs {
     /// Training queries per layer and KV head (at most).
     #[arg(long, default_value_t = TrainOptions::default().max_samples)]
     max_samples: usize,
+    /// Train the paper's plain classifier, without the k-means routing score added to its
+    /// logits.
+    #[arg(long)]
+    no_prior: bool,
     /// Text files (.txt, .md, .html) or folders of them.
     #[arg(required = true)]
     text: Vec<PathBuf>,
@@ -268,6 +272,7 @@ pub(crate) fn saap(command: SaapCommand) -> Result<()> {
         max_samples: args.max_samples,
         epochs: args.epochs,
         seed: args.seed,
+        prior: !args.no_prior,
         ..TrainOptions::default()
     };
     let mut artifact =

@@ -13,6 +13,14 @@
 //!   retrieval exists for. The mass is counted over the retrievable keys only (past the sink,
 //!   before the recent window), which the dense part does not cover anyway.
 //!
+//! One addition of ours, on by default ([`TrainOptions::prior`]): the classifier's logits get
+//! the k-means routing score `scale · q·c_b` added (a fixed input, not trained), so the MLP
+//! learns a correction to centroid routing instead of routing from scratch. On the default
+//! model over the GPL-3 (C = 128) it lowered the validation KL from 0.231 / 0.177 / 0.131 to
+//! 0.201 / 0.130 / 0.082 in layers 5 / 11 / 17; with too little training text a pure
+//! classifier cannot route to key content it never saw (a planted needle, say), and the
+//! prior keeps the geometry in the score.
+//!
 //! At search time every query head of a GQA group runs the classifier on its de-roped query,
 //! the heads' softmax outputs are summed, and the top-ℓ buckets are visited; every key in a
 //! visited bucket (inside the candidates) is attended. The batch norm is folded into the
@@ -51,7 +59,8 @@ pub const TRAINING_SINK: usize = 4;
 /// Recent tokens ignored when training (attended densely).
 pub const TRAINING_WINDOW: usize = 256;
 /// Version of the artifact file format.
-const ARTIFACT_VERSION: u32 = 1;
+/// 2: heads carry the weight of the geometric prior.
+const ARTIFACT_VERSION: u32 = 2;
 
 /// One layer/KV head's trained partition and query classifier.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -68,6 +77,9 @@ pub struct SaapHead {
     pub w2: Vec<f32>,
     /// Its bias.
     pub b2: Vec<f32>,
+    /// Weight of the geometric prior added to the classifier's logits: bucket `b` gets
+    /// `prior · q·c_b` on top of the MLP's output (0 turns it off).
+    pub prior: f32,
 }
 
 impl SaapHead {
@@ -107,7 +119,8 @@ impl SaapHead {
             .w2
             .chunks_exact(hidden.len())
             .zip(&self.b2)
-            .map(|(w, b)| dot(w, &hidden) + b)
+            .zip(self.centroids.chunks_exact(d))
+            .map(|((w, b), c)| dot(w, &hidden) + b + self.prior * dot(query, c))
             .collect();
         softmax(&logits)
     }
@@ -155,8 +168,14 @@ pub struct TrainOptions {
     pub batch: usize,
     /// Adam's learning rate.
     pub learning_rate: f64,
+    /// Decoupled weight decay (AdamW); regularises a classifier trained on little text.
+    pub weight_decay: f64,
     /// Seed of k-means, sampling, initialisation and shuffling.
     pub seed: u64,
+    /// Add the centroid scores (× the attention scale) to the classifier's logits, in
+    /// training and search: the MLP then learns a correction to k-means routing rather than
+    /// routing from scratch (our addition to SAAP; off gives the paper's classifier).
+    pub prior: bool,
 }
 
 impl Default for TrainOptions {
@@ -168,7 +187,9 @@ impl Default for TrainOptions {
             epochs: 30,
             batch: 256,
             learning_rate: 1e-3,
+            weight_decay: 0.0,
             seed: 0,
+            prior: true,
         }
     }
 }
@@ -226,8 +247,10 @@ pub fn train_head(
              train on longer text"
         )));
     }
+    let prior = if options.prior { data.scale } else { 0.0 };
     let (w1, b1, w2, b2) =
-        fit_classifier(&inputs, &targets, d, c, options, on_epoch).map_err(candle)?;
+        fit_classifier(&inputs, &targets, &centroids, prior, d, options, on_epoch)
+            .map_err(candle)?;
     Ok(SaapHead {
         head_dim: d,
         centroids,
@@ -235,6 +258,7 @@ pub fn train_head(
         b1,
         w2,
         b2,
+        prior,
     })
 }
 
@@ -302,14 +326,19 @@ type Weights = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
 fn fit_classifier(
     inputs: &[f32],
     targets: &[f32],
+    centroids: &[f32],
+    prior: f32,
     d: usize,
-    c: usize,
     options: &TrainOptions,
     on_epoch: &mut dyn FnMut(Epoch),
 ) -> candle_core::Result<Weights> {
     let device = Device::Cpu;
     let m = inputs.len() / d;
+    let c = centroids.len() / d;
     let x = Tensor::from_slice(inputs, (m, d), &device)?;
+    // The geometric prior of every sample, a constant: prior · X Cᵀ.
+    let centroids = Tensor::from_slice(centroids, (c, d), &device)?;
+    let prior = (x.matmul(&centroids.t()?)? * prior as f64)?;
     let t = Tensor::from_slice(targets, (m, c), &device)?;
     // KL(t ‖ p) = Σ t ln t − Σ t ln p; the first term is constant per sample.
     let t_ln_t = (t.clone() * (t.clone() + 1e-12)?.log()?)?.sum(1)?;
@@ -340,30 +369,30 @@ fn fit_classifier(
             var.set(&Tensor::from_vec(values, var.shape(), &device)?)?;
         }
     }
-    let forward = |x: &Tensor, training: bool| -> candle_core::Result<Tensor> {
+    let forward = |x: &Tensor, prior: &Tensor, training: bool| -> candle_core::Result<Tensor> {
         let h = bn.forward_t(&l1.forward(x)?, training)?.relu()?;
-        l2.forward(&h)
+        l2.forward(&h)? + prior
     };
-    let kl =
-        |x: &Tensor, t: &Tensor, tlt: &Tensor, training: bool| -> candle_core::Result<Tensor> {
-            let log_p = candle_nn::ops::log_softmax(&forward(x, training)?, D::Minus1)?;
-            (tlt - (t * log_p)?.sum(1)?)?.mean(0)
+    let kl = |ids: Option<&Tensor>, training: bool| -> candle_core::Result<Tensor> {
+        let pick = |t: &Tensor| match ids {
+            Some(ids) => t.index_select(ids, 0),
+            None => t.narrow(0, train, validation),
         };
+        let logits = forward(&pick(&x)?, &pick(&prior)?, training)?;
+        let log_p = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        (pick(&t_ln_t)? - (pick(&t)? * log_p)?.sum(1)?)?.mean(0)
+    };
     let mut adam = candle_nn::AdamW::new(
         varmap.all_vars(),
         candle_nn::ParamsAdamW {
             lr: options.learning_rate,
-            weight_decay: 0.0,
+            weight_decay: options.weight_decay,
             ..Default::default()
         },
     )?;
     let mut rng = StdRng::seed_from_u64(options.seed ^ 0x0b5e);
     let mut order: Vec<u32> = (0..train as u32).collect();
-    let (xv, tv, tltv) = (
-        x.narrow(0, train, validation)?,
-        t.narrow(0, train, validation)?,
-        t_ln_t.narrow(0, train, validation)?,
-    );
+    let mut best: Option<(f64, Vec<(String, Tensor)>)> = None;
     for epoch in 1..=options.epochs {
         order.shuffle(&mut rng);
         let (mut sum, mut batches) = (0f64, 0usize);
@@ -372,22 +401,25 @@ fn fit_classifier(
                 continue; // batch norm needs two samples
             }
             let ids = Tensor::from_slice(chunk, chunk.len(), &device)?;
-            let loss = kl(
-                &x.index_select(&ids, 0)?,
-                &t.index_select(&ids, 0)?,
-                &t_ln_t.index_select(&ids, 0)?,
-                true,
-            )?;
+            let loss = kl(Some(&ids), true)?;
             adam.backward_step(&loss)?;
             sum += loss.to_scalar::<f32>()? as f64;
             batches += 1;
         }
-        let validation = kl(&xv, &tv, &tltv, false)?.to_scalar::<f32>()? as f64;
+        let validation = kl(None, false)?.to_scalar::<f32>()? as f64;
+        // Keep the weights of the epoch that generalised best (early stopping): later
+        // epochs only fit the training text closer.
+        if best.as_ref().is_none_or(|(loss, _)| validation < *loss) {
+            best = Some((validation, snapshot(&varmap)?));
+        }
         on_epoch(Epoch {
             epoch,
             train: sum / batches.max(1) as f64,
             validation,
         });
+    }
+    if let Some((_, weights)) = best {
+        restore(&varmap, &weights)?;
     }
     // Fold the batch norm (running statistics) into the first layer:
     // bn(z) = (z − μ) · γ / √(σ² + ε) + β, with z = W1 x + b1.
@@ -413,6 +445,31 @@ fn fit_classifier(
         w2.flatten_all()?.to_vec1()?,
         b2.to_vec1()?,
     ))
+}
+
+/// A copy of every variable (weights and batch-norm statistics).
+fn snapshot(varmap: &VarMap) -> candle_core::Result<Vec<(String, Tensor)>> {
+    let vars = varmap
+        .data()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("poisoned var map".into()))?;
+    vars.iter()
+        .map(|(name, var)| Ok((name.clone(), var.as_tensor().copy()?)))
+        .collect()
+}
+
+/// Sets the variables back to a [`snapshot`].
+fn restore(varmap: &VarMap, weights: &[(String, Tensor)]) -> candle_core::Result<()> {
+    let vars = varmap
+        .data()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("poisoned var map".into()))?;
+    for (name, tensor) in weights {
+        if let Some(var) = vars.get(name) {
+            var.set(tensor)?;
+        }
+    }
+    Ok(())
 }
 
 /// The trained SAAP heads of every retrieval layer of one model.
