@@ -1,5 +1,6 @@
 //! The `kvdb` command line.
 
+mod bench_cli;
 mod corpus_cli;
 mod index_cli;
 
@@ -50,6 +51,9 @@ enum Command {
         #[command(subcommand)]
         command: index_cli::SaapCommand,
     },
+    /// Compare index types on a real KV cache against full attention: retrieval quality on
+    /// the model's own queries, cost, end-to-end accuracy and needles, as a report with plots.
+    Bench(bench_cli::BenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -155,6 +159,7 @@ fn main() -> Result<()> {
         Command::Corpus { command } => corpus_cli::corpus(command)?,
         Command::Index { command } => index_cli::index(command)?,
         Command::Saap { command } => index_cli::saap(command)?,
+        Command::Bench(args) => bench_cli::bench(args)?,
     }
     Ok(())
 }

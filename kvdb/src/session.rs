@@ -408,6 +408,18 @@ impl Corpus {
     /// Runs `ids` after the corpus in one chunk and returns the logits `[ids, vocab]` of every
     /// position: scoring text against the corpus (equivalence tests, perplexity).
     pub fn score(&self, model: ModelRef<'_>, ids: &[u32], mode: AttentionMode) -> Result<Tensor> {
+        self.score_observed(model, ids, mode, &mut |_| Ok(()))
+    }
+
+    /// [`Corpus::score`], showing `observe` every layer's attention input first (the model's
+    /// own queries on real text, for benches that measure retrieval on them).
+    pub fn score_observed(
+        &self,
+        model: ModelRef<'_>,
+        ids: &[u32],
+        mode: AttentionMode,
+        observe: &mut dyn FnMut(&AttentionInput<'_>) -> Result<()>,
+    ) -> Result<Tensor> {
         check_model(&self.manifest, model.record)?;
         let n = self.manifest.tokens;
         if ids.is_empty() || n + ids.len() > model.model.config().context_length {
@@ -418,9 +430,16 @@ impl Corpus {
         }
         let set = self.index_for(model, &mode)?;
         let mut session = self.session(model, &mode, set.as_deref(), usize::MAX)?;
+        let mut observed = |input: &AttentionInput<'_>| -> kvdb_model::Result<Tensor> {
+            observe(input).map_err(|e| kvdb_model::ModelError::Backend {
+                layer: input.layer.index,
+                reason: e.to_string(),
+            })?;
+            session.attend(input)
+        };
         model
             .model
-            .forward(ids, n, &mut session, &Logits::All)?
+            .forward(ids, n, &mut observed, &Logits::All)?
             .ok_or_else(|| Error::Query("the model returned no logits".into()))
     }
 
