@@ -29,8 +29,14 @@ typedef unsigned long long u64;
 #define STEP (TEAMS * UNROLL)
 #define NO_ROW 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
-// A partial: out [GROUP][HEAD_DIM], then max [GROUP], then sum [GROUP].
-#define PARTIAL (GROUP * (HEAD_DIM + 2))
+// A partial: out [GROUP][HEAD_DIM], then max [GROUP], then sum [GROUP], padded to whole
+// float4s so that merges read the outputs 16 bytes at a time.
+#define PARTIAL ((GROUP * (HEAD_DIM + 2) + 3) / 4 * 4)
+// float4s of a partial's outputs each thread of a merge sums, and partials it reads per
+// batch: 12 float4 loads in flight per thread whatever the shape (more would cost registers
+// the main loop needs for its occupancy).
+#define MERGE_VECS ((GROUP * HEAD_DIM / 4 + THREADS - 1) / THREADS)
+#define MERGE_BATCH (12 / MERGE_VECS)
 
 __device__ __forceinline__ u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
 
@@ -91,14 +97,22 @@ __device__ __forceinline__ void attend_rows(const RowOf& row_of, u32 n, const u1
                                             const u16* __restrict__ v, const float (&qf)[GROUP][8],
                                             State& st) {
     const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+    // Row numbers one iteration ahead: where they come from memory (lists, buckets), their
+    // loads overlap the previous rows' instead of delaying the keys and values behind them.
+    u32 next[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const u32 t = u * TEAMS + team;
+        next[u] = t < n ? row_of(t) : NO_ROW;
+    }
     for (u32 base = 0; base < n; base += STEP) {
         uint4 kr[UNROLL], vr[UNROLL];
         bool live[UNROLL];
         // All loads first, so that UNROLL rows of keys and values are in flight at once.
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const u32 t = base + u * TEAMS + team;
-            const u32 row = t < n ? row_of(t) : NO_ROW;
+            const u32 row = next[u], t = base + STEP + u * TEAMS + team;
+            next[u] = t < n ? row_of(t) : NO_ROW;
             live[u] = row != NO_ROW;
             if (live[u]) {
                 const u64 at = (u64)row * HEAD_DIM + lane * 8;
@@ -164,6 +178,133 @@ __device__ __forceinline__ void attend_rows(const RowOf& row_of, u32 n, const u1
     }
 }
 
+// Partials one merge reads at most: the launcher keeps groups and group sizes within it.
+#define MAX_MERGE 128
+
+// Whether this block is the last of `expected` to arrive at `counter` (which it then resets
+// for the next launch). Every thread of the block calls it. The barrier orders the block's
+// writes before thread 0's release; its acquire and the second barrier order the winner's
+// reads after every other block's release (CUTLASS's semaphore does the same): one fence for
+// the block instead of one per thread.
+__device__ __forceinline__ bool last_to_finish(u32* counter, u32 expected) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                     : "=r"(before)
+                     : "l"(counter)
+                     : "memory");
+        last = before == expected - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    return last;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+// Issues the loads of partials j0 .. j0 + MERGE_BATCH (those below `count`): this thread's
+// float4s of their outputs.
+__device__ __forceinline__ void load_batch(float4 (&x)[MERGE_BATCH][MERGE_VECS], const float* src,
+                                           u32 j0, u32 count) {
+#pragma unroll
+    for (int b = 0; b < MERGE_BATCH; ++b) {
+#pragma unroll
+        for (int k = 0; k < MERGE_VECS; ++k) {
+            const u32 v = threadIdx.x + k * THREADS;
+            if (j0 + b < count && v < GROUP * HEAD_DIM / 4)
+                x[b][k] = __ldcg(reinterpret_cast<const float4*>(src + (u64)(j0 + b) * PARTIAL) + v);
+        }
+    }
+}
+
+// Merges `count` (<= MAX_MERGE) consecutive partials at `src` into the partial `dst`, or,
+// when `dst` is null, into the normalised output `out` [GROUP, HEAD_DIM] (zeros for a head
+// that saw no token, as Partial::finish gives). Every thread of the block calls it. It runs
+// on the critical path after the other blocks, so its time is a few L2 round trips: the
+// first batch of outputs is in flight while the maxima and weights are computed, each batch
+// has all its loads in flight at once, and each weight is computed once by a warp. Reads
+// bypass L1: other blocks wrote the partials.
+__device__ void merge(const float* src, u32 count, float* dst, float* out) {
+    __shared__ float sm_w[MAX_MERGE * GROUP];
+    __shared__ float sm_l[MAX_MERGE * GROUP];
+    __shared__ float sm_stat[2][GROUP];
+    float4 x[MERGE_BATCH][MERGE_VECS];
+    load_batch(x, src, 0, count);
+    for (u32 p = threadIdx.x; p < count * GROUP; p += THREADS) {
+        const float* stats = src + (u64)(p / GROUP) * PARTIAL + GROUP * HEAD_DIM + p % GROUP;
+        sm_w[p] = __ldcg(stats);
+        sm_l[p] = __ldcg(stats + GROUP);
+    }
+    __syncthreads();
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (u32 g = warp; g < GROUP; g += THREADS / 32) {
+        float mx = NEG_INF, l = 0.f;
+        for (u32 j = lane; j < count; j += 32) mx = fmaxf(mx, sm_w[j * GROUP + g]);
+        mx = warp_max(mx);
+        for (u32 j = lane; j < count; j += 32) {
+            // Empty partials (max -inf) weigh nothing; so does everything when all are empty.
+            const float w = mx == NEG_INF ? 0.f : exp2f(sm_w[j * GROUP + g] - mx);
+            sm_w[j * GROUP + g] = w;
+            l = fmaf(w, sm_l[j * GROUP + g], l);
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            sm_stat[0][g] = mx;
+            sm_stat[1][g] = l;
+        }
+    }
+    __syncthreads();
+    float4 acc[MERGE_VECS];
+#pragma unroll
+    for (int k = 0; k < MERGE_VECS; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (u32 j0 = 0; j0 < count; j0 += MERGE_BATCH) {
+        if (j0 > 0) load_batch(x, src, j0, count);
+#pragma unroll
+        for (int b = 0; b < MERGE_BATCH; ++b) {
+#pragma unroll
+            for (int k = 0; k < MERGE_VECS; ++k) {
+                const u32 v = threadIdx.x + k * THREADS;
+                if (j0 + b < count && v < GROUP * HEAD_DIM / 4) {
+                    const float w = sm_w[(j0 + b) * GROUP + v * 4 / HEAD_DIM];
+                    acc[k].x = fmaf(w, x[b][k].x, acc[k].x);
+                    acc[k].y = fmaf(w, x[b][k].y, acc[k].y);
+                    acc[k].z = fmaf(w, x[b][k].z, acc[k].z);
+                    acc[k].w = fmaf(w, x[b][k].w, acc[k].w);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < MERGE_VECS; ++k) {
+        const u32 v = threadIdx.x + k * THREADS;
+        if (v >= GROUP * HEAD_DIM / 4) continue;
+        float4 o = acc[k];
+        if (dst == nullptr) {
+            const float l = sm_stat[1][v * 4 / HEAD_DIM], inv = l > 0.f ? 1.f / l : 0.f;
+            o = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+            reinterpret_cast<float4*>(out)[v] = o;
+        } else {
+            reinterpret_cast<float4*>(dst)[v] = o;
+        }
+    }
+    if (dst != nullptr && threadIdx.x < GROUP) {
+        dst[GROUP * HEAD_DIM + threadIdx.x] = sm_stat[0][threadIdx.x];
+        dst[GROUP * HEAD_DIM + GROUP + threadIdx.x] = sm_stat[1][threadIdx.x];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 attend(const u16* __restrict__ q, float scale_log2,
        // dense part
@@ -174,7 +315,8 @@ attend(const u16* __restrict__ q, float scale_log2,
        const u32* __restrict__ list_off, const u32* __restrict__ list, u32 list_chunk,
        const u32* __restrict__ bucket_off, const u32* __restrict__ bucket_ids,
        // results
-       float* __restrict__ partials, u32* __restrict__ counters, float* __restrict__ out) {
+       u32 group_size, float* __restrict__ partials, u32* __restrict__ counters,
+       float* __restrict__ out) {
     const u32 h = blockIdx.y, x = blockIdx.x;
     const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
 
@@ -223,7 +365,6 @@ attend(const u16* __restrict__ q, float scale_log2,
     __shared__ float sm_o[TEAMS][GROUP][HEAD_DIM];
     __shared__ float sm_m[TEAMS][GROUP];
     __shared__ float sm_l[TEAMS][GROUP];
-    __shared__ bool last;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
@@ -254,29 +395,21 @@ attend(const u16* __restrict__ q, float scale_log2,
         }
     }
 
-    // The last block of this head to finish merges all its partials (threadfence reduction).
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counters[h], 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const float* mine = partials + (u64)h * gridDim.x * PARTIAL;
-    for (u32 e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
-        const u32 g = e / HEAD_DIM;
-        float mx = NEG_INF;
-        for (u32 j = 0; j < gridDim.x; ++j) mx = fmaxf(mx, __ldcg(mine + (u64)j * PARTIAL + GROUP * HEAD_DIM + g));
-        float o = 0.f, l = 0.f;
-        if (mx != NEG_INF) {
-            for (u32 j = 0; j < gridDim.x; ++j) {
-                const float* p = mine + (u64)j * PARTIAL;
-                const float w = exp2f(__ldcg(p + GROUP * HEAD_DIM + g) - mx);
-                o = fmaf(w, __ldcg(p + e), o);
-                l = fmaf(w, __ldcg(p + GROUP * HEAD_DIM + GROUP + g), l);
-            }
-        }
-        // A head that saw no token gets zeros, as Partial::finish gives.
-        out[(u64)h * GROUP * HEAD_DIM + e] = l > 0.f ? o / l : 0.f;
+    // Merge by log-sum-exp in two levels, so that no block reads more than about sqrt(items)
+    // partials: the last block of each group of `group_size` items to finish merges the
+    // group's partials, and the last group merged merges the groups' (threadfence reduction).
+    const u32 items = gridDim.x, groups = (items + group_size - 1) / group_size;
+    const u32 group = x / group_size, first = group * group_size;
+    u32* head_counters = counters + (u64)h * (groups + 1);
+    float* group_partials = partials + ((u64)gridDim.y * items + (u64)h * groups) * PARTIAL;
+    float* head_out = out + (u64)h * GROUP * HEAD_DIM;
+    if (!last_to_finish(&head_counters[group], min_u32(group_size, items - first))) return;
+    const float* item_partials = partials + ((u64)h * items + first) * PARTIAL;
+    if (groups == 1) {
+        merge(item_partials, items, nullptr, head_out);
+    } else {
+        merge(item_partials, min_u32(group_size, items - first), group_partials + (u64)group * PARTIAL, nullptr);
+        if (!last_to_finish(&head_counters[groups], groups)) return;
+        merge(group_partials, groups, nullptr, head_out);
     }
-    if (threadIdx.x == 0) counters[h] = 0;
 }

@@ -4,7 +4,7 @@
 //! through the pinned-host block cache. bf16 inputs.
 //!
 //! ```sh
-//! gpu_bench [--sdpa sdpa.jsonl] [--json raw.jsonl] [--quick] [--iters 200]
+//! gpu_bench [--sdpa sdpa.jsonl] [--json raw.jsonl] [--quick] [--only SHAPE,N,K] [--iters 200]
 //! ```
 //!
 //! Timing: CUDA events around each launch, the median of `--iters` (>= 100) launches after a
@@ -26,8 +26,8 @@ use kvdb_kernels::cudarc::driver::sys::{
 };
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice};
 use kvdb_kernels::{
-    flash_decode, retrieval_attention, BlockCache, CacheConfig, Csr, Dense, Gpu, HostKv, KvCache,
-    Query, Selected, Workspace,
+    flash_decode, retrieval_attention, BlockCache, Csr, Dense, Gpu, HostKv, KvCache, Query,
+    Selected, Workspace,
 };
 use serde_json::{json, Value};
 
@@ -69,6 +69,8 @@ struct Args {
     sdpa: Option<String>,
     json: Option<String>,
     quick: bool,
+    /// One configuration only (shape name, length, k), e.g. for a profiler.
+    only: Option<(String, usize, usize)>,
     iters: usize,
 }
 
@@ -78,6 +80,7 @@ impl Args {
             sdpa: None,
             json: None,
             quick: false,
+            only: None,
             iters: 200,
         };
         let mut it = std::env::args().skip(1);
@@ -86,8 +89,16 @@ impl Args {
                 "--sdpa" => args.sdpa = Some(it.next().context("--sdpa FILE")?),
                 "--json" => args.json = Some(it.next().context("--json FILE")?),
                 "--quick" => args.quick = true,
+                "--only" => {
+                    let spec = it.next().context("--only SHAPE,N,K")?;
+                    let parts: Vec<&str> = spec.split(',').collect();
+                    let [shape, n, k] = parts[..] else {
+                        bail!("--only takes SHAPE,N,K, e.g. llama,1048576,2048");
+                    };
+                    args.only = Some((shape.to_string(), n.parse()?, k.parse()?));
+                }
                 "--iters" => args.iters = it.next().context("--iters N")?.parse()?,
-                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--iters N]"),
+                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--only SHAPE,N,K] [--iters N]"),
             }
         }
         ensure!(args.iters >= 100, "--iters must be at least 100");
@@ -147,6 +158,10 @@ fn event(gpu: &Gpu) -> Result<CudaEvent> {
 }
 
 /// Times `iters` calls of `step(i)`, each between two events, after ten untimed ones.
+///
+/// A few milliseconds of copies are queued first, so that the CPU queues the timed calls
+/// while the GPU is still busy: each interval then holds the GPU's work alone, not the
+/// CPU's time to submit it (which graphs remove in a real decode loop).
 fn time_events(
     gpu: &Gpu,
     iters: usize,
@@ -158,6 +173,11 @@ fn time_events(
     let events: Vec<(CudaEvent, CudaEvent)> = (0..iters)
         .map(|_| Ok((event(gpu)?, event(gpu)?)))
         .collect::<Result<_>>()?;
+    let src: CudaSlice<u8> = gpu.zeros(256 << 20)?;
+    let mut dst: CudaSlice<u8> = gpu.zeros(256 << 20)?;
+    for _ in 0..32 {
+        gpu.stream().memcpy_dtod(&src, &mut dst)?;
+    }
     for (i, (start, end)) in events.iter().enumerate() {
         start.record(gpu.stream())?;
         step(i)?;
@@ -382,13 +402,7 @@ impl<'g> Bench<'g> {
     /// Retrieval with K/V in pinned host memory behind the block cache: each of a few
     /// selections once on an empty cache (cold), then again (warm). Wall-clock latency of
     /// the whole step (block lookups on the CPU, copies, attention, synchronisation).
-    fn pinned(
-        &mut self,
-        host: &HostKv<T>,
-        cache: &mut BlockCache<T>,
-        k: usize,
-        sets: &[Set],
-    ) -> Result<Value> {
+    fn pinned(&mut self, cache: &mut BlockCache<T>, k: usize, sets: &[Set]) -> Result<Value> {
         let s = self.shape;
         let d = s.head_dim;
         let (mut cold, mut warm) = (Vec::new(), Vec::new());
@@ -410,7 +424,7 @@ impl<'g> Bench<'g> {
             for pass in 0..21 {
                 let before = cache.stats();
                 let start = Instant::now();
-                let selected = cache.gather(self.gpu, host, &set.lists)?;
+                let selected = cache.gather(self.gpu, &set.lists)?;
                 let query = Query {
                     heads: &set.queries,
                     scale: self.scale(),
@@ -608,8 +622,15 @@ fn main() -> Result<()> {
     println!("{device}");
     let lengths: &[usize] = if args.quick { &LENGTHS[..1] } else { &LENGTHS };
     let mut rows = vec![device];
+    let chosen = |shape: Shape, n: usize, k: Option<usize>| match &args.only {
+        None => true,
+        Some((s, on, ok)) => s == shape.name && *on == n && k.is_none_or(|k| k == *ok),
+    };
     for shape in SHAPES {
         for &n in lengths {
+            if !chosen(shape, n, None) {
+                continue;
+            }
             let started = Instant::now();
             let mut bench = Bench::new(&gpu, shape, n, args.iters)?;
             rows.push(bench.flash()?);
@@ -621,15 +642,11 @@ fn main() -> Result<()> {
                 shape.head_dim,
                 BLOCK_TOKENS,
             )?;
-            let config = CacheConfig {
-                capacity_bytes: 2 << 30,
-                block_tokens: BLOCK_TOKENS,
-            };
-            let mut cache = BlockCache::new(&gpu, shape.head_dim, config)?;
-            for k in KS {
+            let mut cache = BlockCache::new(&gpu, host, 2 << 30)?;
+            for k in KS.into_iter().filter(|&k| chosen(shape, n, Some(k))) {
                 let (record, sets) = bench.retrieval(k)?;
                 rows.push(record);
-                rows.push(bench.pinned(&host, &mut cache, k, &sets)?);
+                rows.push(bench.pinned(&mut cache, k, &sets)?);
             }
             eprintln!(
                 "{} N={n}: {:.1} s",

@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use crate::buffers::{Csr, KvCache};
 use crate::error::{driver, length, KernelError, Result};
-use crate::gpu::{Gpu, KvElement, Variant, MAX_GROUP, THREADS, UNROLL};
+use crate::gpu::{Gpu, KvElement, Variant, MAX_GROUP, MAX_MERGE, THREADS, UNROLL};
 
 /// The queries of one decode step: `[kv_heads, group, head_dim]` (query head `h * group + g`
 /// attends with KV head `h`), and the logit scale (usually `1 / sqrt(head_dim)`).
@@ -19,8 +19,8 @@ pub struct Query<'a, T> {
     pub scale: f32,
 }
 
-/// Scratch of the launches: one partial per work item, and one counter per KV head that
-/// the kernel leaves at zero. Grows on demand; reuse one across steps.
+/// Scratch of the launches: one partial per work item and per group of items, and counters
+/// that the kernel leaves at zero. Grows on demand; reuse one across steps.
 pub struct Workspace {
     partials: CudaSlice<f32>,
     counters: CudaSlice<u32>,
@@ -120,6 +120,9 @@ macro_rules! impl_copy {
     )*};
 }
 impl_copy!(Query, KvRows, Selected, Dense);
+
+/// Work items per head merged by one block in one level (see `launch`).
+const SINGLE_MERGE: usize = 32;
 
 /// One launch's arguments after validation.
 struct Launch<'a, T> {
@@ -292,13 +295,14 @@ fn launch<T: KvElement>(
     })?;
 
     // Work items: a chunk of rows each, sized so that one wave of blocks covers the step
-    // (few partials to merge, no tail), but never less than one iteration of the block.
+    // (few partials to merge, no tail), but never less than two iterations of the block:
+    // on the H100, fewer items of two iterations beat more of one (merging costs more).
     let dense_len = launch.runs[0].1 as usize + launch.runs[1].1 as usize;
     let longest = launch.list.map_or(0, |(_, lists)| lists.longest());
     let step = (THREADS as usize / lanes) * UNROLL as usize;
     let wave = (gpu.multiprocessors() * kernel.blocks_per_sm) as usize;
     let rows = launch.kv_heads * (dense_len + longest);
-    let chunk = rows.div_ceil(wave).next_multiple_of(step).max(step);
+    let chunk = rows.div_ceil(wave).next_multiple_of(step).max(2 * step);
     let dense_items = dense_len.div_ceil(chunk);
     let list_items = match launch.buckets {
         Some(_) => longest,
@@ -307,16 +311,31 @@ fn launch<T: KvElement>(
     // At least one item, so that every head's output is written.
     let items = (dense_items + list_items).max(1);
     let too_large = |what, value| KernelError::TooLarge { what, value };
-    let items_u32 = u32::try_from(items).map_err(|_| too_large("work items per head", items))?;
+    // A merge is one block reading partials on the critical path: up to SINGLE_MERGE items
+    // it reads them all; past that in two levels, groups of about sqrt(items) items.
+    let group_size = match items {
+        0..=SINGLE_MERGE => items,
+        _ => items.isqrt() + usize::from(items.isqrt().pow(2) < items),
+    };
+    let groups = items.div_ceil(group_size);
+    if group_size > MAX_MERGE || groups > MAX_MERGE {
+        return Err(too_large(
+            "work items per head (dense chunks + selection chunks or buckets)",
+            items,
+        ));
+    }
+    let items_u32 = items as u32;
     let chunk_u32 = u32::try_from(chunk).map_err(|_| too_large("rows per work item", chunk))?;
     let heads_u32 = u32::try_from(launch.kv_heads)
         .ok()
         .filter(|&h| h <= 65_535)
         .ok_or(too_large("KV heads", launch.kv_heads))?;
+    // One partial: outputs, maxima and sums, padded to whole float4s (as in attend.cu).
+    let partial = (group * (head_dim + 2)).next_multiple_of(4);
     workspace.reserve(
         gpu,
-        launch.kv_heads * items * group * (head_dim + 2),
-        launch.kv_heads,
+        launch.kv_heads * (items + groups) * partial,
+        launch.kv_heads * (groups + 1),
     )?;
 
     let address = |data: &CudaSlice<u32>| gpu.address(data);
@@ -350,6 +369,7 @@ fn launch<T: KvElement>(
         list_chunk: chunk_u32,
         bucket_off,
         bucket_ids,
+        group_size: group_size as u32,
         partials: gpu.address(&workspace.partials),
         counters: gpu.address(&workspace.counters),
         out: gpu.address(out),
@@ -380,6 +400,7 @@ fn launch<T: KvElement>(
         .arg(&args.list_chunk)
         .arg(&args.bucket_off)
         .arg(&args.bucket_ids)
+        .arg(&args.group_size)
         .arg(&args.partials)
         .arg(&args.counters)
         .arg(&args.out);
@@ -407,6 +428,7 @@ struct Args {
     list_chunk: u32,
     bucket_off: u64,
     bucket_ids: u64,
+    group_size: u32,
     partials: u64,
     counters: u64,
     out: u64,

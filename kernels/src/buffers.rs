@@ -175,7 +175,7 @@ impl Csr {
 }
 
 /// CSR offsets and items of `lists`.
-pub(crate) fn flatten<L: AsRef<[u32]>>(lists: &[L]) -> Result<(Vec<u32>, Vec<u32>)> {
+fn flatten<L: AsRef<[u32]>>(lists: &[L]) -> Result<(Vec<u32>, Vec<u32>)> {
     let total: usize = lists.iter().map(|l| l.as_ref().len()).sum();
     if u32::try_from(total).is_err() {
         return Err(KernelError::TooLarge {

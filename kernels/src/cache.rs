@@ -1,16 +1,13 @@
 //! Keys and values in pinned host memory ([`HostKv`]) behind a GPU cache of hot blocks
 //! ([`BlockCache`]): the path for corpora larger than the GPU's memory.
 
-use std::collections::HashMap;
-
 use cudarc::driver::sys::{
     cuMemHostGetDevicePointer_v2, CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_WRITECOMBINED,
 };
 use cudarc::driver::{CudaSlice, LaunchConfig, PinnedHostSlice, PushKernelArg};
-use lru::LruCache;
 
 use crate::attention::{KvRows, Selected};
-use crate::buffers::{flatten, write_into, Csr};
+use crate::buffers::{write_into, Csr};
 use crate::error::{driver, length, KernelError, Result};
 use crate::gpu::{Gpu, KvElement};
 
@@ -62,6 +59,14 @@ impl<T: KvElement> HostKv<T> {
             });
         }
         length("host values", keys.len(), values.len())?;
+        // The fill kernel copies whole 16-byte vectors.
+        if !(block_tokens * head_dim * size_of::<T>()).is_multiple_of(16) {
+            return Err(KernelError::Unsupported {
+                what: "block of tokens × head dimension",
+                value: block_tokens * head_dim,
+                supported: "multiples of 8",
+            });
+        }
         let tokens = keys.len() / row;
         if u32::try_from(tokens).is_err() {
             return Err(KernelError::TooLarge {
@@ -140,25 +145,6 @@ impl<T> HostKv<T> {
     }
 }
 
-/// Size of a [`BlockCache`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CacheConfig {
-    /// GPU memory for cached blocks (keys and values), in bytes.
-    pub capacity_bytes: usize,
-    /// Tokens per block: the store's block size.
-    pub block_tokens: usize,
-}
-
-impl Default for CacheConfig {
-    /// 1 GiB of blocks of 64 tokens.
-    fn default() -> Self {
-        Self {
-            capacity_bytes: 1 << 30,
-            block_tokens: 64,
-        }
-    }
-}
-
 /// Block lookups of a [`BlockCache`] so far: a block is counted once per step that selects
 /// it, as a hit when it was already on the GPU.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -183,20 +169,74 @@ impl CacheStats {
     }
 }
 
-/// A GPU cache of hot blocks of a [`HostKv`], least recently used evicted first.
+/// Marks "no slot" and "no block" in the cache's tables.
+const NONE: u32 = u32::MAX;
+
+/// Slots in recency order: an intrusive doubly linked list over slot numbers, so that a
+/// lookup moves its slot to the front and eviction takes the back, both in O(1).
+#[derive(Debug)]
+struct Recency {
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    /// Most recently used slot.
+    front: u32,
+    /// Least recently used slot.
+    back: u32,
+}
+
+impl Recency {
+    fn new(slots: usize) -> Self {
+        Self {
+            prev: vec![NONE; slots],
+            next: vec![NONE; slots],
+            front: NONE,
+            back: NONE,
+        }
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        let (p, n) = (self.prev[slot as usize], self.next[slot as usize]);
+        match p {
+            NONE => self.front = n,
+            p => self.next[p as usize] = n,
+        }
+        match n {
+            NONE => self.back = p,
+            n => self.prev[n as usize] = p,
+        }
+    }
+
+    fn push_front(&mut self, slot: u32) {
+        self.prev[slot as usize] = NONE;
+        self.next[slot as usize] = self.front;
+        match self.front {
+            NONE => self.back = slot,
+            f => self.prev[f as usize] = slot,
+        }
+        self.front = slot;
+    }
+}
+
+/// A GPU cache of hot blocks of a [`HostKv`] it owns, the least recently used evicted first.
 ///
 /// [`BlockCache::gather`] makes the blocks of a step's selected ids resident (copying the
 /// missing ones in one kernel launch straight from mapped host memory) and returns their
-/// rows for [`crate::retrieval_attention`].
+/// rows for [`crate::retrieval_attention`]. Its bookkeeping is array lookups (one slot
+/// table entry per host block), so it costs the CPU little next to the GPU's work.
 pub struct BlockCache<T> {
+    host: HostKv<T>,
     keys: CudaSlice<T>,
     values: CudaSlice<T>,
     slots: usize,
-    block_tokens: usize,
-    head_dim: usize,
-    /// (KV head, block) → slot, in recency order.
-    lru: LruCache<(u32, u32), u32>,
+    /// Host block (KV head * blocks per head + block) → slot, or NONE.
+    slot_of: Vec<u32>,
+    /// Slot → host block, or NONE.
+    owner: Vec<u32>,
+    /// Host block → the last step that selected it (to count each block once a step).
+    seen: Vec<u64>,
+    recency: Recency,
     free: Vec<u32>,
+    step: u64,
     /// The last step's rows, one list per KV head.
     rows: Csr,
     /// The last step's copies: [host block, slot] pairs.
@@ -207,73 +247,65 @@ pub struct BlockCache<T> {
 impl<T> std::fmt::Debug for BlockCache<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BlockCache")
+            .field("host", &self.host)
             .field("slots", &self.slots)
-            .field("block_tokens", &self.block_tokens)
-            .field("head_dim", &self.head_dim)
-            .field("resident", &self.lru.len())
+            .field("free", &self.free.len())
             .field("stats", &self.stats)
             .finish_non_exhaustive()
     }
 }
 
 impl<T: KvElement> BlockCache<T> {
-    /// An empty cache of `config.capacity_bytes` for rows of `head_dim`.
-    pub fn new(gpu: &Gpu, head_dim: usize, config: CacheConfig) -> Result<Self> {
-        let block_bytes = 2 * config.block_tokens * head_dim * size_of::<T>();
-        if block_bytes == 0 || !head_dim.is_multiple_of(8) {
-            return Err(KernelError::Unsupported {
-                what: "block of tokens × head dimension",
-                value: config.block_tokens * head_dim,
-                supported: "block_tokens > 0 and head_dim a multiple of 8",
-            });
-        }
-        let slots = config.capacity_bytes / block_bytes;
-        if slots == 0 || u32::try_from(slots * config.block_tokens).is_err() {
+    /// An empty cache of `capacity_bytes` of GPU memory in front of `host`.
+    pub fn new(gpu: &Gpu, host: HostKv<T>, capacity_bytes: usize) -> Result<Self> {
+        let block = host.block_tokens * host.head_dim;
+        let slots = capacity_bytes / (2 * block * size_of::<T>());
+        if slots == 0 || u32::try_from(slots * host.block_tokens).is_err() {
             return Err(KernelError::TooLarge {
                 what: "cache slots (or zero)",
                 value: slots,
             });
         }
-        let elements = slots * config.block_tokens * head_dim;
+        let blocks = host.kv_heads * host.blocks();
         Ok(Self {
-            keys: gpu.zeros(elements)?,
-            values: gpu.zeros(elements)?,
+            keys: gpu.zeros(slots * block)?,
+            values: gpu.zeros(slots * block)?,
             slots,
-            block_tokens: config.block_tokens,
-            head_dim,
-            lru: LruCache::unbounded(),
+            slot_of: vec![NONE; blocks],
+            owner: vec![NONE; slots],
+            seen: vec![0; blocks],
+            recency: Recency::new(slots),
             free: (0..slots as u32).rev().collect(),
+            step: 0,
             rows: Csr::from_lists::<&[u32]>(gpu, &[])?,
             jobs: gpu.zeros(2)?,
             stats: CacheStats::default(),
+            host,
         })
     }
 
-    /// Makes the blocks of `selected` (token ids of `host`, one list per KV head, as for
+    /// Makes the blocks of `selected` (token ids, one list per KV head, as for
     /// [`Selected::resident`]) resident and returns their rows in the cache. Fails, leaving
-    /// the cache as it was, when an id is out of range or the step needs more blocks than
-    /// the cache holds.
+    /// the cached blocks as they were, when an id is out of range or the step needs more
+    /// blocks than the cache holds.
     pub fn gather<'a, L: AsRef<[u32]>>(
         &'a mut self,
         gpu: &Gpu,
-        host: &HostKv<T>,
         selected: &[L],
     ) -> Result<Selected<'a, T>> {
-        if (host.block_tokens, host.head_dim) != (self.block_tokens, self.head_dim) {
-            return Err(KernelError::CacheMismatch {
-                host: format!("blocks of {} × {}", host.block_tokens, host.head_dim),
-                cache: format!("blocks of {} × {}", self.block_tokens, self.head_dim),
-            });
-        }
+        let host = &self.host;
         length(
             "selected lists (one per KV head)",
             host.kv_heads,
             selected.len(),
         )?;
-        let bt = self.block_tokens as u32;
-        // The step's distinct blocks, in first-seen order.
-        let mut step: HashMap<(u32, u32), u32> = HashMap::new();
-        let mut order = Vec::new();
+        let (bt, blocks) = (host.block_tokens as u32, host.blocks() as u32);
+        let block_of = |h: usize, id: u32| (h as u32 * blocks + id / bt) as usize;
+        self.step += 1;
+        let step = self.step;
+        // One pass over the ids: range checks, the step's distinct blocks, and its hits,
+        // which become the most recent so that no eviction below takes one.
+        let (mut needed, mut hits, mut missing) = (0, 0, Vec::new());
         for (h, ids) in selected.iter().enumerate() {
             for &id in ids.as_ref() {
                 if id as usize >= host.tokens {
@@ -283,69 +315,67 @@ impl<T: KvElement> BlockCache<T> {
                         len: host.tokens as u64,
                     });
                 }
-                let key = (h as u32, id / bt);
-                step.entry(key).or_insert_with(|| {
-                    order.push(key);
-                    u32::MAX
-                });
+                let b = block_of(h, id);
+                if self.seen[b] == step {
+                    continue;
+                }
+                self.seen[b] = step;
+                needed += 1;
+                match self.slot_of[b] {
+                    NONE => missing.push(b as u32),
+                    slot => {
+                        self.recency.unlink(slot);
+                        self.recency.push_front(slot);
+                        hits += 1;
+                    }
+                }
             }
         }
-        if order.len() > self.slots {
+        if needed > self.slots {
             return Err(KernelError::CacheTooSmall {
-                needed: order.len(),
+                needed,
                 slots: self.slots,
             });
         }
-        // Hits first, so that they are the most recent and no eviction below takes one.
-        for key in &order {
-            if let Some(&slot) = self.lru.get(key) {
-                step.insert(*key, slot);
-                self.stats.hits += 1;
-            }
-        }
-        let mut jobs = Vec::new();
-        for key in &order {
-            if step[key] != u32::MAX {
-                continue;
-            }
-            // There is a free slot or a block this step does not use: the step needs at
-            // most `slots` blocks and its hits are the most recent.
-            let Some(slot) = self
-                .free
-                .pop()
-                .or_else(|| self.lru.pop_lru().map(|(_, s)| s))
-            else {
-                self.clear();
-                return Err(KernelError::CacheTooSmall {
-                    needed: order.len(),
-                    slots: self.slots,
-                });
+        self.stats.hits += hits;
+        // Misses take a free slot or the least recently used one, which this step does not
+        // use: the step needs at most `slots` blocks and its hits are the most recent.
+        let mut jobs = Vec::with_capacity(2 * missing.len());
+        for &b in &missing {
+            let slot = match self.free.pop() {
+                Some(slot) => slot,
+                None => {
+                    let slot = self.recency.back;
+                    self.recency.unlink(slot);
+                    self.slot_of[self.owner[slot as usize] as usize] = NONE;
+                    slot
+                }
             };
-            self.lru.put(*key, slot);
-            step.insert(*key, slot);
-            jobs.extend([key.0 * host.blocks() as u32 + key.1, slot]);
+            self.slot_of[b as usize] = slot;
+            self.owner[slot as usize] = b;
+            self.recency.push_front(slot);
+            jobs.extend([b, slot]);
         }
-        self.stats.misses += (jobs.len() / 2) as u64;
-        let block_bytes = 2 * self.block_tokens * self.head_dim * size_of::<T>();
-        self.stats.bytes_copied += (jobs.len() / 2 * block_bytes) as u64;
+        let misses = jobs.len() / 2;
+        self.stats.misses += misses as u64;
+        let block_bytes = 2 * host.block_tokens * host.head_dim * size_of::<T>();
+        self.stats.bytes_copied += (misses * block_bytes) as u64;
 
-        let rows: Vec<Vec<u32>> = selected
-            .iter()
-            .enumerate()
-            .map(|(h, ids)| {
-                let ids = ids.as_ref().iter();
-                ids.map(|&id| step[&(h as u32, id / bt)] * bt + id % bt)
-                    .collect()
-            })
-            .collect();
-        let (offsets, items) = flatten(&rows)?;
-        let copied =
-            self.rows
-                .rewrite(gpu, &offsets, &items)
-                .and_then(|()| match jobs.is_empty() {
-                    true => Ok(()),
-                    false => self.fill(gpu, host, &jobs),
-                });
+        let mut offsets = Vec::with_capacity(selected.len() + 1);
+        let mut rows = Vec::new();
+        offsets.push(0u32);
+        for (h, ids) in selected.iter().enumerate() {
+            let ids = ids.as_ref().iter();
+            rows.extend(ids.map(|&id| self.slot_of[block_of(h, id)] * bt + id % bt));
+            offsets.push(rows.len() as u32);
+        }
+        let copied = self
+            .rows
+            .rewrite(gpu, &offsets, &rows)
+            .and_then(|()| match jobs.is_empty() {
+                true => Ok(()),
+                false => self.fill(gpu, &jobs),
+            });
         if let Err(e) = copied {
             // The blocks just claimed may not have arrived: forget them all.
             self.clear();
@@ -356,18 +386,18 @@ impl<T: KvElement> BlockCache<T> {
                 keys: &self.keys,
                 values: &self.values,
                 head_stride: 0,
-                rows: self.slots * self.block_tokens,
-                head_dim: self.head_dim,
+                rows: self.slots * self.host.block_tokens,
+                head_dim: self.host.head_dim,
             },
             lists: &self.rows,
         })
     }
 
     /// Copies the blocks of `jobs` from host memory into their slots, in one launch.
-    fn fill(&mut self, gpu: &Gpu, host: &HostKv<T>, jobs: &[u32]) -> Result<()> {
+    fn fill(&mut self, gpu: &Gpu, jobs: &[u32]) -> Result<()> {
         write_into(gpu, &mut self.jobs, jobs)?;
         let function = gpu.fill_kernel()?;
-        let vecs = (self.block_tokens * self.head_dim * size_of::<T>() / 16) as u32;
+        let vecs = (self.host.block_tokens * self.host.head_dim * size_of::<T>() / 16) as u32;
         let (pool_keys, pool_values) = (gpu.address(&self.keys), gpu.address(&self.values));
         let jobs_address = gpu.address(&self.jobs);
         let config = LaunchConfig {
@@ -377,14 +407,15 @@ impl<T: KvElement> BlockCache<T> {
         };
         let mut builder = gpu.stream().launch_builder(&function);
         builder
-            .arg(&host.device.0)
-            .arg(&host.device.1)
+            .arg(&self.host.device.0)
+            .arg(&self.host.device.1)
             .arg(&pool_keys)
             .arg(&pool_values)
             .arg(&jobs_address)
             .arg(&vecs);
         // Safety: `fill_slots(host_k, host_v, pool_k, pool_v, jobs, vecs)`; every job names a
-        // block of `host` and a slot below `self.slots`, each `vecs` 16-byte vectors long.
+        // block of the host buffers and a slot below `self.slots`, each `vecs` 16-byte
+        // vectors long.
         unsafe { builder.launch(config) }.map_err(driver("launching fill_slots"))?;
         Ok(())
     }
@@ -398,12 +429,19 @@ impl<T> BlockCache<T> {
 
     /// Forgets every block (the next step starts cold); the statistics stay.
     pub fn clear(&mut self) {
-        self.lru.clear();
+        self.slot_of.fill(NONE);
+        self.owner.fill(NONE);
+        self.recency = Recency::new(self.slots);
         self.free = (0..self.slots as u32).rev().collect();
     }
 
     /// Number of blocks the cache holds.
     pub fn slots(&self) -> usize {
         self.slots
+    }
+
+    /// The host keys and values behind the cache.
+    pub fn host(&self) -> &HostKv<T> {
+        &self.host
     }
 }

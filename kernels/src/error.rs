@@ -90,14 +90,6 @@ pub enum KernelError {
         /// Blocks the cache holds.
         slots: usize,
     },
-    /// A host copy of keys and values and a block cache disagree on their layout.
-    #[error("host keys and values have {host} but the block cache {cache}")]
-    CacheMismatch {
-        /// The host side's block tokens and head dimension.
-        host: String,
-        /// The cache's.
-        cache: String,
-    },
 }
 
 /// The crate's result type.

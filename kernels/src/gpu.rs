@@ -21,6 +21,8 @@ pub(crate) const THREADS: u32 = 128;
 pub(crate) const UNROLL: u32 = 4;
 /// Query heads per KV head the attention kernel is built for: its registers grow with it.
 pub(crate) const MAX_GROUP: usize = 8;
+/// Partials one merge of the attention kernel reads at most (`MAX_MERGE` in `attend.cu`).
+pub(crate) const MAX_MERGE: usize = 128;
 
 /// Element type of keys, values and queries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -51,7 +51,7 @@ pub use attention::{
 #[cfg(feature = "cuda")]
 pub use buffers::{Csr, KvCache};
 #[cfg(feature = "cuda")]
-pub use cache::{BlockCache, CacheConfig, CacheStats, HostKv};
+pub use cache::{BlockCache, CacheStats, HostKv};
 #[cfg(feature = "cuda")]
 pub use cudarc;
 #[cfg(feature = "cuda")]

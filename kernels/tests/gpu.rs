@@ -25,8 +25,8 @@ mod on_gpu {
     use kvdb_attention::DensePolicy;
     use kvdb_kernels::cudarc::driver::CudaSlice;
     use kvdb_kernels::{
-        bucket_attention, flash_decode, retrieval_attention, BlockCache, CacheConfig, Csr, Dense,
-        Gpu, HostKv, KernelError, KvCache, KvElement, Query, Selected, Workspace,
+        bucket_attention, flash_decode, retrieval_attention, BlockCache, Csr, Dense, Gpu, HostKv,
+        KernelError, KvCache, KvElement, Query, Selected, Workspace,
     };
     use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
     use rand::rngs::StdRng;
@@ -455,11 +455,7 @@ mod on_gpu {
         let (kv, queries) = layer.upload(&gpu)?;
         let host = HostKv::new(&gpu, &layer.keys, &layer.values, kv_heads, head_dim, 64)?;
         let block_bytes = 2 * 64 * head_dim * 2;
-        let config = CacheConfig {
-            capacity_bytes: 300 * block_bytes,
-            block_tokens: 64,
-        };
-        let mut cache = BlockCache::<half::bf16>::new(&gpu, head_dim, config)?;
+        let mut cache = BlockCache::new(&gpu, host, 300 * block_bytes)?;
         ensure!(cache.slots() == 300, "{} slots", cache.slots());
         let mut workspace = Workspace::new(&gpu)?;
         let query = Query {
@@ -498,7 +494,7 @@ mod on_gpu {
             let want: Vec<f64> = written(&gpu, &want)?.iter().map(|&x| x.into()).collect();
             for pass in ["cold", "warm"] {
                 let before = cache.stats();
-                let selected = cache.gather(&gpu, &host, &lists)?;
+                let selected = cache.gather(&gpu, &lists)?;
                 let mut got = poisoned(&gpu, layer.queries.len())?;
                 retrieval_attention(&gpu, &mut workspace, query, dense, selected, &mut got)?;
                 close(
@@ -524,13 +520,13 @@ mod on_gpu {
         );
         // A step needing more blocks than the cache holds fails cleanly, and the cache works on.
         let every: Vec<Vec<u32>> = vec![(0..tokens as u32).step_by(64).collect(); kv_heads];
-        let too_many = cache.gather(&gpu, &host, &every);
+        let too_many = cache.gather(&gpu, &every);
         ensure!(
             matches!(too_many, Err(KernelError::CacheTooSmall { needed, slots: 300 }) if needed == 2 * tokens.div_ceil(64)),
             "{too_many:?}"
         );
         cache.clear();
-        cache.gather(&gpu, &host, &[vec![5u32], vec![7u32]])?;
+        cache.gather(&gpu, &[vec![5u32], vec![7u32]])?;
         Ok(())
     }
 
@@ -619,15 +615,15 @@ mod on_gpu {
         ensure!(out_of_range(bucket_attention(
             &gpu, &mut ws, query, dense, &buckets, &visited, &mut out
         )));
-        let no_cache = BlockCache::<half::f16>::new(
-            &gpu,
-            64,
-            CacheConfig {
-                capacity_bytes: 10,
-                block_tokens: 64,
-            },
-        );
+        let host = HostKv::new(&gpu, &layer.keys, &layer.values, 2, 64, 64)?;
+        let no_cache = BlockCache::new(&gpu, host, 10);
         ensure!(matches!(no_cache, Err(KernelError::TooLarge { .. })));
+        // Blocks of one token of 4 dimensions: 8 bytes, not whole 16-byte vectors.
+        let odd = HostKv::new(&gpu, &layer.keys, &layer.values, 2, 4, 1);
+        ensure!(
+            matches!(odd, Err(KernelError::Unsupported { .. })),
+            "{odd:?}"
+        );
         // Nothing to attend to: zeros, every output written.
         flash_decode(&gpu, &mut ws, query, &kv, 0, &mut out)?;
         ensure!(written(&gpu, &out)?.iter().all(|&x| x == 0.0));
