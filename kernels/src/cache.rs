@@ -41,7 +41,7 @@ impl<T> std::fmt::Debug for HostKv<T> {
 
 impl<T: KvElement> HostKv<T> {
     /// Copies keys and values `[kv_heads, tokens, head_dim]` into pinned host memory, in
-    /// blocks of `block_tokens` (the store's block size).
+    /// blocks of `block_tokens` (the store's block size, a power of two).
     pub fn new(
         gpu: &Gpu,
         keys: &[T],
@@ -51,11 +51,20 @@ impl<T: KvElement> HostKv<T> {
         block_tokens: usize,
     ) -> Result<Self> {
         let row = kv_heads * head_dim;
-        if row == 0 || block_tokens == 0 || !keys.len().is_multiple_of(row) {
+        if row == 0 || !keys.len().is_multiple_of(row) {
             return Err(KernelError::Length {
-                what: "host keys (whole [kv_heads, tokens, head_dim], block_tokens > 0)",
+                what: "host keys (whole [kv_heads, tokens, head_dim])",
                 expected: keys.len().next_multiple_of(row.max(1)),
                 found: keys.len(),
+            });
+        }
+        // Block numbers come from shifts: a division per selected id was most of the cache's
+        // CPU time.
+        if !block_tokens.is_power_of_two() {
+            return Err(KernelError::Unsupported {
+                what: "block_tokens",
+                value: block_tokens,
+                supported: "powers of two",
             });
         }
         length("host values", keys.len(), values.len())?;
@@ -299,8 +308,9 @@ impl<T: KvElement> BlockCache<T> {
             host.kv_heads,
             selected.len(),
         )?;
-        let (bt, blocks) = (host.block_tokens as u32, host.blocks() as u32);
-        let block_of = |h: usize, id: u32| (h as u32 * blocks + id / bt) as usize;
+        let (shift, blocks) = (host.block_tokens.trailing_zeros(), host.blocks() as u32);
+        let mask = host.block_tokens as u32 - 1;
+        let block_of = |h: usize, id: u32| (h as u32 * blocks + (id >> shift)) as usize;
         self.step += 1;
         let step = self.step;
         // One pass over the ids: range checks, the step's distinct blocks, and its hits,
@@ -366,7 +376,7 @@ impl<T: KvElement> BlockCache<T> {
         offsets.push(0u32);
         for (h, ids) in selected.iter().enumerate() {
             let ids = ids.as_ref().iter();
-            rows.extend(ids.map(|&id| self.slot_of[block_of(h, id)] * bt + id % bt));
+            rows.extend(ids.map(|&id| (self.slot_of[block_of(h, id)] << shift) | (id & mask)));
             offsets.push(rows.len() as u32);
         }
         let copied = self

@@ -618,12 +618,15 @@ mod on_gpu {
         let host = HostKv::new(&gpu, &layer.keys, &layer.values, 2, 64, 64)?;
         let no_cache = BlockCache::new(&gpu, host, 10);
         ensure!(matches!(no_cache, Err(KernelError::TooLarge { .. })));
-        // Blocks of one token of 4 dimensions: 8 bytes, not whole 16-byte vectors.
-        let odd = HostKv::new(&gpu, &layer.keys, &layer.values, 2, 4, 1);
-        ensure!(
-            matches!(odd, Err(KernelError::Unsupported { .. })),
-            "{odd:?}"
-        );
+        // Blocks of one token of 4 dimensions: 8 bytes, not whole 16-byte vectors; and
+        // blocks of 48 tokens, not a power of two.
+        for (head_dim, block_tokens) in [(4, 1), (64, 48)] {
+            let odd = HostKv::new(&gpu, &layer.keys, &layer.values, 2, head_dim, block_tokens);
+            ensure!(
+                matches!(odd, Err(KernelError::Unsupported { .. })),
+                "{odd:?}"
+            );
+        }
         // Nothing to attend to: zeros, every output written.
         flash_decode(&gpu, &mut ws, query, &kv, 0, &mut out)?;
         ensure!(written(&gpu, &out)?.iter().all(|&x| x == 0.0));
