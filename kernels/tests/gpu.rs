@@ -38,10 +38,15 @@ mod on_gpu {
     /// The relative L2 error allowed against the f64 reference.
     const TOLERANCE: f64 = 1e-3;
 
-    /// The device, or `None` after saying why the test skips.
-    fn gpu(test: &str) -> Option<Gpu> {
+    /// The device and a random generator with a fresh seed (printed, so that a failure can
+    /// be replayed), or `None` after saying why the test skips.
+    fn start(test: &str) -> Option<(Gpu, StdRng)> {
         match Gpu::new(0) {
-            Ok(gpu) => Some(gpu),
+            Ok(gpu) => {
+                let seed: u64 = rand::rng().random();
+                println!("{test}: seed {seed}");
+                Some((gpu, StdRng::seed_from_u64(seed)))
+            }
             Err(e) => {
                 skip(test, &e.to_string());
                 None
@@ -49,11 +54,29 @@ mod on_gpu {
         }
     }
 
-    /// A fresh seed per run, printed so that a failure can be replayed.
-    fn rng(test: &str) -> StdRng {
-        let seed: u64 = rand::rng().random();
-        println!("{test}: seed {seed}");
-        StdRng::seed_from_u64(seed)
+    /// (kv_heads, group, head_dim, tokens).
+    type Shape = (usize, usize, usize, usize);
+
+    /// A test case on one shape, for one element type.
+    type Case = fn(&Gpu, &mut StdRng, Shape) -> Result<()>;
+
+    /// Runs a case on every shape of [`SHAPES`], in f16 and in bf16.
+    fn every_shape(test: &str, f16: Case, bf16: Case) -> Result<()> {
+        let Some((gpu, mut rng)) = start(test) else {
+            return Ok(());
+        };
+        for shape in SHAPES {
+            f16(&gpu, &mut rng, shape)?;
+            bf16(&gpu, &mut rng, shape)?;
+        }
+        Ok(())
+    }
+
+    /// A layer's cache and queries on the GPU, and a workspace.
+    struct OnGpu<T> {
+        kv: KvCache<T>,
+        queries: CudaSlice<T>,
+        workspace: Workspace,
     }
 
     /// One layer's random inputs, rounded to `T`, with their exact f32 values.
@@ -80,13 +103,7 @@ mod on_gpu {
     }
 
     impl<T: KvElement> Layer<T> {
-        fn new(
-            rng: &mut StdRng,
-            kv_heads: usize,
-            group: usize,
-            head_dim: usize,
-            tokens: usize,
-        ) -> Self {
+        fn new(rng: &mut StdRng, (kv_heads, group, head_dim, tokens): Shape) -> Self {
             let n = kv_heads * tokens * head_dim;
             let (keys, keys_f32) = random(rng, n, 1.0);
             let (values, values_f32) = random(rng, n, 1.0);
@@ -140,9 +157,20 @@ mod on_gpu {
             Ok(out)
         }
 
-        fn upload(&self, gpu: &Gpu) -> Result<(KvCache<T>, CudaSlice<T>)> {
-            let kv = KvCache::upload(gpu, &self.keys, &self.values, self.kv_heads, self.head_dim)?;
-            Ok((kv, gpu.upload(&self.queries)?))
+        fn upload(&self, gpu: &Gpu) -> Result<OnGpu<T>> {
+            Ok(OnGpu {
+                kv: KvCache::upload(gpu, &self.keys, &self.values, self.kv_heads, self.head_dim)?,
+                queries: gpu.upload(&self.queries)?,
+                workspace: Workspace::new(gpu)?,
+            })
+        }
+
+        /// The queries on the GPU with this layer's scale.
+        fn query<'a>(&self, queries: &'a CudaSlice<T>) -> Query<'a, T> {
+            Query {
+                heads: queries,
+                scale: self.scale,
+            }
         }
     }
 
@@ -189,7 +217,7 @@ mod on_gpu {
     }
 
     /// (kv_heads, group, head_dim, tokens): head dims 64/128/256, GQA 1/4/8, from 1 token up.
-    const SHAPES: [(usize, usize, usize, usize); 9] = [
+    const SHAPES: [Shape; 9] = [
         (2, 1, 64, 1),
         (2, 4, 64, 1000),
         (1, 8, 64, 33_333),
@@ -201,19 +229,15 @@ mod on_gpu {
         (1, 8, 256, 5000),
     ];
 
-    fn flash_case<T: KvElement>(
-        gpu: &Gpu,
-        rng: &mut StdRng,
-        shape: (usize, usize, usize, usize),
-    ) -> Result<()> {
-        let (kv_heads, group, head_dim, tokens) = shape;
-        let layer = Layer::<T>::new(rng, kv_heads, group, head_dim, tokens);
-        let (kv, queries) = layer.upload(gpu)?;
-        let mut workspace = Workspace::new(gpu)?;
-        let query = Query {
-            heads: &queries,
-            scale: layer.scale,
-        };
+    fn flash_case<T: KvElement>(gpu: &Gpu, rng: &mut StdRng, shape: Shape) -> Result<()> {
+        let (kv_heads, _, _, tokens) = shape;
+        let layer = Layer::<T>::new(rng, shape);
+        let OnGpu {
+            kv,
+            queries,
+            mut workspace,
+        } = layer.upload(gpu)?;
+        let query = layer.query(&queries);
         // The whole cache and a random prefix of it.
         for len in [tokens, rng.random_range(1..=tokens)] {
             let mut out = poisoned(gpu, layer.queries.len())?;
@@ -231,23 +255,18 @@ mod on_gpu {
 
     #[test]
     fn flash_decode_matches_reference() -> Result<()> {
-        let Some(gpu) = gpu("flash_decode_matches_reference") else {
-            return Ok(());
-        };
-        let mut rng = rng("flash_decode_matches_reference");
-        for shape in SHAPES {
-            flash_case::<half::f16>(&gpu, &mut rng, shape)?;
-            flash_case::<half::bf16>(&gpu, &mut rng, shape)?;
-        }
-        Ok(())
+        every_shape(
+            "flash_decode_matches_reference",
+            flash_case::<half::f16>,
+            flash_case::<half::bf16>,
+        )
     }
 
     #[test]
     fn flash_decode_at_a_million_tokens() -> Result<()> {
-        let Some(gpu) = gpu("flash_decode_at_a_million_tokens") else {
+        let Some((gpu, mut rng)) = start("flash_decode_at_a_million_tokens") else {
             return Ok(());
         };
-        let mut rng = rng("flash_decode_at_a_million_tokens");
         flash_case::<half::bf16>(&gpu, &mut rng, (1, 4, 128, 1 << 20))?;
         flash_case::<half::f16>(&gpu, &mut rng, (1, 8, 64, 1_000_000))
     }
@@ -278,19 +297,15 @@ mod on_gpu {
         (policy.dense_ranges(position), lists)
     }
 
-    fn retrieval_case<T: KvElement>(
-        gpu: &Gpu,
-        rng: &mut StdRng,
-        shape: (usize, usize, usize, usize),
-    ) -> Result<()> {
-        let (kv_heads, group, head_dim, tokens) = shape;
-        let layer = Layer::<T>::new(rng, kv_heads, group, head_dim, tokens);
-        let (kv, queries) = layer.upload(gpu)?;
-        let mut workspace = Workspace::new(gpu)?;
-        let query = Query {
-            heads: &queries,
-            scale: layer.scale,
-        };
+    fn retrieval_case<T: KvElement>(gpu: &Gpu, rng: &mut StdRng, shape: Shape) -> Result<()> {
+        let (kv_heads, _, _, tokens) = shape;
+        let layer = Layer::<T>::new(rng, shape);
+        let OnGpu {
+            kv,
+            queries,
+            mut workspace,
+        } = layer.upload(gpu)?;
+        let query = layer.query(&queries);
         let mut full = poisoned(gpu, layer.queries.len())?;
         flash_decode(gpu, &mut workspace, query, &kv, tokens, &mut full)?;
         let full = written(gpu, &full)?;
@@ -337,14 +352,15 @@ mod on_gpu {
 
     #[test]
     fn retrieval_attention_matches_reference() -> Result<()> {
-        let Some(gpu) = gpu("retrieval_attention_matches_reference") else {
+        let test = "retrieval_attention_matches_reference";
+        every_shape(
+            test,
+            retrieval_case::<half::f16>,
+            retrieval_case::<half::bf16>,
+        )?;
+        let Some((gpu, mut rng)) = start(test) else {
             return Ok(());
         };
-        let mut rng = rng("retrieval_attention_matches_reference");
-        for shape in SHAPES {
-            retrieval_case::<half::f16>(&gpu, &mut rng, shape)?;
-            retrieval_case::<half::bf16>(&gpu, &mut rng, shape)?;
-        }
         retrieval_case::<half::bf16>(&gpu, &mut rng, (1, 4, 128, 1 << 20))
     }
 
@@ -365,19 +381,15 @@ mod on_gpu {
         lists
     }
 
-    fn bucket_case<T: KvElement>(
-        gpu: &Gpu,
-        rng: &mut StdRng,
-        shape: (usize, usize, usize, usize),
-    ) -> Result<()> {
-        let (kv_heads, group, head_dim, tokens) = shape;
-        let layer = Layer::<T>::new(rng, kv_heads, group, head_dim, tokens);
-        let (kv, queries) = layer.upload(gpu)?;
-        let mut workspace = Workspace::new(gpu)?;
-        let query = Query {
-            heads: &queries,
-            scale: layer.scale,
-        };
+    fn bucket_case<T: KvElement>(gpu: &Gpu, rng: &mut StdRng, shape: Shape) -> Result<()> {
+        let (kv_heads, _, _, tokens) = shape;
+        let layer = Layer::<T>::new(rng, shape);
+        let OnGpu {
+            kv,
+            queries,
+            mut workspace,
+        } = layer.upload(gpu)?;
+        let query = layer.query(&queries);
         let count = rng.random_range(1..=64);
         let bucket_lists = random_buckets(rng, kv_heads, tokens, count);
         let buckets = Csr::from_lists(gpu, &bucket_lists)?;
@@ -431,37 +443,32 @@ mod on_gpu {
 
     #[test]
     fn bucket_attention_matches_reference() -> Result<()> {
-        let Some(gpu) = gpu("bucket_attention_matches_reference") else {
-            return Ok(());
-        };
-        let mut rng = rng("bucket_attention_matches_reference");
-        for shape in SHAPES {
-            bucket_case::<half::f16>(&gpu, &mut rng, shape)?;
-            bucket_case::<half::bf16>(&gpu, &mut rng, shape)?;
-        }
-        Ok(())
+        every_shape(
+            "bucket_attention_matches_reference",
+            bucket_case::<half::f16>,
+            bucket_case::<half::bf16>,
+        )
     }
 
     /// Through the pinned-host block cache the outputs equal the resident ones, a repeated
     /// step hits every block, and evictions keep it right.
     #[test]
     fn block_cache_matches_resident() -> Result<()> {
-        let Some(gpu) = gpu("block_cache_matches_resident") else {
+        let Some((gpu, mut rng)) = start("block_cache_matches_resident") else {
             return Ok(());
         };
-        let mut rng = rng("block_cache_matches_resident");
-        let (kv_heads, group, head_dim, tokens) = (2, 4, 128, 50_000);
-        let layer = Layer::<half::bf16>::new(&mut rng, kv_heads, group, head_dim, tokens);
-        let (kv, queries) = layer.upload(&gpu)?;
+        let (kv_heads, head_dim, tokens) = (2, 128, 50_000);
+        let layer = Layer::<half::bf16>::new(&mut rng, (kv_heads, 4, head_dim, tokens));
+        let OnGpu {
+            kv,
+            queries,
+            mut workspace,
+        } = layer.upload(&gpu)?;
+        let query = layer.query(&queries);
         let host = HostKv::new(&gpu, &layer.keys, &layer.values, kv_heads, head_dim, 64)?;
         let block_bytes = 2 * 64 * head_dim * 2;
         let mut cache = BlockCache::new(&gpu, host, 300 * block_bytes)?;
         ensure!(cache.slots() == 300, "{} slots", cache.slots());
-        let mut workspace = Workspace::new(&gpu)?;
-        let query = Query {
-            heads: &queries,
-            scale: layer.scale,
-        };
         let runs = DensePolicy {
             sink: 1,
             window: 256,
@@ -533,18 +540,17 @@ mod on_gpu {
     /// Bad arguments are typed errors, never panics.
     #[test]
     fn bad_arguments_are_errors() -> Result<()> {
-        let Some(gpu) = gpu("bad_arguments_are_errors") else {
+        let Some((gpu, mut rng)) = start("bad_arguments_are_errors") else {
             return Ok(());
         };
         ensure!(matches!(Gpu::new(4096), Err(KernelError::Driver { .. })));
-        let mut rng = rng("bad_arguments_are_errors");
-        let layer = Layer::<half::f16>::new(&mut rng, 2, 4, 64, 100);
-        let (kv, queries) = layer.upload(&gpu)?;
-        let mut ws = Workspace::new(&gpu)?;
-        let query = Query {
-            heads: &queries,
-            scale: 0.125,
-        };
+        let layer = Layer::<half::f16>::new(&mut rng, (2, 4, 64, 100));
+        let OnGpu {
+            kv,
+            queries,
+            workspace: mut ws,
+        } = layer.upload(&gpu)?;
+        let query = layer.query(&queries);
         let mut out = poisoned(&gpu, layer.queries.len())?;
         let mut short = poisoned(&gpu, 3)?;
         let unsupported =
