@@ -18,9 +18,11 @@ const FILL_THREADS: u32 = 256;
 /// in blocks of `block_tokens` tokens: `[kv_heads, blocks * block_tokens, head_dim]` each,
 /// the last block of a head padded with zeros.
 pub struct HostKv<T> {
-    keys: PinnedHostSlice<T>,
-    values: PinnedHostSlice<T>,
-    /// Device addresses of `keys` and `values`.
+    /// The pinned allocations, owned so that the mapped addresses stay valid as long as
+    /// `self`; the GPU reads them through `device`, the CPU never again.
+    _keys: PinnedHostSlice<T>,
+    _values: PinnedHostSlice<T>,
+    /// Device addresses of the keys and values.
     device: (u64, u64),
     kv_heads: usize,
     tokens: usize,
@@ -131,8 +133,8 @@ impl<T: KvElement> HostKv<T> {
         let (keys, device_keys) = copy(keys)?;
         let (values, device_values) = copy(values)?;
         Ok(Self {
-            keys,
-            values,
+            _keys: keys,
+            _values: values,
             device: (device_keys, device_values),
             kv_heads,
             tokens,
@@ -146,11 +148,6 @@ impl<T> HostKv<T> {
     /// Blocks per KV head.
     fn blocks(&self) -> usize {
         self.tokens.div_ceil(self.block_tokens)
-    }
-
-    /// Bytes held, keys and values together.
-    pub fn bytes(&self) -> usize {
-        self.keys.num_bytes() + self.values.num_bytes()
     }
 }
 
@@ -448,10 +445,5 @@ impl<T> BlockCache<T> {
     /// Number of blocks the cache holds.
     pub fn slots(&self) -> usize {
         self.slots
-    }
-
-    /// The host keys and values behind the cache.
-    pub fn host(&self) -> &HostKv<T> {
-        &self.host
     }
 }
