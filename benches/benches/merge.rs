@@ -16,7 +16,7 @@ use anyhow::Result;
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 use kvdb_attention::{logits, retrieval_attention, DenseKv, DensePolicy, Partial, RetrievalQuery};
 use kvdb_benches::key_model::KeyModel;
-use kvdb_benches::micro::{corpus_sizes, size_label, status, CORPUS_SEED};
+use kvdb_benches::micro::{corpus_sizes, size_label, status, time_iters, CORPUS_SEED};
 use kvdb_index::{FlatIndex, GroupQuery, KeyIndex, SearchParams, Selection};
 
 /// Retrieved keys per step.
@@ -92,32 +92,36 @@ fn run(c: &mut Criterion) -> Result<()> {
         group.sampling_mode(SamplingMode::Flat);
         for (b, k) in BUDGETS.iter().enumerate() {
             group.bench_function(format!("sink4+window2048+top{k}"), |bencher| {
-                let step = step();
-                let query = RetrievalQuery {
-                    queries: &step.queries,
-                    position: step.position,
-                    rope: &rope,
-                    scale,
-                    policy: POLICY,
-                    selection: &step.selections[b],
-                    estimate: None,
-                };
-                bencher.iter(|| {
-                    retrieval_attention(&query, &step.kv)
-                        .unwrap_or_else(|e| panic!("retrieval attention: {e}"))
+                bencher.iter_custom(|iters| {
+                    let step = step();
+                    let query = RetrievalQuery {
+                        queries: &step.queries,
+                        position: step.position,
+                        rope: &rope,
+                        scale,
+                        policy: POLICY,
+                        selection: &step.selections[b],
+                        estimate: None,
+                    };
+                    time_iters(iters, || {
+                        retrieval_attention(&query, &step.kv)
+                            .unwrap_or_else(|e| panic!("retrieval attention: {e}"))
+                    })
                 })
             });
         }
         group.bench_function("full", |bencher| {
-            let step = step();
-            let heads = step.queries.len() / d;
-            bencher.iter(|| {
-                let mut queries = step.queries.clone();
-                rope.rotate(&mut queries, step.position);
-                let logits = logits(&queries, &step.rotated, d, scale);
-                Partial::from_logits(&logits, step.kv.values(), heads, d)
-                    .unwrap_or_else(|e| panic!("full attention: {e}"))
-                    .finish()
+            bencher.iter_custom(|iters| {
+                let step = step();
+                let heads = step.queries.len() / d;
+                time_iters(iters, || {
+                    let mut queries = step.queries.clone();
+                    rope.rotate(&mut queries, step.position);
+                    let logits = logits(&queries, &step.rotated, d, scale);
+                    Partial::from_logits(&logits, step.kv.values(), heads, d)
+                        .unwrap_or_else(|e| panic!("full attention: {e}"))
+                        .finish()
+                })
             })
         });
         group.finish();

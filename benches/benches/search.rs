@@ -19,9 +19,11 @@ use anyhow::Result;
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 use kvdb_attention::DensePolicy;
 use kvdb_benches::key_model::KeyModel;
-use kvdb_benches::micro::{corpus_sizes, size_label, smoke_run, status, IndexCache, CORPUS_SEED};
+use kvdb_benches::micro::{
+    corpus_sizes, size_label, smoke_run, status, time_iters, IndexCache, CORPUS_SEED,
+};
 use kvdb_index::saap::{train_head, SaapHead, TrainOptions, TrainingData};
-use kvdb_index::{GroupQuery, IndexSpec, SaapSpec, SearchParams};
+use kvdb_index::{GroupQuery, IndexSpec, KeyIndex, SaapSpec, SearchParams};
 
 /// One spec per index type.
 const SPECS: [&str; 7] = [
@@ -94,6 +96,38 @@ fn train_saap(model: &KeyModel, spec: &SaapSpec) -> Result<SaapHead> {
     Ok(head)
 }
 
+/// Queries whose searches [`describe`] averages.
+const DESCRIBED: usize = 8;
+
+/// Prints what a search of `index` costs besides time: vectors scored and ids selected, the
+/// mean over the group `queries` at position `n`.
+fn describe(
+    index: &dyn KeyIndex,
+    queries: &[f32],
+    n: usize,
+    params: &SearchParams,
+) -> kvdb_index::Result<()> {
+    let width = queries.len() / DESCRIBED;
+    let (mut scored, mut selected) = (0, 0);
+    for rows in queries.chunks_exact(width) {
+        let query = GroupQuery {
+            queries: rows,
+            position: n,
+        };
+        let found = index.searcher().search(&query, params)?;
+        scored += found.scored;
+        selected += found.selection.len();
+    }
+    status(&format!(
+        "{} over {} keys: a search scores {} vectors and selects {} ids (mean of {DESCRIBED})",
+        index.spec(),
+        size_label(n),
+        scored / DESCRIBED,
+        selected / DESCRIBED
+    ));
+    Ok(())
+}
+
 fn search(c: &mut Criterion) {
     if let Err(e) = run(c) {
         panic!("search benches: {e:#}");
@@ -134,22 +168,27 @@ fn run(c: &mut Criterion) -> Result<()> {
                 }
                 let mut index = None;
                 group.bench_function(spec.to_string(), |b| {
-                    let index = index.get_or_insert_with(|| {
-                        let keys = keys.get_or_init(|| model.draw_keys(n, CORPUS_SEED));
-                        cache
-                            .load_or_build(spec, &rope, keys, &saap)
-                            .unwrap_or_else(|e| panic!("{spec}: {e:#}"))
-                    });
-                    let mut rows = queries.chunks_exact(width).cycle();
-                    b.iter(|| {
-                        let query = GroupQuery {
-                            queries: rows.next().unwrap_or_default(),
-                            position: n,
-                        };
-                        index
-                            .searcher()
-                            .search(&query, &params)
-                            .unwrap_or_else(|e| panic!("{spec}: {e}"))
+                    b.iter_custom(|iters| {
+                        let index = index.get_or_insert_with(|| {
+                            let keys = keys.get_or_init(|| model.draw_keys(n, CORPUS_SEED));
+                            let index = cache
+                                .load_or_build(spec, &rope, keys, &saap)
+                                .unwrap_or_else(|e| panic!("{spec}: {e:#}"));
+                            describe(index.as_ref(), &queries[..DESCRIBED * width], n, &params)
+                                .unwrap_or_else(|e| panic!("{spec}: {e}"));
+                            index
+                        });
+                        let mut rows = queries.chunks_exact(width).cycle();
+                        time_iters(iters, || {
+                            let query = GroupQuery {
+                                queries: rows.next().unwrap_or_default(),
+                                position: n,
+                            };
+                            index
+                                .searcher()
+                                .search(&query, &params)
+                                .unwrap_or_else(|e| panic!("{spec}: {e}"))
+                        })
                     })
                 });
             }

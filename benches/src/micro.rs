@@ -64,6 +64,17 @@ pub fn criterion() -> Criterion {
         .configure_from_args()
 }
 
+/// Runs `routine` `iters` times and returns how long that took: the body of criterion's
+/// `iter_custom`, so that a bench's lazy setup (drawing a corpus, loading an index) runs
+/// before the clock starts instead of inflating the warm-up's estimate.
+pub fn time_iters<O>(iters: u64, mut routine: impl FnMut() -> O) -> Duration {
+    let started = Instant::now();
+    for _ in 0..iters {
+        std::hint::black_box(routine());
+    }
+    started.elapsed()
+}
+
 /// Prints a status line of the benches (builds, loads, skips) on stderr.
 pub fn status(line: &str) {
     eprintln!("kvdb-bench: {line}");
