@@ -120,6 +120,14 @@ impl Preset {
             Self::Full => vec![0.0025, 0.005, 0.01, 0.02, 0.05],
         }
     }
+
+    /// Multiples of the budget a spec carries (see [`BenchOptions::sweep`]).
+    pub fn sweep(self) -> Vec<f64> {
+        match self {
+            Self::Quick => vec![0.5, 1.0, 2.0],
+            Self::Full => vec![0.25, 0.5, 1.0, 2.0, 4.0],
+        }
+    }
 }
 
 /// One bench run's settings.
@@ -139,6 +147,12 @@ pub struct BenchOptions {
     /// Top-k budgets as shares of the corpus (top-k indexes; hip, ihip and whole-bucket
     /// indexes carry their budget in their spec).
     pub budgets: Vec<f64>,
+    /// Multiples of the budget a spec carries, for the indexes whose budget is not a share
+    /// of the corpus: whole-bucket indexes search with these multiples of their lists or
+    /// buckets visited (`np`, `ℓ`, as a per-search override of the same built index), hip
+    /// and ihip with these multiples of their `k`. Each multiple is one more point, so those
+    /// indexes draw a curve too.
+    pub sweep: Vec<f64>,
     /// Tokens after the corpus scored for retrieval quality, KL and perplexity.
     pub eval_tokens: usize,
     /// Attention sink and recent window attended densely.
@@ -166,6 +180,7 @@ impl BenchOptions {
             depths: preset.depths(),
             needles: preset.needles(),
             budgets: preset.budgets(),
+            sweep: preset.sweep(),
             eval_tokens: 256,
             sink: 4,
             window: 64,
@@ -201,8 +216,11 @@ pub struct Point {
     pub spec: String,
     /// Its kind (`flat`, `ivf`, ...).
     pub kind: String,
-    /// Keys retrieved per query (top-k indexes; `None`: the spec's own budget).
+    /// Keys retrieved per query (top-k indexes, hip and ihip; `None`: the spec's own
+    /// budget).
     pub k: Option<usize>,
+    /// Lists probed or buckets visited (whole-bucket indexes; `None`: the spec's own).
+    pub breadth: Option<usize>,
 }
 
 impl Point {
@@ -217,12 +235,26 @@ impl Point {
         self.k.or(own).unwrap_or(usize::MAX)
     }
 
-    /// `spec` or `spec @k`.
+    /// Whether the point searches with its spec's own budget.
+    fn is_own(&self) -> bool {
+        self.k.is_none() && self.breadth.is_none()
+    }
+
+    /// `spec`, `spec @k=K` or `spec @np=P` (`@l=P` for saap).
     pub fn label(&self) -> String {
-        match self.k {
-            Some(k) => format!("{} @k={k}", self.spec),
-            None => self.spec.clone(),
+        let mut label = self.spec.clone();
+        if let Some(k) = self.k {
+            label += &format!(" @k={k}");
         }
+        if let Some(b) = self.breadth {
+            let spec = self.spec.parse::<IndexSpec>().ok();
+            let name = spec
+                .as_ref()
+                .and_then(|s| s.breadth())
+                .map_or("breadth", |b| b.0);
+            label += &format!(" @{name}={b}");
+        }
+        label
     }
 }
 
@@ -515,11 +547,11 @@ fn run_context(
     let (first, last) = case
         .documents
         .split_at(case.documents.len().saturating_sub(1).max(1));
-    bar.set_message(format!("{tokens}-token context: prefilling"));
+    phase(bar, format!("{tokens}-token context: prefilling"));
     let prefill = Instant::now();
     ingest(&store, name, model, first, &mut |_| bar.tick())?;
     let mut prefill_seconds = prefill.elapsed().as_secs_f64();
-    bar.set_message(format!("{tokens}-token context: building indexes"));
+    phase(bar, format!("{tokens}-token context: building indexes"));
     let built = update_indexes(
         &store,
         name,
@@ -531,7 +563,10 @@ fn run_context(
     let prefill = Instant::now();
     ingest(&store, name, model, last, &mut |_| bar.tick())?;
     prefill_seconds += prefill.elapsed().as_secs_f64();
-    bar.set_message(format!("{tokens}-token context: adding the last document"));
+    phase(
+        bar,
+        format!("{tokens}-token context: adding the last document"),
+    );
     let added = update_indexes(
         &store,
         name,
@@ -543,11 +578,12 @@ fn run_context(
     let corpus = Corpus::open(store.clone(), name, model, usize::MAX)?;
     let n = corpus.manifest().tokens;
     let costs = costs(model, &corpus, &built, &added)?;
-    let points = points(&specs, &options.budgets, n);
+    let points = points(&specs, options, n);
 
-    bar.set_message(format!(
-        "{tokens}-token context: full attention over the eval text"
-    ));
+    phase(
+        bar,
+        format!("{tokens}-token context: full attention over the eval text"),
+    );
     let mut captured = Vec::new();
     let retrieval_layers = corpus.manifest().retrieval_layers();
     let full_logits =
@@ -557,10 +593,10 @@ fn run_context(
             }
             Ok(())
         })?;
-    bar.set_message(format!("{tokens}-token context: retrieval quality"));
+    phase(bar, format!("{tokens}-token context: retrieval quality"));
     let quality = quality(model, options, &store, &corpus, &captured, &points, bar)?;
 
-    bar.set_message(format!("{tokens}-token context: end to end"));
+    phase(bar, format!("{tokens}-token context: end to end"));
     let mut end_to_end = vec![end_to_end(
         "full",
         &full_logits,
@@ -581,7 +617,7 @@ fn run_context(
         bar.tick();
     }
 
-    bar.set_message(format!("{tokens}-token context: needles"));
+    phase(bar, format!("{tokens}-token context: needles"));
     let needles = needles(model, options, &corpus, &case, &points, n)?;
     Ok(ContextResult {
         tokens: n,
@@ -593,24 +629,49 @@ fn run_context(
     })
 }
 
-/// Every spec at every budget it takes: top-k indexes at each share of the corpus, the
-/// others (hip, ihip, whole buckets) once at the budget their spec carries.
-fn points(specs: &[IndexSpec], budgets: &[f64], n: usize) -> Vec<Point> {
+/// Shows the run's current phase: on the spinner, or as a timestamped line on stderr when
+/// the spinner is hidden (output to a file or a pipe), so that a logged run shows progress.
+fn phase(bar: &ProgressBar, message: String) {
+    if bar.is_hidden() {
+        eprintln!("kvdb: [{:>5.0} s] {message}", bar.elapsed().as_secs_f64());
+    }
+    bar.set_message(message);
+}
+
+/// Every spec at every budget it takes: top-k indexes at each share of the corpus; the
+/// others at each multiple of the budget their spec carries (whole-bucket indexes: lists
+/// probed or buckets visited; hip and ihip: `k`), the spec's own budget first.
+fn points(specs: &[IndexSpec], options: &BenchOptions, n: usize) -> Vec<Point> {
     let mut points = Vec::new();
     for spec in specs {
-        let point = |k| Point {
+        let point = |k, breadth| Point {
             spec: spec.to_string(),
             kind: spec.kind().to_string(),
             k,
+            breadth,
         };
-        if spec.default_k().is_none() && !spec.attends_whole_buckets() {
-            points.extend(
-                budgets
+        // The spec's own budget, then each other multiple of it once.
+        let multiples = |own: usize| {
+            let mut values = vec![own];
+            for m in &options.sweep {
+                let v = ((own as f64 * m).round() as usize).max(1);
+                if !values.contains(&v) {
+                    values.push(v);
+                }
+            }
+            values.into_iter().map(move |v| (v != own).then_some(v))
+        };
+        match (spec.breadth(), spec.default_k()) {
+            (Some((_, own)), _) if spec.attends_whole_buckets() => {
+                points.extend(multiples(own).map(|b| point(None, b)));
+            }
+            (_, Some(own)) => points.extend(multiples(own).map(|k| point(k, None))),
+            _ => points.extend(
+                options
+                    .budgets
                     .iter()
-                    .map(|b| point(Some(((b * n as f64).round() as usize).max(1)))),
-            );
-        } else {
-            points.push(point(None));
+                    .map(|b| point(Some(((b * n as f64).round() as usize).max(1)), None)),
+            ),
         }
     }
     points
@@ -622,6 +683,7 @@ fn retrieval_mode(point: &Point, options: &BenchOptions) -> Result<AttentionMode
         k: point.k,
         policy: options.policy(),
         estimate: false,
+        breadth: point.breadth,
     }))
 }
 
@@ -770,9 +832,8 @@ fn quality(
                 let exact = ExactHeads::new(raw, &keys, &values, position, cap);
                 for ((point, searcher), sums) in points.iter().zip(&mut searchers).zip(&mut sums) {
                     let params = SearchParams {
-                        k: point.budget(),
-                        candidates: eligible.clone(),
-                        estimate: false,
+                        breadth: point.breadth,
+                        ..SearchParams::top(point.budget(), eligible.clone())
                     };
                     let query = GroupQuery {
                         queries: raw,
@@ -935,7 +996,7 @@ fn end_to_end_of(
 }
 
 /// Asks for every needle with full attention and every spec at its needle budget (the
-/// budget nearest 1% of the corpus for top-k indexes).
+/// budget nearest 1% of the corpus for top-k indexes, the spec's own for the others).
 fn needles(
     model: ModelRef<'_>,
     options: &BenchOptions,
@@ -949,7 +1010,12 @@ fn needles(
     for point in points {
         match chosen.iter_mut().find(|c| c.spec == point.spec) {
             Some(c) => {
-                let distance = |p: &Point| (p.k.unwrap_or(0) as f64 - target).abs();
+                // The spec's own budget wins; among top-k budgets, the one nearest 1%.
+                let distance = |p: &Point| match p.k {
+                    _ if p.is_own() => -1.0,
+                    Some(k) => (k as f64 - target).abs(),
+                    None => f64::INFINITY,
+                };
                 if distance(point) < distance(c) {
                     *c = point;
                 }
@@ -995,4 +1061,49 @@ fn needles(
         });
     }
     Ok(results)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Top-k indexes get one point per share of the corpus; whole-bucket indexes one per
+    /// multiple of their breadth and hip one per multiple of its k, their own first, each
+    /// value once.
+    #[test]
+    fn points_sweep_each_kind_of_budget() {
+        let specs: Vec<IndexSpec> = [
+            "flat",
+            "ivf128,np4,norope,all",
+            "saap64,l1",
+            "hip:k256,bq1,bk1",
+        ]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+        let mut options = BenchOptions::preset(Preset::Quick, Vec::new(), specs.clone());
+        options.budgets = vec![0.01, 0.05];
+        options.sweep = vec![0.25, 0.5, 1.0, 2.0];
+        let got: Vec<String> = points(&specs, &options, 10_000)
+            .iter()
+            .map(Point::label)
+            .collect();
+        assert_eq!(
+            got,
+            [
+                "flat @k=100",
+                "flat @k=500",
+                "ivf128,np4,norope,all",
+                "ivf128,np4,norope,all @np=1",
+                "ivf128,np4,norope,all @np=2",
+                "ivf128,np4,norope,all @np=8",
+                "saap64,l1",
+                "saap64,l1 @l=2",
+                "hip:k256,bq1,bk1",
+                "hip:k256,bq1,bk1 @k=64",
+                "hip:k256,bq1,bk1 @k=128",
+                "hip:k256,bq1,bk1 @k=512",
+            ]
+        );
+    }
 }

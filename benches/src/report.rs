@@ -65,7 +65,10 @@ fn markdown(result: &BenchResult, command: &str, plots: &[PathBuf]) -> String {
         s,
         "Model `{}` (sha256 {}), {} threads, {:.0} s in all. Seed {}; dense part: sink {} + \
          window {} (excluded from every selection measure); {} eval tokens after each corpus; \
-         top-k budgets {:?} of the corpus; needles at depths {:?}, {} per depth.\n",
+         top-k budgets {:?} of the corpus; whole-bucket indexes at {:?} × their own lists \
+         probed or buckets visited, hip and ihip at those multiples of their own k; needles at \
+         depths {:?}, {} per depth (asked at each spec's own budget, top-k indexes at the one \
+         nearest 1%).\n",
         result.model,
         &result.model_sha256[..result.model_sha256.len().min(12)],
         result.threads,
@@ -75,6 +78,7 @@ fn markdown(result: &BenchResult, command: &str, plots: &[PathBuf]) -> String {
         o.window,
         o.eval_tokens,
         o.budgets,
+        o.sweep,
         o.depths,
         o.needles
     );

@@ -49,6 +49,10 @@ pub(crate) struct BenchArgs {
     /// Top-k budgets as shares of the corpus, e.g. `0.01,0.05`.
     #[arg(long, value_delimiter = ',')]
     budgets: Option<Vec<f64>>,
+    /// Multiples of the budget a spec carries, for whole-bucket indexes (lists probed, `ℓ`)
+    /// and hip/ihip (`k`), e.g. `0.5,1,2`: each is one more point of their curves.
+    #[arg(long, value_delimiter = ',')]
+    sweep: Option<Vec<f64>>,
     /// Tokens after each corpus scored for quality, KL and perplexity.
     #[arg(long, default_value_t = 256)]
     eval_tokens: usize,
@@ -70,6 +74,7 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
     options.depths = args.depths.unwrap_or(options.depths);
     options.needles = args.needles.unwrap_or(options.needles);
     options.budgets = args.budgets.unwrap_or(options.budgets);
+    options.sweep = args.sweep.unwrap_or(options.sweep);
     options.eval_tokens = args.eval_tokens;
     options.seed = args.seed;
     options.saap = args.saap;
@@ -80,6 +85,10 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
     anyhow::ensure!(
         options.budgets.iter().all(|b| *b > 0.0 && *b <= 1.0),
         "budgets are shares of the corpus, in (0, 1]"
+    );
+    anyhow::ensure!(
+        options.sweep.iter().all(|m| m.is_finite() && *m > 0.0),
+        "sweep multiples must be positive"
     );
     let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
     let bar = ProgressBar::new_spinner();

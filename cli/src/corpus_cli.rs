@@ -87,6 +87,10 @@ pub(crate) struct AskArgs {
     /// their sizes, centroids and mean values (RetroInfer's idea).
     #[arg(long)]
     estimate: bool,
+    /// Lists probed (ivf), buckets visited (saap) or hnsw's `ef` for this question,
+    /// overriding the index's spec without rebuilding it.
+    #[arg(long)]
+    breadth: Option<usize>,
     /// Attend to every corpus token exactly instead of retrieving (the reference).
     #[arg(long)]
     full_attention: bool,
@@ -262,6 +266,7 @@ pub(crate) fn ask(args: AskArgs) -> Result<()> {
                 index: args.index,
                 k: args.k,
                 estimate: args.estimate,
+                breadth: args.breadth,
                 policy: DensePolicy {
                     sink: args.sink,
                     window: args.window,

@@ -339,7 +339,7 @@ impl StatelessSearch for HnswIndex {
             });
         }
         let queries = self.keys.rotate_query(query);
-        let ef = self.spec.ef_search.max(k);
+        let ef = params.breadth_or(self.spec.ef_search).max(k);
         let exact = |queries: &[f32], scored: usize| Found {
             selection: self
                 .keys

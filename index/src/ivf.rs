@@ -241,7 +241,7 @@ impl StatelessSearch for IvfIndex {
             .iter()
             .map(|l| l.iter().copied().fold(f32::NEG_INFINITY, f32::max))
             .collect();
-        let probed = top_indices(&group, self.spec.probes);
+        let probed = top_indices(&group, params.breadth_or(self.spec.probes));
         let ids: Vec<u32> = probed
             .iter()
             .flat_map(|&l| &self.lists[l as usize])

@@ -20,6 +20,11 @@ pub struct SearchParams {
     /// Bucket indexes also return the unvisited buckets' estimate inputs
     /// ([`Found::unvisited`]); off by default.
     pub estimate: bool,
+    /// Overrides the built spec's search breadth for this call: lists probed (ivf `np`),
+    /// buckets visited (saap `ℓ`) or the graph's candidate list (hnsw `ef`); the other
+    /// indexes have none and ignore it. Benches sweep an index's budget with it without
+    /// rebuilding the index for every value.
+    pub breadth: Option<usize>,
 }
 
 impl SearchParams {
@@ -29,7 +34,13 @@ impl SearchParams {
             k,
             candidates,
             estimate: false,
+            breadth: None,
         }
+    }
+
+    /// The breadth a search uses: the override, else the spec's own `built`.
+    pub fn breadth_or(&self, built: usize) -> usize {
+        self.breadth.unwrap_or(built)
     }
 }
 

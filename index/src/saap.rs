@@ -635,7 +635,7 @@ impl StatelessSearch for SaapIndex {
                 *s += p;
             }
         }
-        let visited = top_indices(&summed, self.spec.probes);
+        let visited = top_indices(&summed, params.breadth_or(self.spec.probes));
         let ids: Vec<u32> = visited
             .iter()
             .flat_map(|&b| &self.buckets[b as usize])

@@ -145,6 +145,17 @@ impl IndexSpec {
         matches!(self, Self::Saap(_) | Self::Ivf(IvfSpec { all: true, .. }))
     }
 
+    /// The spec's search breadth, which [`crate::SearchParams::breadth`] overrides per search:
+    /// its name in the spec (`np`, `l`, `ef`) and value. `None` for the indexes without one.
+    pub fn breadth(&self) -> Option<(&'static str, usize)> {
+        match self {
+            Self::Ivf(i) => Some(("np", i.probes)),
+            Self::Saap(s) => Some(("l", s.probes)),
+            Self::Hnsw(h) => Some(("ef", h.ef_search)),
+            _ => None,
+        }
+    }
+
     /// The name of the index kind (`flat`, `ivf`, ...).
     pub fn kind(&self) -> &'static str {
         match self {

@@ -132,3 +132,80 @@ fn bucket_indexes_cover_most_of_concentrated_attention_at_five_percent() -> anyh
     }
     Ok(())
 }
+
+/// A search's breadth override (`SearchParams::breadth`) is the same as building the index
+/// with that breadth in its spec: the partition does not depend on it, so a bench can sweep
+/// lists probed and buckets visited over one built index.
+#[test]
+fn breadth_override_equals_the_spec_built_with_it() -> anyhow::Result<()> {
+    let (seed, mut rng) = seeded();
+    let data = clustered(&mut rng);
+    let head = train_head(
+        &TrainingData {
+            keys: &data.keys,
+            queries: &data.queries,
+            group: GROUP,
+            rope: &data.rope,
+            scale: data.scale,
+        },
+        &TrainOptions {
+            centroids: CLUSTERS,
+            max_samples: 1024,
+            epochs: 2,
+            seed,
+            ..TrainOptions::default()
+        },
+        &mut |_| {},
+    )?;
+    let context = BuildContext {
+        rope: data.rope.clone(),
+        seed,
+        saap: Some(&head),
+    };
+    let build = |spec: &str| -> anyhow::Result<_> {
+        Ok(kvdb_index::build(
+            &spec.parse::<IndexSpec>()?,
+            &context,
+            &data.keys,
+        )?)
+    };
+    for (narrow, wide, breadth) in [
+        ("ivf64,np2,norope,all", "ivf64,np6,norope,all", 6),
+        ("ivf64,np2", "ivf64,np6", 6),
+        ("saap64,l2", "saap64,l6", 6),
+    ] {
+        let (narrow, wide) = (build(narrow)?, build(wide)?);
+        let mut differs = 0;
+        for position in last_quarter(N).into_iter().step_by(16) {
+            let query = GroupQuery {
+                queries: &data.queries[position * GROUP * D..(position + 1) * GROUP * D],
+                position,
+            };
+            // More than the two lists of `narrow` hold (64 keys per cluster), so probing
+            // more lists changes the top-k too.
+            let params = SearchParams::top(200, candidates(position));
+            let own = narrow.select(&query, &params)?;
+            let overridden = narrow.select(
+                &query,
+                &SearchParams {
+                    breadth: Some(breadth),
+                    ..params.clone()
+                },
+            )?;
+            assert_eq!(
+                overridden,
+                wide.select(&query, &params)?,
+                "{} searched at breadth {breadth} differs from {} (seed {seed})",
+                narrow.spec(),
+                wide.spec()
+            );
+            differs += usize::from(overridden != own);
+        }
+        assert!(
+            differs > 0,
+            "{}: the override changed nothing",
+            narrow.spec()
+        );
+    }
+    Ok(())
+}

@@ -100,6 +100,7 @@ fn matches_brute_force_reference() -> TestResult {
             k,
             candidates: start..end,
             estimate: false,
+            breadth: None,
         };
         let found = index.select(
             &GroupQuery {
@@ -143,6 +144,7 @@ fn parallel_path_matches_reference() -> TestResult {
                 k,
                 candidates: candidates.clone(),
                 estimate: false,
+                breadth: None,
             },
         )?;
         let scores = reference_scores(&rope, &keys, &queries, position);
@@ -168,6 +170,7 @@ fn edge_cases() -> TestResult {
         k: 10,
         candidates: 0..u32::MAX,
         estimate: false,
+        breadth: None,
     };
     assert!(
         index.select(&query, &all)?.is_empty(),
@@ -233,6 +236,7 @@ fn add_in_pieces_equals_one_add() -> TestResult {
             k: rng.random_range(1..200),
             candidates: 0..n as u32,
             estimate: false,
+            breadth: None,
         };
         assert_eq!(
             whole.select(&query, &params)?,
@@ -262,6 +266,7 @@ fn ties_and_nan() -> TestResult {
             k: 4,
             candidates: 2..13,
             estimate: false,
+            breadth: None,
         },
     )?;
     assert_eq!(found.ids(), &[2, 3, 4, 5]);
@@ -271,6 +276,7 @@ fn ties_and_nan() -> TestResult {
             k: 12,
             candidates: 0..13,
             estimate: false,
+            breadth: None,
         },
     )?;
     assert_eq!(found.ids(), &(0..12).collect::<Vec<_>>()[..]);
@@ -284,6 +290,7 @@ fn ties_and_nan() -> TestResult {
             k: 2,
             candidates: 0..13,
             estimate: false,
+            breadth: None,
         },
     )?;
     assert_eq!(found.len(), 2);
@@ -309,6 +316,7 @@ fn shape_errors_are_errors() -> TestResult {
         k: 1,
         candidates: 0..3,
         estimate: false,
+        breadth: None,
     };
     let bad = [0.0; 20];
     assert!(matches!(

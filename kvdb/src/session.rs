@@ -54,6 +54,9 @@ pub struct Retrieval {
     /// Bucket indexes (ivf, saap) add an estimate of the attention their unvisited buckets
     /// would have received (RetroInfer's idea); off by default.
     pub estimate: bool,
+    /// Lists probed (ivf), buckets visited (saap) or the graph's candidate list (hnsw) for
+    /// this query, overriding the index's spec (`None`: the spec's own).
+    pub breadth: Option<usize>,
 }
 
 impl AttentionMode {
@@ -64,6 +67,7 @@ impl AttentionMode {
             k: Some(k),
             policy,
             estimate: false,
+            breadth: None,
         })
     }
 }
@@ -545,15 +549,20 @@ impl Corpus {
                         )));
                     }
                 }
-                (Some((k, r.policy, stats)), searchers)
+                let budget = Budget {
+                    k,
+                    breadth: r.breadth,
+                    policy: r.policy,
+                };
+                (Some((budget, stats)), searchers)
             }
             _ => (None, HashMap::new()),
         };
         Ok(Session {
             corpus: self,
             full,
-            k_policy: retrieval.as_ref().map(|(k, p, _)| (*k, *p)),
-            retrieval: retrieval.map(|(_, _, s)| s),
+            budget: retrieval.as_ref().map(|(b, _)| *b),
+            retrieval: retrieval.map(|(_, s)| s),
             searchers,
             bucket_means,
             tails,
@@ -662,12 +671,23 @@ impl Corpus {
     }
 }
 
+/// What each search of a query's retrieval gets.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    /// Keys retrieved (top-k indexes).
+    k: usize,
+    /// The index's breadth override ([`Retrieval::breadth`]).
+    breadth: Option<usize>,
+    /// The dense part, excluded from the candidates.
+    policy: DensePolicy,
+}
+
 /// One query's attention state.
 struct Session<'c> {
     corpus: &'c Corpus,
     full: FullAttention,
     /// Retrieval's budget and dense part (`None`: full attention).
-    k_policy: Option<(usize, DensePolicy)>,
+    budget: Option<Budget>,
     /// What retrieval selected so far.
     retrieval: Option<RetrievalStats>,
     /// Per retrieval layer, one searcher per KV head.
@@ -725,13 +745,13 @@ impl KvSource for SessionSource<'_> {
 impl AttentionBackend for Session<'_> {
     fn attend(&mut self, input: &AttentionInput<'_>) -> kvdb_model::Result<Tensor> {
         let layer = input.layer.index;
-        let Some((k, policy)) = self.k_policy else {
+        let Some(budget) = self.budget else {
             return self.full.attend(input);
         };
         if !self.tails.contains_key(&layer) {
             return self.full.attend(input);
         }
-        self.retrieve(input, k, policy)
+        self.retrieve(input, budget)
             .map_err(|e| kvdb_model::ModelError::Backend {
                 layer,
                 reason: e.to_string(),
@@ -740,12 +760,8 @@ impl AttentionBackend for Session<'_> {
 }
 
 impl Session<'_> {
-    fn retrieve(
-        &mut self,
-        input: &AttentionInput<'_>,
-        k: usize,
-        policy: DensePolicy,
-    ) -> Result<Tensor> {
+    fn retrieve(&mut self, input: &AttentionInput<'_>, budget: Budget) -> Result<Tensor> {
+        let Budget { k, breadth, policy } = budget;
         let layer = input.layer.index;
         let (t, h, d) = input.queries.dims3()?;
         let n_kv = input.keys.dim(1)?;
@@ -793,9 +809,9 @@ impl Session<'_> {
                         };
                         let candidates = policy_at(position).candidates(position);
                         let params = SearchParams {
-                            k,
-                            candidates,
                             estimate,
+                            breadth,
+                            ..SearchParams::top(k, candidates)
                         };
                         Ok(searcher.search(&query, &params)?)
                     })

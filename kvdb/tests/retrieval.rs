@@ -344,6 +344,7 @@ fn every_index_finds_the_needle_at_five_percent() -> Result<()> {
                     window: 64,
                 },
                 estimate: false,
+                breadth: None,
             }),
             generate: kvdb::generate::GenerateOptions {
                 max_tokens: 8,
