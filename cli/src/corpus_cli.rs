@@ -356,10 +356,7 @@ pub(crate) fn corpus(command: CorpusCommand) -> Result<()> {
             let store = Store::open(&store, Access::Read)?;
             let m = store.manifest(&corpus)?;
             let docs = store.documents(&m)?;
-            let row_bytes = (m.model.n_kv_heads * m.model.head_dim * 2 * 2) as u64;
-            let kv_bytes: u64 = (0..m.layers.len())
-                .map(|l| m.stored_range(l, m.tokens).len() as u64 * row_bytes)
-                .sum();
+            let kv_bytes = m.kv_bytes();
             let retrieval = m.retrieval_layers();
             println!("corpus:      {}", m.name);
             println!("model:       {} (sha256 {})", m.model.name, m.model.sha256);

@@ -4,7 +4,8 @@
 //! are concurrent and read through a RAM tier, and bad input is a clear error that writes
 //! nothing.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use kvdb::documents::read_documents;
-use kvdb::ingest::ingest;
+use kvdb::ingest::{ingest, ingest_until, IngestEvent};
 use kvdb::models::{load, LoadedModel};
 use kvdb::session::{AskOptions, AttentionMode, Corpus};
 use kvdb::store::{Access, Kv, Store};
@@ -188,6 +189,50 @@ fn appending_in_steps_stores_exactly_what_one_ingest_stores() -> Result<()> {
     // Sliding layers keep only their window (15 tokens), the global layer every token.
     assert_eq!(m.stored_range(0, m.tokens).len(), 15);
     assert_eq!(m.stored_range(5, m.tokens), 0..m.tokens);
+    Ok(())
+}
+
+/// An ingest stopped by its caller after a commit keeps exactly the committed chunks (an
+/// interrupted document, no half-written chunk), and ingesting the same documents again
+/// finishes it to what one uninterrupted ingest stores.
+#[test]
+fn a_stopped_ingest_keeps_its_commits_and_resumes_exactly() -> Result<()> {
+    let (_model, loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let paths = write_documents(&dir.path().join("docs"), 2, 3000, 5)?;
+    let docs = read_documents(&paths)?;
+    let one = Store::open(dir.path().join("one"), Access::Write)?;
+    ingest(&one, "c", loaded.as_ref(), &docs, &mut |_| {})?;
+
+    let stopped = Store::open(dir.path().join("stopped"), Access::Write)?;
+    let mut commits = 0;
+    let err = ingest_until(&stopped, "c", loaded.as_ref(), &docs, &mut |event| {
+        if matches!(event, IngestEvent::Committed { .. }) {
+            commits += 1;
+        }
+        if commits == 1 {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    })
+    .expect_err("the ingest should stop");
+    assert!(
+        matches!(err, kvdb::Error::Cancelled { tokens: 512, .. }),
+        "{err}"
+    );
+    let m = stopped.manifest("c")?;
+    assert_eq!((m.tokens, m.documents), (512, 0));
+    assert!(m.pending.is_some(), "the first document is interrupted");
+
+    // Stopping at the plan writes nothing more.
+    let err = ingest_until(&stopped, "c", loaded.as_ref(), &docs, &mut |_| {
+        ControlFlow::Break(())
+    })
+    .expect_err("stopped at the plan");
+    assert!(matches!(err, kvdb::Error::Cancelled { tokens: 512, .. }));
+    ingest(&stopped, "c", loaded.as_ref(), &docs, &mut |_| {})?;
+    assert_eq!(dump(&one, "c")?, dump(&stopped, "c")?);
     Ok(())
 }
 
@@ -755,5 +800,85 @@ fn index_commands_build_list_and_query() -> Result<()> {
         !out.status.success() && err.contains("np9") && err.contains("hnsw<M>,ef<E>"),
         "{err}"
     );
+    Ok(())
+}
+
+/// `kvdb serve` holds the store: a CLI writer fails saying the server owns it (with its pid
+/// and address); SIGTERM stops the server cleanly and frees the store for writers again.
+#[test]
+fn a_served_store_refuses_cli_writers_until_sigterm() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let models = dir.path().join("home/models");
+    std::fs::create_dir_all(&models)?;
+    let model = models.join("tiny.gguf");
+    kvdb_tests::TinyModel {
+        context_length: 32768,
+        ..TinyModel::gemma3()
+    }
+    .write(&model)?;
+    let docs = write_documents(&dir.path().join("docs"), 1, 400, 3)?;
+    let store = dir.path().join("s");
+    let mut server = kvdb_cmd()
+        .args([
+            "serve",
+            "--store",
+            path_str(&store),
+            "--addr",
+            "127.0.0.1:0",
+        ])
+        .env("KVDB_HOME", dir.path().join("home"))
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut stderr = BufReader::new(server.stderr.take().expect("piped stderr"));
+    let mut line = String::new();
+    stderr.read_line(&mut line)?;
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    let mut http = std::net::TcpStream::connect(&addr)?;
+    http.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
+    let mut reply = String::new();
+    http.read_to_string(&mut reply)?;
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+
+    let ingest = || {
+        run(&[
+            "ingest",
+            "--store",
+            path_str(&store),
+            "--corpus",
+            "c",
+            "--model",
+            path_str(&model),
+            "--progress",
+            "none",
+            path_str(&docs[0]),
+        ])
+    };
+    let refused = ingest();
+    let message = text(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        message.contains(&format!(
+            "owned by a kvdb server (pid {}, http://{addr})",
+            server.id()
+        )) && message.contains("HTTP API"),
+        "{message}"
+    );
+
+    let term = Command::new("kill")
+        .args(["-TERM", &server.id().to_string()])
+        .status()?;
+    assert!(term.success());
+    let status = server.wait()?;
+    let mut rest = String::new();
+    stderr.read_to_string(&mut rest)?;
+    assert!(status.success(), "{rest}");
+    assert!(rest.contains("server stopped"), "{rest}");
+    let out = ingest();
+    assert!(out.status.success(), "{}", text(&out.stderr));
     Ok(())
 }

@@ -10,8 +10,9 @@ const TEXT: [&str; 4] = ["txt", "md", "markdown", "text"];
 /// Extensions read as HTML.
 const HTML: [&str; 3] = ["html", "htm", "xhtml"];
 
-/// One input document, read and checked.
-#[derive(Debug, Clone)]
+/// One input document, read and checked (serialisable, so that a server can keep an ingest's
+/// documents until it has committed them).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SourceDocument {
     /// Where it came from.
     pub path: PathBuf,
@@ -98,13 +99,28 @@ fn collect_folder(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     Ok(())
 }
 
+/// Whether `path`'s extension is one kvdb reads (.txt, .md, .html and their variants).
+pub fn supported(path: &Path) -> bool {
+    kind(path).is_some()
+}
+
 /// Reads one file: UTF-8 required, HTML reduced to its text, empty text refused.
 pub fn read_document(path: &Path) -> Result<SourceDocument> {
+    let bytes = std::fs::read(path).map_err(|e| Error::Document {
+        path: path.to_path_buf(),
+        reason: format!("cannot read it: {e}"),
+    })?;
+    document_from_bytes(path, &bytes)
+}
+
+/// A document from bytes that did not come from a file (e.g. an upload): `path` names it
+/// (its file name is the title, its extension picks HTML or text). UTF-8 required, HTML
+/// reduced to its text, empty text refused.
+pub fn document_from_bytes(path: &Path, bytes: &[u8]) -> Result<SourceDocument> {
     let bad = |reason: String| Error::Document {
         path: path.to_path_buf(),
         reason,
     };
-    let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
     let decoded = std::str::from_utf8(&bytes).map_err(|e| {
         bad(format!(
             "not UTF-8 text (invalid bytes at offset {}); convert it first, e.g. with iconv",
@@ -126,7 +142,7 @@ pub fn read_document(path: &Path) -> Result<SourceDocument> {
         path: path.to_path_buf(),
         title,
         text,
-        sha256: kvdb_model::fetch::sha256_hex(&bytes),
+        sha256: kvdb_model::fetch::sha256_hex(bytes),
         bytes: bytes.len(),
     })
 }

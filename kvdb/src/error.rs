@@ -21,6 +21,27 @@ pub enum Error {
         /// The store.
         path: PathBuf,
     },
+    /// A long-running owner (a `kvdb serve`) holds the store for writing and said so.
+    #[error(
+        "the store {path} is owned by {owner}: write to it through that server's HTTP API \
+         (or stop the server first); readers such as `kvdb ask` still work"
+    )]
+    StoreOwned {
+        /// The store.
+        path: PathBuf,
+        /// Who owns it, as the owner described itself.
+        owner: String,
+    },
+    /// The caller stopped an ingest or index update at a commit point.
+    #[error(
+        "stopped at a commit point: corpus `{corpus}` keeps what was committed ({tokens} tokens)"
+    )]
+    Cancelled {
+        /// The corpus.
+        corpus: String,
+        /// Its committed tokens when it stopped.
+        tokens: usize,
+    },
     /// The store was written by a different format version of kvdb.
     #[error(
         "the store {path} has format version {found}, this kvdb reads version {expected}: \

@@ -8,6 +8,7 @@
 //! index update) is caught up from the stored keys when it is next updated or loaded.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use kvdb_index::saap::SaapArtifact;
@@ -144,6 +145,27 @@ pub fn update_indexes(
     saap_file: Option<&Path>,
     on_event: &mut dyn FnMut(IndexEvent<'_>),
 ) -> Result<Vec<IndexInfo>> {
+    update_indexes_until(store, name, model, new, saap_file, &mut |event| {
+        on_event(event);
+        ControlFlow::Continue(())
+    })
+}
+
+/// [`update_indexes`] that the caller can stop: `on_event` returning `Break` at a `Started`
+/// or `Part` event stops the update with [`Error::Cancelled`]; the specs committed before it
+/// stay, the one in progress is not written.
+pub fn update_indexes_until(
+    store: &Store,
+    name: &str,
+    model: ModelRef<'_>,
+    new: &[IndexSpec],
+    saap_file: Option<&Path>,
+    on_event: &mut dyn FnMut(IndexEvent<'_>) -> ControlFlow<()>,
+) -> Result<Vec<IndexInfo>> {
+    let stop = |manifest: &CorpusManifest| Error::Cancelled {
+        corpus: manifest.name.clone(),
+        tokens: manifest.tokens,
+    };
     let mut manifest = store.manifest(name)?;
     crate::ingest::check_model(&manifest, model.record)?;
     // A corpus's first ingest names its indexes: the default `flat` gives way to them.
@@ -171,10 +193,14 @@ pub fn update_indexes(
     let heads = manifest.model.n_kv_heads;
     for (number, text) in manifest.indexes.clone().iter().enumerate() {
         let spec: IndexSpec = text.parse()?;
-        on_event(IndexEvent::Started {
+        if on_event(IndexEvent::Started {
             spec: text,
             parts: layers.len() * heads,
-        });
+        })
+        .is_break()
+        {
+            return Err(stop(&manifest));
+        }
         let artifact = match &spec {
             IndexSpec::Saap(s) => Some(saap_artifact(saap_file, &manifest, s.centroids)),
             _ => None,
@@ -214,18 +240,23 @@ pub fn update_indexes(
                         None => kvdb_index::build(&spec, &context, &keys)?,
                     };
                     for warning in &index.build_stats().warnings {
-                        on_event(IndexEvent::Warning {
+                        // Warnings come mid-build; the `Part` that follows is where to stop.
+                        let _ = on_event(IndexEvent::Warning {
                             spec: text,
                             message: format!("layer {layer} KV head {head}: {warning}"),
                         });
                     }
                     batch.put_index(key, &kvdb_index::save(index.as_ref())?)?;
                 }
-                on_event(IndexEvent::Part {
+                if on_event(IndexEvent::Part {
                     spec: text,
                     layer,
                     head,
-                });
+                })
+                .is_break()
+                {
+                    return Err(stop(&manifest));
+                }
             }
         }
         batch.put_manifest(&manifest)?;

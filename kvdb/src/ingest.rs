@@ -9,6 +9,7 @@
 //! loses at most the chunk in flight.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
@@ -151,6 +152,23 @@ pub fn ingest(
     documents: &[SourceDocument],
     on_event: &mut dyn FnMut(IngestEvent<'_>),
 ) -> Result<IngestReport> {
+    ingest_until(store, name, model, documents, &mut |event| {
+        on_event(event);
+        ControlFlow::Continue(())
+    })
+}
+
+/// [`ingest`] that the caller can stop: every event but `Skipped` comes at a commit point
+/// (before any write, before a document, after a chunk's commit), and `on_event` returning
+/// `Break` there stops the ingest with [`Error::Cancelled`], keeping what was committed (an
+/// interrupted document resumes when the same documents are ingested again).
+pub fn ingest_until(
+    store: &Store,
+    name: &str,
+    model: ModelRef<'_>,
+    documents: &[SourceDocument],
+    on_event: &mut dyn FnMut(IngestEvent<'_>) -> ControlFlow<()>,
+) -> Result<IngestReport> {
     validate_corpus_name(name)?;
     let config = model.model.config();
     let mut manifest = match store.manifest(name) {
@@ -194,7 +212,8 @@ pub fn ingest(
     for doc in documents {
         if let Some(reason) = known.get(doc.sha256.as_str()) {
             report.skipped.push((doc.title.clone(), reason.clone()));
-            on_event(IngestEvent::Skipped {
+            // Planning writes nothing, so a stop here is as good as one at the plan.
+            let _ = on_event(IngestEvent::Skipped {
                 title: &doc.title,
                 reason: reason.clone(),
             });
@@ -240,10 +259,18 @@ pub fn ingest(
         planned.push((*doc, start, tokens));
         start = end;
     }
-    on_event(IngestEvent::Planned {
+    let stop = |manifest: &CorpusManifest| Error::Cancelled {
+        corpus: manifest.name.clone(),
+        tokens: manifest.tokens,
+    };
+    if on_event(IngestEvent::Planned {
         documents: planned.len(),
         tokens: to_prefill,
-    });
+    })
+    .is_break()
+    {
+        return Err(stop(&manifest));
+    }
     if planned.is_empty() {
         report.corpus_tokens = manifest.tokens;
         return Ok(report);
@@ -265,11 +292,15 @@ pub fn ingest(
             }
             _ => 0,
         };
-        on_event(IngestEvent::Started {
+        if on_event(IngestEvent::Started {
             title: &doc.title,
             tokens: tokens.len(),
             resumed_at,
-        });
+        })
+        .is_break()
+        {
+            return Err(stop(writer.manifest));
+        }
         let mut done = resumed_at;
         while done < tokens.len() {
             let chunk = &tokens[done..(done + INGEST_CHUNK).min(tokens.len())];
@@ -285,13 +316,17 @@ pub fn ingest(
             writer.append(chunk, &record, complete)?;
             done += chunk.len();
             report.tokens += chunk.len();
-            on_event(IngestEvent::Committed {
+            if on_event(IngestEvent::Committed {
                 title: &doc.title,
                 done,
                 total: tokens.len(),
                 corpus_tokens: writer.manifest.tokens,
                 chunk: chunk.len(),
-            });
+            })
+            .is_break()
+            {
+                return Err(stop(writer.manifest));
+            }
         }
         report.added.push(doc.title.clone());
     }

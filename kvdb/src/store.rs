@@ -129,6 +129,14 @@ impl CorpusManifest {
             .collect()
     }
 
+    /// Bytes of the stored keys and values (f16), over every layer and KV head.
+    pub fn kv_bytes(&self) -> u64 {
+        let row_bytes = (self.model.n_kv_heads * self.model.head_dim * 2 * 2) as u64;
+        (0..self.layers.len())
+            .map(|l| self.stored_range(l, self.tokens).len() as u64 * row_bytes)
+            .sum()
+    }
+
     /// The tokens of layer `layer` that are stored when the corpus holds `tokens` tokens.
     pub fn stored_range(&self, layer: usize, tokens: usize) -> Range<usize> {
         match self.layers.get(layer) {
@@ -261,12 +269,26 @@ pub enum Access {
     Read,
 }
 
+/// The note a long-running writer leaves in the store's folder (RocksDB ignores files it did
+/// not name), so that other writers can say who holds the lock.
+const OWNER_FILE: &str = "kvdb-owner";
+
 /// One RocksDB database holding any number of corpora.
 pub struct Store {
     db: DB,
     path: PathBuf,
     /// Holds a secondary instance's own files while it is open.
-    _secondary: Option<tempfile::TempDir>,
+    secondary: Option<tempfile::TempDir>,
+    /// Whether this handle wrote the owner note (removed again on drop).
+    owner_note: bool,
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if self.owner_note {
+            let _ = std::fs::remove_file(self.path.join(OWNER_FILE));
+        }
+    }
 }
 
 impl std::fmt::Debug for Store {
@@ -298,12 +320,19 @@ impl Store {
         let (db, secondary) = match access {
             Access::Write => {
                 let db = DB::open_cf_descriptors(&opts, &path, families).map_err(|e| {
-                    if e.to_string().contains("lock") {
-                        Error::StoreBusy { path: path.clone() }
-                    } else {
-                        Error::Rocks(e)
+                    if !e.to_string().contains("lock") {
+                        return Error::Rocks(e);
+                    }
+                    match std::fs::read_to_string(path.join(OWNER_FILE)) {
+                        Ok(owner) if !owner.trim().is_empty() => Error::StoreOwned {
+                            path: path.clone(),
+                            owner: owner.trim().to_string(),
+                        },
+                        _ => Error::StoreBusy { path: path.clone() },
                     }
                 })?;
+                // We hold the lock, so a note left by an owner that died is stale.
+                let _ = std::fs::remove_file(path.join(OWNER_FILE));
                 (db, None)
             }
             Access::Read => {
@@ -327,7 +356,8 @@ impl Store {
         let store = Self {
             db,
             path,
-            _secondary: secondary,
+            secondary,
+            owner_note: false,
         };
         match store.record()? {
             Some(r) if r.format_version != FORMAT_VERSION => Err(Error::FormatVersion {
@@ -343,13 +373,32 @@ impl Store {
                 })?;
                 Ok(store)
             }
-            None => Err(Error::StoreMissing { path: store.path }),
+            None => Err(Error::StoreMissing {
+                path: store.path.clone(),
+            }),
         }
     }
 
     /// Where the store lives.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Says who holds this writer (e.g. "a kvdb server (pid 7, http://127.0.0.1:8080)"), so
+    /// that another writer's [`Error::StoreOwned`] names it; the note goes when the store is
+    /// dropped.
+    pub fn claim(&mut self, owner: &str) -> Result<()> {
+        if self.secondary.is_some() {
+            return Err(Error::Query(
+                "a store opened to read cannot be claimed".into(),
+            ));
+        }
+        std::fs::write(self.path.join(OWNER_FILE), owner).map_err(|source| Error::Io {
+            context: format!("writing {}", self.path.join(OWNER_FILE).display()),
+            source,
+        })?;
+        self.owner_note = true;
+        Ok(())
     }
 
     fn cf(&self, name: &str) -> Result<&rocksdb::ColumnFamily> {
