@@ -3,6 +3,7 @@
 mod bench_cli;
 mod corpus_cli;
 mod index_cli;
+mod serve_cli;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -54,6 +55,9 @@ enum Command {
     /// Compare index types on a real KV cache against full attention: retrieval quality on
     /// the model's own queries, cost, end-to-end accuracy and needles, as a report with plots.
     Bench(bench_cli::BenchArgs),
+    /// Serve the HTTP API on a store: corpora, background ingest, streamed questions with
+    /// provenance, OpenAI-compatible completions and a web page, until SIGTERM.
+    Serve(serve_cli::ServeArgs),
 }
 
 #[derive(Subcommand)]
@@ -160,6 +164,7 @@ fn main() -> Result<()> {
         Command::Index { command } => index_cli::index(command)?,
         Command::Saap { command } => index_cli::saap(command)?,
         Command::Bench(args) => bench_cli::bench(args)?,
+        Command::Serve(args) => serve_cli::serve(args)?,
     }
     Ok(())
 }

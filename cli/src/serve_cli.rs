@@ -1,0 +1,97 @@
+//! `kvdb serve`: the HTTP API (kvdb-server) on a store until SIGTERM or Ctrl-C.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use kvdb::ram_tier::parse_bytes;
+use kvdb_server::Config;
+
+#[derive(clap::Args)]
+pub(crate) struct ServeArgs {
+    /// The store's folder (created when absent). The server holds it for writing: other
+    /// writers fail until it stops, readers (`kvdb ask`) still work.
+    #[arg(long)]
+    store: PathBuf,
+    /// Address to listen on (port 0: any free port, printed on start).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    addr: String,
+    /// Bearer token that write endpoints need (also read from KVDB_TOKEN).
+    #[arg(long, env = "KVDB_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Require the token on every endpoint but /health.
+    #[arg(long, requires = "token")]
+    token_all: bool,
+    /// Generations running at once (default: one per CPU core).
+    #[arg(long)]
+    max_concurrent: Option<usize>,
+    /// Queries waiting for a worker before the server answers 429.
+    #[arg(long, default_value_t = 16)]
+    max_queue: usize,
+    /// Largest `max_tokens` a request may ask for.
+    #[arg(long, default_value_t = 1024)]
+    max_tokens: usize,
+    /// Bytes of keys and values each open corpus holds in memory (e.g. 512M, 2G).
+    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    ram_budget: usize,
+}
+
+pub(crate) fn serve(args: ServeArgs) -> Result<()> {
+    let mut config = Config::new(args.store.clone(), kvdb_model::fetch::models_dir()?);
+    config.token = args.token;
+    config.token_all = args.token_all;
+    if let Some(n) = args.max_concurrent {
+        anyhow::ensure!(n > 0, "--max-concurrent must be at least 1");
+        config.max_concurrent = n;
+    }
+    config.max_queue = args.max_queue;
+    config.max_tokens = args.max_tokens;
+    config.ram_budget = args.ram_budget;
+    // The server logs what it does not tell clients (internal errors, job events).
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+        .with_target(false)
+        .init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&args.addr)
+            .await
+            .with_context(|| format!("listening on {}", args.addr))?;
+        let addr = listener.local_addr()?;
+        eprintln!(
+            "kvdb: serving {} on http://{addr} (models from {})",
+            args.store.display(),
+            config.models_dir.display()
+        );
+        kvdb_server::serve(config, listener, shutdown_signal()).await?;
+        eprintln!("kvdb: server stopped");
+        Ok(())
+    })
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+    eprintln!("kvdb: shutting down: finishing requests, stopping jobs at a commit point");
+}
