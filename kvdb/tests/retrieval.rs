@@ -303,7 +303,10 @@ fn every_index_finds_the_needle_at_five_percent() -> Result<()> {
         "ivf64,np40",
         "hnsw16,ef128",
         "lsh:L=64,K=4,min=3",
-        "ivf128,np4,norope,all",
+        // The k-means baseline at a finer partition: ivf128,np4 (4.1%) answered " 2099301"
+        // on one machine and the needle on another (faiss k-means over a different BLAS
+        // kernel); ivf256,np8 (3.9%) found it on both that were tried.
+        "ivf256,np8,norope,all",
         "saap128,l4",
         "hip:k256,bq1,bk1",
         "ihip:lc=64/16/4,k=1024/256/64,refresh=16/8/4",
