@@ -436,8 +436,8 @@ fn write_job(dir: &Path, job: &Job) -> ApiResult<()> {
 /// Runs queued jobs one at a time until the server stops (blocking: a thread of its own).
 pub(crate) fn worker(state: Arc<AppState>) {
     while let Some((id, work, cancel)) = state.jobs.next() {
-        let corpus = match state.jobs.get(&id) {
-            Ok(job) => job.corpus,
+        let (corpus, kind) = match state.jobs.get(&id) {
+            Ok(job) => (job.corpus, job.kind),
             Err(_) => continue,
         };
         let result = run(&state, &id, &corpus, work, &cancel);
@@ -445,10 +445,6 @@ pub(crate) fn worker(state: Arc<AppState>) {
         state.metrics.ingest_planned.set(0);
         state.metrics.ingest_done.set(0);
         let shutdown = state.stopping.load(Ordering::SeqCst);
-        let kind = match state.jobs.get(&id) {
-            Ok(j) => j.kind,
-            Err(_) => continue,
-        };
         state.jobs.end(&id, result, shutdown);
         if let Ok(job) = state.jobs.get(&id) {
             if job.status.finished() {
