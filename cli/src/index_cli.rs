@@ -8,13 +8,12 @@ use anyhow::{Context, Result};
 use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
 use kvdb::documents::read_documents;
 use kvdb::indexes::{list_indexes, saap_registry_path, update_indexes, IndexEvent, IndexInfo};
-use kvdb::ingest::{layer_policy, ModelRef, DOCUMENT_SEPARATOR};
-use kvdb::store::{Access, Store, StoredLayer};
-use kvdb_index::saap::{train_head, Epoch, SaapArtifact, TrainOptions, TrainingData};
+use kvdb::ingest::{ModelRef, DOCUMENT_SEPARATOR};
+use kvdb::saap_training::{train_artifact, SaapTraining, TrainEvent};
+use kvdb::store::{Access, Store};
+use kvdb_index::saap::{SaapArtifact, TrainOptions};
 use kvdb_index::IndexSpec;
-use kvdb_model::{
-    AttentionBackend, AttentionInput, EncodeOptions, FullAttention, LoadOptions, Logits,
-};
+use kvdb_model::LoadOptions;
 
 use crate::corpus_cli::{CorpusRef, ProgressMode};
 
@@ -68,9 +67,15 @@ pub(crate) struct SaapTrainArgs {
     /// Buckets per layer and KV head.
     #[arg(long, default_value_t = TrainOptions::default().centroids)]
     centroids: usize,
-    /// Tokens of the text to train on (at most).
-    #[arg(long, default_value_t = 16_384)]
+    /// Tokens to prefill (at most; the model's context caps it): the text with its drills.
+    #[arg(long, default_value_t = SaapTraining::default().tokens)]
     tokens: usize,
+    /// Retrieval drills planted in the text: made-up facts asked for and answered again
+    /// 1,536+ tokens later, so the classifiers see the long-range lookups that questions over
+    /// a corpus make (prose has few). The text is cut at a paragraph break to leave them
+    /// room. Measured with 500 drills in 32,768 tokens at 128 buckets (docs/benchmarks.md).
+    #[arg(long, default_value_t = SaapTraining::default().drills)]
+    drills: usize,
     /// Passes over the training queries.
     #[arg(long, default_value_t = TrainOptions::default().epochs)]
     epochs: usize,
@@ -197,120 +202,75 @@ fn print_infos(infos: &[IndexInfo]) {
     }
 }
 
-/// One retrieval layer's captured keys and queries, per KV head.
-struct Captured {
-    layer: usize,
-    scale: f32,
-    keys: Vec<Vec<f32>>,
-    queries: Vec<Vec<f32>>,
-}
-
 pub(crate) fn saap(command: SaapCommand) -> Result<()> {
     let SaapCommand::Train(args) = command;
     let documents = read_documents(&args.text)?;
     let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
-    let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
-    let config = model.config().clone();
     let text: String = documents
         .iter()
         .map(|d| format!("{}{DOCUMENT_SEPARATOR}", d.text))
         .collect();
-    let mut ids = tokenizer.encode(&text, EncodeOptions::default())?;
-    ids.truncate(args.tokens.min(config.context_length));
-    let (heads, group) = (config.n_kv_heads, config.n_heads / config.n_kv_heads);
-    let policy = layer_policy(&config);
-    let mut captured: Vec<Captured> = (0..config.n_layers())
-        .filter(|&l| policy[l] == StoredLayer::All)
-        .map(|layer| Captured {
-            layer,
-            scale: 0.0,
-            keys: vec![Vec::new(); heads],
-            queries: vec![Vec::new(); heads],
-        })
-        .collect();
-    anyhow::ensure!(!captured.is_empty(), "the model has no retrieval layers");
-
-    eprintln!("kvdb: prefilling {} tokens of training text", ids.len());
-    let bar = ProgressBar::new(ids.len() as u64);
+    let training = SaapTraining {
+        options: TrainOptions {
+            centroids: args.centroids,
+            max_samples: args.max_samples,
+            epochs: args.epochs,
+            seed: args.seed,
+            prior: !args.no_prior,
+            ..TrainOptions::default()
+        },
+        tokens: args.tokens,
+        drills: args.drills,
+    };
+    let bar = ProgressBar::new(0);
     bar.set_style(ProgressStyle::with_template(
         "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} tokens, {per_sec}, ETA {eta}",
     )?);
-    let mut full = FullAttention::new(&config);
-    let mut record = |input: &AttentionInput<'_>| -> kvdb_model::Result<candle_core::Tensor> {
-        if let Some(c) = captured.iter_mut().find(|c| c.layer == input.layer.index) {
-            c.scale = input.scale;
-            for head in 0..heads {
-                let k = input
-                    .keys
-                    .narrow(1, head, 1)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
-                let q = input
-                    .queries
-                    .narrow(1, head * group, group)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
-                c.keys[head].extend(k);
-                c.queries[head].extend(q);
-            }
-        }
-        full.attend(input)
-    };
-    for (i, chunk) in ids.chunks(512).enumerate() {
-        model.forward(
-            chunk,
-            i * 512,
-            &mut record as &mut dyn AttentionBackend,
-            &Logits::None,
-        )?;
-        bar.inc(chunk.len() as u64);
-    }
-    bar.finish_and_clear();
-
-    let options = TrainOptions {
-        centroids: args.centroids,
-        max_samples: args.max_samples,
-        epochs: args.epochs,
-        seed: args.seed,
-        prior: !args.no_prior,
-        ..TrainOptions::default()
-    };
-    let mut artifact =
-        SaapArtifact::new(&loaded.record.sha256, args.centroids, args.seed, ids.len());
-    let bar = ProgressBar::new((captured.len() * heads * options.epochs) as u64);
-    bar.set_style(ProgressStyle::with_template(
+    let epochs_style = ProgressStyle::with_template(
         "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} epochs, ETA {eta} {msg}",
-    )?);
+    )?;
     let started = Instant::now();
-    for c in &captured {
-        let rope = model.rope(c.layer).context("no rope")?;
-        let mut trained = Vec::with_capacity(heads);
-        for head in 0..heads {
-            bar.set_message(format!(
-                "layer {} KV head {head}: k-means, targets",
-                c.layer
-            ));
-            let mut losses = Vec::new();
-            let data = TrainingData {
-                keys: &c.keys[head],
-                queries: &c.queries[head],
-                group,
-                rope,
-                scale: c.scale,
-            };
-            let trained_head = train_head(&data, &options, &mut |epoch: Epoch| {
-                bar.set_message(format!(
-                    "layer {} KV head {head}: KL {:.4} (validation {:.4})",
-                    c.layer, epoch.train, epoch.validation
-                ));
-                bar.inc(1);
-                losses.push(epoch);
-            })?;
-            artifact.losses.push((c.layer, head, losses));
-            trained.push(trained_head);
+    let mut epochs_total = 0;
+    let mut prefilled = false;
+    let artifact = train_artifact(&loaded, &text, &training, &mut |event| match event {
+        TrainEvent::Text {
+            tokens,
+            drills,
+            heads,
+        } => {
+            bar.suspend(|| {
+                eprintln!(
+                    "kvdb: prefilling {tokens} tokens of training text ({drills} retrieval \
+                     drills planted)"
+                )
+            });
+            bar.set_length(tokens as u64);
+            epochs_total = heads * training.options.epochs;
         }
-        artifact.layers.push((c.layer, trained));
-    }
+        TrainEvent::Prefilled(done) => bar.set_position(done as u64),
+        TrainEvent::Head { layer, kv_head } => {
+            if !prefilled {
+                prefilled = true;
+                // The prefill is over: the same bar counts the classifiers' epochs.
+                bar.set_style(epochs_style.clone());
+                bar.set_length(epochs_total as u64);
+                bar.set_position(0);
+                bar.reset_eta();
+            }
+            bar.set_message(format!("layer {layer} KV head {kv_head}: k-means, targets"));
+        }
+        TrainEvent::Epoch {
+            layer,
+            kv_head,
+            epoch,
+        } => {
+            bar.set_message(format!(
+                "layer {layer} KV head {kv_head}: KL {:.4} (validation {:.4})",
+                epoch.train, epoch.validation
+            ));
+            bar.inc(1);
+        }
+    })?;
     bar.finish_and_clear();
     artifact
         .write(&args.out)

@@ -10,6 +10,7 @@
 //!   (sinks and recent tokens), reading keys and values through the [`ram_tier`]; the answer
 //!   comes with provenance.
 //! - [`generate`] is the decoding loop both plain generation and queries share.
+//! - [`saap_training`] trains the SAAP artifact a model's `saap` indexes route with.
 //!
 //! Keys and values are `[tokens, head_dim]` rows per layer and KV head, pre-RoPE keys, f16 in
 //! the store and f32 in memory.
@@ -24,6 +25,7 @@ pub mod indexes;
 pub mod ingest;
 pub mod models;
 pub mod ram_tier;
+pub mod saap_training;
 pub mod session;
 pub mod store;
 

@@ -1,0 +1,94 @@
+//! `train_artifact` end to end on a tiny random-weight gemma3 (one global layer, two KV
+//! heads): drills planted within the token budget, every retrieval head trained, progress
+//! reported in order, and a clear error when the drills leave no room for the text.
+
+use anyhow::Result;
+use kvdb::models::{load, LoadedModel};
+use kvdb::saap_training::{train_artifact, SaapTraining, TrainEvent};
+use kvdb_index::saap::TrainOptions;
+use kvdb_model::LoadOptions;
+use kvdb_tests::{gpl_text, TinyFile, TinyModel};
+
+fn training(tokens: usize, drills: usize) -> SaapTraining {
+    SaapTraining {
+        options: TrainOptions {
+            centroids: 8,
+            epochs: 2,
+            max_samples: 512,
+            seed: 5,
+            ..TrainOptions::default()
+        },
+        tokens,
+        drills,
+    }
+}
+
+/// The tiny gemma3 with a context long enough for drills, loaded (keep the file alive).
+fn tiny_gemma3() -> Result<(TinyFile, LoadedModel)> {
+    let file = TinyModel {
+        context_length: 8192,
+        ..TinyModel::gemma3()
+    }
+    .write_temp()?;
+    let model = load(Some(file.path()), &LoadOptions::default())?;
+    Ok((file, model))
+}
+
+#[test]
+fn trains_every_retrieval_head_on_the_drilled_text_within_the_budget() -> Result<()> {
+    let (_file, model) = tiny_gemma3()?;
+    let mut events = Vec::new();
+    let artifact = train_artifact(&model, &gpl_text()?, &training(6000, 12), &mut |e| {
+        events.push(e)
+    })?;
+
+    // The text is cut to leave the drills room: the budget is filled, not overrun.
+    let Some(&TrainEvent::Text {
+        tokens,
+        drills,
+        heads,
+    }) = events.first()
+    else {
+        panic!("the first event names the text: {:?}", events.first());
+    };
+    assert!((5000..=6000).contains(&tokens), "{tokens} tokens");
+    assert_eq!((drills, heads), (12, 2));
+    assert_eq!(artifact.tokens, tokens);
+    let prefilled: Vec<usize> = events
+        .iter()
+        .filter_map(|e| match e {
+            TrainEvent::Prefilled(n) => Some(*n),
+            _ => None,
+        })
+        .collect();
+    assert!(prefilled.windows(2).all(|w| w[0] < w[1]), "{prefilled:?}");
+    assert_eq!(prefilled.last(), Some(&tokens));
+    let epochs = events
+        .iter()
+        .filter(|e| matches!(e, TrainEvent::Epoch { .. }))
+        .count();
+    assert_eq!(epochs, 2 * 2, "two epochs for each of the two heads");
+
+    // The global layer (the sixth) and both its KV heads, 8 buckets each, with loss curves.
+    assert_eq!(artifact.layers.len(), 1);
+    let (layer, heads) = &artifact.layers[0];
+    assert_eq!(*layer, 5);
+    assert_eq!(heads.len(), 2);
+    assert!(heads.iter().all(|h| h.buckets() == 8 && h.head_dim == 32));
+    assert_eq!(artifact.losses.len(), 2);
+    assert!(artifact.losses.iter().all(|(_, _, l)| l.len() == 2));
+    Ok(())
+}
+
+#[test]
+fn drills_that_leave_no_room_for_the_text_are_an_error() -> Result<()> {
+    let (_file, model) = tiny_gemma3()?;
+    let error = train_artifact(&model, &gpl_text()?, &training(4000, 60), &mut |_| {})
+        .expect_err("60 drills in 4000 tokens");
+    let message = error.to_string();
+    assert!(
+        message.contains("60 drills take about") && message.contains("plant fewer drills"),
+        "{message}"
+    );
+    Ok(())
+}
