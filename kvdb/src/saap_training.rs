@@ -134,26 +134,72 @@ pub fn plant_drills(
 }
 
 /// The longest prefix of `text` ending at a paragraph break (or the whole text) that
-/// encodes to at most `tokens` tokens.
-fn fitting_prefix<'t>(model: &LoadedModel, text: &'t str, tokens: usize) -> Result<&'t str> {
+/// encodes to at most `tokens` tokens, and its token count.
+fn fitting_prefix<'t>(
+    model: &LoadedModel,
+    text: &'t str,
+    tokens: usize,
+) -> Result<(&'t str, usize)> {
     let count = |s: &str| -> Result<usize> {
         Ok(model.tokenizer.encode(s, EncodeOptions::default())?.len())
     };
-    if count(text)? <= tokens {
-        return Ok(text);
+    let whole = count(text)?;
+    if whole <= tokens {
+        return Ok((text, whole));
     }
     let breaks: Vec<usize> = text.match_indices("\n\n").map(|(i, _)| i).collect();
     // Binary search for the last break whose prefix fits (prefix lengths grow with it).
-    let (mut lo, mut hi) = (0, breaks.len());
+    let (mut lo, mut hi, mut fits) = (0, breaks.len(), 0);
     while lo < hi {
         let mid = (lo + hi) / 2;
-        if count(&text[..breaks[mid]])? <= tokens {
-            lo = mid + 1;
+        let n = count(&text[..breaks[mid]])?;
+        if n <= tokens {
+            (lo, fits) = (mid + 1, n);
         } else {
             hi = mid;
         }
     }
-    Ok(lo.checked_sub(1).map_or("", |i| &text[..breaks[i]]))
+    Ok(lo
+        .checked_sub(1)
+        .map_or(("", 0), |i| (&text[..breaks[i]], fits)))
+}
+
+/// The token ids to prefill: `text` as it is, or, with `drills`, cut at a paragraph break to
+/// leave them room and with them planted; at most `budget` either way.
+fn training_ids(
+    model: &LoadedModel,
+    text: &str,
+    drills: &[(String, String)],
+    budget: usize,
+    seed: u64,
+) -> Result<Vec<u32>> {
+    let encode = |s: &str| model.tokenizer.encode(s, EncodeOptions::default());
+    if drills.is_empty() {
+        let mut ids = encode(text)?;
+        ids.truncate(budget);
+        return Ok(ids);
+    }
+    // Each drill costs its two sentences and their paragraph breaks.
+    let mut drill_tokens = 0;
+    for (fact, question) in drills {
+        drill_tokens += encode(fact)?.len() + encode(question)?.len() + 2;
+    }
+    let room = budget.saturating_sub(drill_tokens);
+    if room < 2 * DRILL_GAP_TOKENS {
+        return Err(Error::Query(format!(
+            "{} drills take about {drill_tokens} of the {budget} training tokens, leaving too \
+             few for the text: plant fewer drills or train on more tokens",
+            drills.len()
+        )));
+    }
+    // The text is cut (at a paragraph break) to leave room for the drills, so none is lost.
+    let (text, plain) = fitting_prefix(model, text, room)?;
+    let chars_per_token = text.len() as f64 / plain.max(1) as f64;
+    let gap_chars = (DRILL_GAP_TOKENS as f64 * chars_per_token).ceil() as usize;
+    let mut ids = encode(&plant_drills(text, drills, gap_chars, seed))?;
+    // Sentences tokenize a little differently in context: the estimate can be off by a few.
+    ids.truncate(budget);
+    Ok(ids)
 }
 
 /// What to train on and how.
@@ -240,30 +286,8 @@ pub fn train_artifact(
 ) -> Result<SaapArtifact> {
     let config = model.model.config().clone();
     let budget = training.tokens.min(config.context_length);
-    let encode = |s: &str| model.tokenizer.encode(s, EncodeOptions::default());
     let drills = drills(training.drills, training.options.seed);
-    // Each drill costs its two sentences and their paragraph breaks.
-    let mut drill_tokens = 0;
-    for (fact, question) in &drills {
-        drill_tokens += encode(fact)?.len() + encode(question)?.len() + 2;
-    }
-    let room = budget.saturating_sub(drill_tokens);
-    if !drills.is_empty() && room < 2 * DRILL_GAP_TOKENS {
-        return Err(Error::Query(format!(
-            "{} drills take about {drill_tokens} of the {budget} training tokens, leaving too \
-             few for the text: plant fewer drills or train on more tokens",
-            drills.len()
-        )));
-    }
-    // The text is cut (at a paragraph break) to leave room for the drills, so none is lost.
-    let text = fitting_prefix(model, text, room)?;
-    let plain = encode(text)?.len();
-    let chars_per_token = text.len() as f64 / plain.max(1) as f64;
-    let gap_chars = (DRILL_GAP_TOKENS as f64 * chars_per_token).ceil() as usize;
-    let drilled = plant_drills(text, &drills, gap_chars, training.options.seed);
-    let mut ids = encode(&drilled)?;
-    // Sentences tokenize a little differently in context: the estimate can be off by a few.
-    ids.truncate(budget);
+    let ids = training_ids(model, text, &drills, budget, training.options.seed)?;
 
     let (heads, group) = (config.n_kv_heads, config.n_heads / config.n_kv_heads);
     let policy = layer_policy(&config);
@@ -405,7 +429,6 @@ mod tests {
         let text = paragraphs(3);
         let drills = drills(5, 1);
         let planted = plant_drills(&text, &drills, 10_000, 1);
-        assert!(planted.starts_with("Paragraph 0") || planted.starts_with("\n\n"));
         let tail = &planted[planted.rfind("Paragraph 2").expect("last paragraph")..];
         for (fact, question) in &drills {
             assert!(planted.contains(fact.as_str()), "{fact}");
