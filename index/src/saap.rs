@@ -22,9 +22,11 @@
 //! prior keeps the geometry in the score.
 //!
 //! At search time every query head of a GQA group runs the classifier on its de-roped query,
-//! the heads' softmax outputs are summed, and the top-ℓ buckets are visited; every key in a
-//! visited bucket (inside the candidates) is attended. The batch norm is folded into the
-//! first layer after training, so inference is two matrix-vector products in plain f32.
+//! the heads' softmax outputs are summed, and the top ℓ of the buckets that hold candidates
+//! are visited (a partition trained on other text leaves many buckets empty in a given
+//! corpus: they cost no visit); every key in a visited bucket (inside the candidates) is
+//! attended. The batch norm is folded into the first layer after training, so inference is
+//! two matrix-vector products in plain f32.
 //!
 //! A [`SaapArtifact`] (one per model, written by `kvdb saap train`) holds the heads of every
 //! retrieval layer; a [`SaapIndex`] assigns a corpus's keys to its head's centroids and keeps a
@@ -635,7 +637,18 @@ impl StatelessSearch for SaapIndex {
                 *s += p;
             }
         }
-        let visited = top_indices(&summed, params.breadth_or(self.spec.probes));
+        // A bucket holding none of the eligible keys (k-means trained on other text leaves
+        // many empty in a given corpus) would spend one of the ℓ visits on nothing.
+        let visited: Vec<u32> = top_indices(&summed, c)
+            .into_iter()
+            .filter(|&b| {
+                // Ids are ascending: the first at or past the range's start decides.
+                let ids = &self.buckets[b as usize];
+                ids.get(ids.partition_point(|&id| id < eligible.start))
+                    .is_some_and(|id| eligible.contains(id))
+            })
+            .take(params.breadth_or(self.spec.probes))
+            .collect();
         let ids: Vec<u32> = visited
             .iter()
             .flat_map(|&b| &self.buckets[b as usize])

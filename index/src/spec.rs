@@ -63,7 +63,8 @@ pub struct LshSpec {
 pub struct SaapSpec {
     /// Buckets (k-means centroids on de-roped keys).
     pub centroids: usize,
-    /// Buckets visited per search (the top ℓ of the summed classifier outputs).
+    /// Buckets visited per search (the top ℓ of the summed classifier outputs, among those
+    /// that hold candidate keys).
     pub probes: usize,
 }
 

@@ -7,9 +7,11 @@
 
 mod support;
 
+use std::collections::HashSet;
+
 use support::{candidates, last_quarter, mass_recall};
 
-use kvdb_index::saap::{train_head, TrainOptions, TrainingData};
+use kvdb_index::saap::{train_head, SaapHead, TrainOptions, TrainingData};
 use kvdb_index::{BuildContext, GroupQuery, IndexSpec, SearchParams};
 use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
 use kvdb_tests::{attention_weights, random_vec, seeded};
@@ -136,11 +138,9 @@ fn bucket_indexes_cover_most_of_concentrated_attention_at_five_percent() -> anyh
 /// A search's breadth override (`SearchParams::breadth`) is the same as building the index
 /// with that breadth in its spec: the partition does not depend on it, so a bench can sweep
 /// lists probed and buckets visited over one built index.
-#[test]
-fn breadth_override_equals_the_spec_built_with_it() -> anyhow::Result<()> {
-    let (seed, mut rng) = seeded();
-    let data = clustered(&mut rng);
-    let head = train_head(
+/// A SAAP head trained briefly on all of `data` (enough for tests of what a search visits).
+fn quick_head(data: &Clustered, seed: u64) -> anyhow::Result<SaapHead> {
+    Ok(train_head(
         &TrainingData {
             keys: &data.keys,
             queries: &data.queries,
@@ -156,7 +156,14 @@ fn breadth_override_equals_the_spec_built_with_it() -> anyhow::Result<()> {
             ..TrainOptions::default()
         },
         &mut |_| {},
-    )?;
+    )?)
+}
+
+#[test]
+fn breadth_override_equals_the_spec_built_with_it() -> anyhow::Result<()> {
+    let (seed, mut rng) = seeded();
+    let data = clustered(&mut rng);
+    let head = quick_head(&data, seed)?;
     let context = BuildContext {
         rope: data.rope.clone(),
         seed,
@@ -206,6 +213,54 @@ fn breadth_override_equals_the_spec_built_with_it() -> anyhow::Result<()> {
             "{}: the override changed nothing",
             narrow.spec()
         );
+    }
+    Ok(())
+}
+
+/// SAAP's ℓ visits go to buckets that hold eligible keys: a bucket with none (a partition
+/// trained on other text leaves many empty in a corpus, and the candidates exclude more)
+/// costs no visit. With few candidates, the selection spans min(ℓ, buckets holding one)
+/// buckets, whole.
+#[test]
+fn saap_spends_its_visits_on_buckets_with_eligible_keys() -> anyhow::Result<()> {
+    let (seed, mut rng) = seeded();
+    let data = clustered(&mut rng);
+    let head = quick_head(&data, seed)?;
+    let context = BuildContext {
+        rope: data.rope.clone(),
+        seed,
+        saap: Some(&head),
+    };
+    let index = kvdb_index::build(&"saap64,l4".parse::<IndexSpec>()?, &context, &data.keys)?;
+    let assigned = index
+        .as_buckets()
+        .ok_or_else(|| anyhow::anyhow!("saap is a bucket index"))?
+        .assignments();
+    for end in [12u32, 40] {
+        let eligible = 4..end;
+        let holding: HashSet<u32> = eligible.clone().map(|id| assigned[id as usize]).collect();
+        for position in last_quarter(N) {
+            let query = GroupQuery {
+                queries: &data.queries[position * GROUP * D..(position + 1) * GROUP * D],
+                position,
+            };
+            let found = index.select(&query, &SearchParams::top(0, eligible.clone()))?;
+            let visited: HashSet<u32> = found
+                .ids()
+                .iter()
+                .map(|&id| assigned[id as usize])
+                .collect();
+            assert_eq!(
+                visited.len(),
+                holding.len().min(4),
+                "candidates {eligible:?} at {position} (seed {seed}): visited {visited:?}"
+            );
+            let whole = eligible
+                .clone()
+                .filter(|&id| visited.contains(&assigned[id as usize]))
+                .count();
+            assert_eq!(found.len(), whole, "visited buckets are attended whole");
+        }
     }
     Ok(())
 }
