@@ -67,13 +67,15 @@ pub(crate) struct SaapTrainArgs {
     /// Buckets per layer and KV head.
     #[arg(long, default_value_t = TrainOptions::default().centroids)]
     centroids: usize,
-    /// Tokens to prefill (at most; the model's context caps it): the text with its drills.
+    /// Tokens to prefill, at most: the text with its drills, in windows of at most the model's
+    /// context, each prefilled on its own.
     #[arg(long, default_value_t = SaapTraining::default().tokens)]
     tokens: usize,
     /// Retrieval drills planted in the text: made-up facts asked for and answered again
     /// 1,536+ tokens later, so the classifiers see the long-range lookups that questions over
-    /// a corpus make (prose has few). The text is cut at a paragraph break to leave them
-    /// room. Measured with 500 drills in 32,768 tokens at 128 buckets (docs/benchmarks.md).
+    /// a corpus make (prose has few). Each window's text is cut at a paragraph break to leave
+    /// its share room; the partition is fitted to the text's keys alone. Last measured on the
+    /// needle with 500 drills in 32,768 tokens at 256 buckets (docs/benchmarks.md).
     #[arg(long, default_value_t = SaapTraining::default().drills)]
     drills: usize,
     /// Passes over the training queries.
@@ -235,13 +237,14 @@ pub(crate) fn saap(command: SaapCommand) -> Result<()> {
     let artifact = train_artifact(&loaded, &text, &training, &mut |event| match event {
         TrainEvent::Text {
             tokens,
+            windows,
             drills,
             heads,
         } => {
             bar.suspend(|| {
                 eprintln!(
-                    "kvdb: prefilling {tokens} tokens of training text ({drills} retrieval \
-                     drills planted)"
+                    "kvdb: prefilling {tokens} tokens of training text in {windows} window(s) \
+                     ({drills} retrieval drills planted)"
                 )
             });
             bar.set_length(tokens as u64);

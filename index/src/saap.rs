@@ -13,6 +13,11 @@
 //!   retrieval exists for. The mass is counted over the retrievable keys only (past the sink,
 //!   before the recent window), which the dense part does not cover anyway.
 //!
+//! [`train_head`] does both on one sequence. The two steps are also separate: [`partition`]
+//! fits the centroids to any set of keys and [`train_classifier`] trains over a given
+//! partition on several sequences, each prefilled on its own (kvdb's trainer fits the
+//! partition to a text's keys and trains on windows of it with retrieval drills planted).
+//!
 //! One addition of ours, on by default ([`TrainOptions::prior`]): the classifier's logits get
 //! the k-means routing score `scale · q·c_b` added (a fixed input, not trained), so the MLP
 //! learns a correction to centroid routing instead of routing from scratch. On the default
@@ -44,6 +49,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::common::{check_add, check_query, decode, eligible, encode, top_indices};
+use crate::error::rows;
 use crate::kernel::dot;
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::kmeans::{kmeans, nearest};
@@ -218,30 +224,61 @@ pub fn train_head(
     options: &TrainOptions,
     on_epoch: &mut dyn FnMut(Epoch),
 ) -> Result<SaapHead> {
-    let d = data.rope.head_dim();
-    let n = check_add(data.keys, d, 0)?;
-    if data.queries.len() != n * data.group * d || data.group == 0 {
-        return Err(IndexError::Shape {
-            what: "training queries",
-            len: data.queries.len(),
-            head_dim: d,
-        });
-    }
+    let centroids = partition(data.keys, data.rope.head_dim(), options)?;
+    train_classifier(std::slice::from_ref(data), centroids, options, on_epoch)
+}
+
+/// SAAP's key partition: `options.centroids` k-means centroids `[C, d]` of de-roped `keys`.
+pub fn partition(keys: &[f32], d: usize, options: &TrainOptions) -> Result<Vec<f32>> {
+    let n = check_add(keys, d, 0)?;
     let centroids = kmeans(
-        data.keys,
+        keys,
         d,
         options.centroids,
         options.kmeans_iterations,
         options.seed,
     );
-    let c = centroids.len() / d;
-    if c < 2 {
+    if centroids.len() / d < 2 {
         return Err(IndexError::Training(format!(
             "{n} keys are too few to train buckets"
         )));
     }
-    let assigned = nearest(&centroids, data.keys, d);
-    let (inputs, targets) = training_samples(data, &assigned, c, options)?;
+    Ok(centroids)
+}
+
+/// Trains the query classifier of one layer/KV head over a given partition (`centroids`,
+/// `[C, d]`) on one or more sequences (each prefilled on its own, positions from 0): the
+/// target of a query is its attention mass per bucket of its sequence's keys.
+pub fn train_classifier(
+    sequences: &[TrainingData<'_>],
+    centroids: Vec<f32>,
+    options: &TrainOptions,
+    on_epoch: &mut dyn FnMut(Epoch),
+) -> Result<SaapHead> {
+    let first = sequences.first().ok_or(IndexError::Empty {
+        what: "training sequences",
+    })?;
+    let d = first.rope.head_dim();
+    let c = rows("centroids", centroids.len(), d)?;
+    if c < 2 {
+        return Err(IndexError::Training(format!(
+            "{c} bucket(s): a partition needs at least two"
+        )));
+    }
+    let mut assigned = Vec::with_capacity(sequences.len());
+    for data in sequences {
+        let n = check_add(data.keys, d, 0)?;
+        if data.rope.head_dim() != d || data.group == 0 || data.queries.len() != n * data.group * d
+        {
+            return Err(IndexError::Shape {
+                what: "training queries",
+                len: data.queries.len(),
+                head_dim: d,
+            });
+        }
+        assigned.push(nearest(&centroids, data.keys, d));
+    }
+    let (inputs, targets) = training_samples(sequences, &assigned, c, options);
     let m = inputs.len() / d;
     if m < 16 {
         return Err(IndexError::Training(format!(
@@ -249,7 +286,7 @@ pub fn train_head(
              train on longer text"
         )));
     }
-    let prior = if options.prior { data.scale } else { 0.0 };
+    let prior = if options.prior { first.scale } else { 0.0 };
     let (w1, b1, w2, b2) =
         fit_classifier(&inputs, &targets, &centroids, prior, d, options, on_epoch)
             .map_err(candle)?;
@@ -264,20 +301,31 @@ pub fn train_head(
     })
 }
 
-/// De-roped queries and their target bucket masses `[m, C]`.
+/// De-roped queries and their target bucket masses `[m, C]`, drawn at random from every
+/// sequence's query heads (`assigned`: each sequence's key buckets).
 fn training_samples(
-    data: &TrainingData<'_>,
-    assigned: &[u32],
+    sequences: &[TrainingData<'_>],
+    assigned: &[Vec<u32>],
     c: usize,
     options: &TrainOptions,
-) -> Result<(Vec<f32>, Vec<f32>)> {
-    let d = data.rope.head_dim();
-    let n = assigned.len();
-    let mut rotated = data.keys.to_vec();
-    data.rope.rotate_rows(&mut rotated, 0);
+) -> (Vec<f32>, Vec<f32>) {
+    let rotated: Vec<Vec<f32>> = sequences
+        .iter()
+        .map(|data| {
+            let mut keys = data.keys.to_vec();
+            data.rope.rotate_rows(&mut keys, 0);
+            keys
+        })
+        .collect();
     let first = TRAINING_SINK + TRAINING_WINDOW + MIN_TRAINING_DISTANCE;
-    let mut samples: Vec<(usize, usize)> = (first..n)
-        .flat_map(|p| (0..data.group).map(move |h| (p, h)))
+    // (sequence, position, query head)
+    let mut samples: Vec<(usize, usize, usize)> = sequences
+        .iter()
+        .zip(assigned)
+        .enumerate()
+        .flat_map(|(s, (data, buckets))| {
+            (first..buckets.len()).flat_map(move |p| (0..data.group).map(move |h| (s, p, h)))
+        })
         .collect();
     let mut rng = StdRng::seed_from_u64(options.seed ^ 0x5aa9);
     samples.shuffle(&mut rng);
@@ -285,12 +333,14 @@ fn training_samples(
     samples.truncate(options.max_samples.saturating_mul(2));
     let rows: Vec<Option<(Vec<f32>, Vec<f32>)>> = samples
         .par_iter()
-        .map(|&(p, h)| {
+        .map(|&(s, p, h)| {
+            let (data, assigned) = (&sequences[s], &assigned[s]);
+            let d = data.rope.head_dim();
             let at = (p * data.group + h) * d;
             let raw = &data.queries[at..at + d];
             let mut q = raw.to_vec();
             data.rope.rotate(&mut q, p);
-            let logits: Vec<f32> = rotated[..(p + 1) * d]
+            let logits: Vec<f32> = rotated[s][..(p + 1) * d]
                 .chunks_exact(d)
                 .map(|k| data.scale * dot(&q, k))
                 .collect();
@@ -319,7 +369,7 @@ fn training_samples(
         inputs.extend(q);
         targets.extend(t);
     }
-    Ok((inputs, targets))
+    (inputs, targets)
 }
 
 type Weights = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);

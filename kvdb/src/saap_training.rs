@@ -1,6 +1,7 @@
 //! Training a SAAP artifact for a model on text: plant retrieval drills in the text, prefill
-//! it through the model while capturing every retrieval layer's pre-RoPE keys and queries per
-//! KV head, then train each head's partition and classifier ([`kvdb_index::saap`]).
+//! it through the model (in windows of at most the model's context) while capturing every
+//! retrieval layer's pre-RoPE keys and queries per KV head, then train each head's partition
+//! and classifier ([`kvdb_index::saap`]).
 //!
 //! # Retrieval drills
 //!
@@ -20,9 +21,20 @@
 //! [`DRILL_GAP_TOKENS`] tokens later, so the answer's queries are training queries (their best
 //! key lies that far back). Three phrasings, eight kinds of number and 144 objects; their
 //! words are not those of the needle tests (no "magic number", no "door").
+//!
+//! Drills add training *queries*, not keys to partition: k-means runs on the keys of the
+//! text alone. Planted densely enough to matter (500 drills are some 20K of a 32K-token
+//! window), their keys would otherwise take most of the buckets and leave the prose of a
+//! corpus few, large ones: a needle corpus attended through such a partition at 512 buckets
+//! and ℓ = 12 selected 11% of its keys, through the text's own partition 3.5%
+//! (docs/benchmarks.md, "Retrieval drills"). More drills than one window holds go into more
+//! windows, each prefilled on its own (the text goes on where the last window stopped, and
+//! starts over once it is used up), whose queries train the classifiers together.
 
 use candle_core::Tensor;
-use kvdb_index::saap::{train_head, Epoch, SaapArtifact, TrainOptions, TrainingData};
+use kvdb_index::saap::{
+    partition, train_classifier, Epoch, SaapArtifact, TrainOptions, TrainingData,
+};
 use kvdb_model::{AttentionBackend, AttentionInput, EncodeOptions, FullAttention, Logits};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -84,16 +96,38 @@ fn drills(count: usize, seed: u64) -> Vec<(String, String)> {
     (0..count).map(|_| drill(&mut rng)).collect()
 }
 
+/// One piece of a drilled text, in order: a span of the text itself, or a planted drill
+/// sentence (a fact, or a question with its answer), which goes after a paragraph break of
+/// its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Piece<'a> {
+    /// A span of the text (it starts at a paragraph break, or is the text's beginning).
+    Text(&'a str),
+    /// A drill sentence.
+    Drill(&'a str),
+}
+
+impl Piece<'_> {
+    /// Its characters in the drilled text.
+    fn rendered(&self) -> std::borrow::Cow<'_, str> {
+        match *self {
+            Piece::Text(text) => text.into(),
+            Piece::Drill(sentence) => format!("\n\n{sentence}").into(),
+        }
+    }
+}
+
 /// `text` with `drills` planted at its paragraph breaks (`"\n\n"`): each fact at a break
 /// drawn at random among those followed by another at least `gap_chars` further on, its
 /// question at a break drawn from those (in a text too short for that, facts anywhere and
-/// questions at its end). Seeded, so the same arguments give the same text.
-pub fn plant_drills(
-    text: &str,
-    drills: &[(String, String)],
+/// questions at its end). Seeded, so the same arguments give the same pieces. The first
+/// piece is always text (perhaps empty).
+pub fn plant_drills<'a>(
+    text: &'a str,
+    drills: &'a [(String, String)],
     gap_chars: usize,
     seed: u64,
-) -> String {
+) -> Vec<Piece<'a>> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x91a7);
     let mut breaks: Vec<usize> = text.match_indices("\n\n").map(|(i, _)| i).collect();
     if breaks.is_empty() {
@@ -106,7 +140,7 @@ pub fn plant_drills(
         0 => breaks.len(),
         n => n,
     };
-    let mut inserts: Vec<(usize, &str)> = Vec::with_capacity(2 * drills.len());
+    let mut inserts: Vec<(usize, Piece<'a>)> = Vec::with_capacity(2 * drills.len());
     for (fact, question) in drills {
         let at = breaks[rng.random_range(0..facts)];
         let later = breaks.partition_point(|&b| b < at + gap_chars);
@@ -115,22 +149,24 @@ pub fn plant_drills(
         } else {
             text.len()
         };
-        inserts.push((at, fact));
-        inserts.push((ask, question));
+        inserts.push((at, Piece::Drill(fact)));
+        inserts.push((ask, Piece::Drill(question)));
     }
     // Stable: a fact and its question at one break keep their order.
     inserts.sort_by_key(|(at, _)| *at);
-    let mut out =
-        String::with_capacity(text.len() + inserts.iter().map(|(_, s)| s.len() + 2).sum::<usize>());
+    let mut pieces = Vec::with_capacity(2 * inserts.len() + 1);
     let mut from = 0;
     for (at, insert) in inserts {
-        out.push_str(&text[from..at]);
-        out.push_str("\n\n");
-        out.push_str(insert);
+        if at > from || pieces.is_empty() {
+            pieces.push(Piece::Text(&text[from..at]));
+        }
+        pieces.push(insert);
         from = at;
     }
-    out.push_str(&text[from..]);
-    out
+    if from < text.len() || pieces.is_empty() {
+        pieces.push(Piece::Text(&text[from..]));
+    }
+    pieces
 }
 
 /// The longest prefix of `text` ending at a paragraph break (or the whole text) that
@@ -164,28 +200,34 @@ fn fitting_prefix<'t>(
         .map_or(("", 0), |i| (&text[..breaks[i]], fits)))
 }
 
-/// The token ids to prefill: `text` as it is, or, with `drills`, cut at a paragraph break to
-/// leave them room and with them planted; at most `budget` either way.
+/// The token ids of one window to prefill, and which of them belong to the text itself (not
+/// to a drill).
+struct TrainingIds {
+    ids: Vec<u32>,
+    from_text: Vec<bool>,
+    /// Bytes of the text the window holds (the next window goes on from there).
+    text_bytes: usize,
+}
+
+/// The token ids of one window to prefill: the start of `text` cut at a paragraph break to
+/// fit `budget`, with `drills` planted in it (cut shorter to leave them room). Drilled pieces
+/// are encoded one by one (each starts at a paragraph break, as documents do at ingest), so
+/// every id is known to come from the text or from a drill.
 fn training_ids(
     model: &LoadedModel,
     text: &str,
     drills: &[(String, String)],
     budget: usize,
     seed: u64,
-) -> Result<Vec<u32>> {
+) -> Result<TrainingIds> {
     let encode = |s: &str| model.tokenizer.encode(s, EncodeOptions::default());
-    if drills.is_empty() {
-        let mut ids = encode(text)?;
-        ids.truncate(budget);
-        return Ok(ids);
-    }
     // Each drill costs its two sentences and their paragraph breaks.
     let mut drill_tokens = 0;
     for (fact, question) in drills {
         drill_tokens += encode(fact)?.len() + encode(question)?.len() + 2;
     }
     let room = budget.saturating_sub(drill_tokens);
-    if room < 2 * DRILL_GAP_TOKENS {
+    if !drills.is_empty() && room < 2 * DRILL_GAP_TOKENS {
         return Err(Error::Query(format!(
             "{} drills take about {drill_tokens} of the {budget} training tokens, leaving too \
              few for the text: plant fewer drills or train on more tokens",
@@ -194,12 +236,34 @@ fn training_ids(
     }
     // The text is cut (at a paragraph break) to leave room for the drills, so none is lost.
     let (text, plain) = fitting_prefix(model, text, room)?;
+    if drills.is_empty() {
+        let ids = encode(text)?;
+        let from_text = vec![true; ids.len()];
+        return Ok(TrainingIds {
+            ids,
+            from_text,
+            text_bytes: text.len(),
+        });
+    }
     let chars_per_token = text.len() as f64 / plain.max(1) as f64;
     let gap_chars = (DRILL_GAP_TOKENS as f64 * chars_per_token).ceil() as usize;
-    let mut ids = encode(&plant_drills(text, drills, gap_chars, seed))?;
-    // Sentences tokenize a little differently in context: the estimate can be off by a few.
+    let (mut ids, mut from_text) = (Vec::new(), Vec::new());
+    for piece in plant_drills(text, drills, gap_chars, seed) {
+        let piece_ids = encode(&piece.rendered())?;
+        from_text.resize(
+            from_text.len() + piece_ids.len(),
+            matches!(piece, Piece::Text(_)),
+        );
+        ids.extend(piece_ids);
+    }
+    // The drill estimate counts sentences alone: the budget may still be overrun by a few.
     ids.truncate(budget);
-    Ok(ids)
+    from_text.truncate(budget);
+    Ok(TrainingIds {
+        ids,
+        from_text,
+        text_bytes: text.len(),
+    })
 }
 
 /// What to train on and how.
@@ -207,18 +271,28 @@ fn training_ids(
 pub struct SaapTraining {
     /// Partition and classifier options (buckets, samples, epochs, seed, prior).
     pub options: TrainOptions,
-    /// Tokens of training text prefilled, at most (and at most the model's context).
+    /// Tokens of training text prefilled, at most: in windows of at most the model's
+    /// context, each prefilled on its own.
     pub tokens: usize,
     /// Retrieval drills planted in the text (0: none).
     pub drills: usize,
 }
 
 impl SaapTraining {
-    /// What the needle test trains with, and what docs/benchmarks.md measured drills with:
-    /// the default model's whole context (32,768 tokens) with 500 drills (about 20K of them).
-    pub const DRILLED_TOKENS: usize = 32_768;
-    /// See [`Self::DRILLED_TOKENS`].
-    pub const DRILLS: usize = 500;
+    /// Drilled training as the needle measurement runs it (docs/benchmarks.md, "Retrieval
+    /// drills"): `centroids` buckets, one window of the default model's whole context (32,768
+    /// tokens) with 500 drills (about 20K of them), the default samples.
+    pub fn drilled(centroids: usize, seed: u64) -> Self {
+        Self {
+            options: TrainOptions {
+                centroids,
+                seed,
+                ..TrainOptions::default()
+            },
+            tokens: 32_768,
+            drills: 500,
+        }
+    }
 }
 
 impl Default for SaapTraining {
@@ -237,11 +311,14 @@ impl Default for SaapTraining {
 /// Progress of [`train_artifact`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum TrainEvent {
-    /// The text to prefill: `tokens` tokens with `drills` drills planted in it, and the
-    /// layer/KV heads that will be trained on it.
+    /// The text to prefill: `tokens` tokens in `windows` windows (each at most the model's
+    /// context) with `drills` drills planted in them, and the layer/KV heads that will be
+    /// trained on it.
     Text {
         /// Tokens.
         tokens: usize,
+        /// Windows prefilled one after the other.
+        windows: usize,
         /// Drills planted.
         drills: usize,
         /// Layer/KV heads to train.
@@ -267,7 +344,7 @@ pub enum TrainEvent {
     },
 }
 
-/// One retrieval layer's captured keys and queries, per KV head.
+/// One retrieval layer's captured keys and queries, per KV head, in one window.
 struct Captured {
     layer: usize,
     scale: f32,
@@ -275,40 +352,61 @@ struct Captured {
     queries: Vec<Vec<f32>>,
 }
 
-/// Trains a SAAP artifact for `model` on `text` (drills planted first): every retrieval
-/// layer (the layers whose keys are stored whole) and KV head gets its partition and
-/// classifier; the loss curves are kept in the artifact.
-pub fn train_artifact(
+/// The windows to prefill: `training.tokens` split into equal windows of at most `context`
+/// tokens, the drills shared out among them. Each window takes the text on from where the
+/// last one stopped; with drills, a text used up starts over (the same text, new drills),
+/// without them training stops at its end.
+fn plan_windows(
     model: &LoadedModel,
     text: &str,
     training: &SaapTraining,
-    on_event: &mut dyn FnMut(TrainEvent),
-) -> Result<SaapArtifact> {
-    let config = model.model.config().clone();
-    let budget = training.tokens.min(config.context_length);
+    context: usize,
+) -> Result<Vec<TrainingIds>> {
+    let count = training.tokens.div_ceil(context.max(1)).max(1);
+    let budget = training.tokens.div_ceil(count);
     let drills = drills(training.drills, training.options.seed);
-    let ids = training_ids(model, text, &drills, budget, training.options.seed)?;
+    let mut windows: Vec<TrainingIds> = Vec::with_capacity(count);
+    let mut from = 0;
+    for w in 0..count {
+        if from >= text.len() {
+            if drills.is_empty() {
+                break;
+            }
+            from = 0;
+        }
+        let mine = &drills[w * drills.len() / count..(w + 1) * drills.len() / count];
+        let seed = training.options.seed ^ (w as u64).wrapping_mul(0x9e37_79b9);
+        let window = training_ids(model, &text[from..], mine, budget, seed)?;
+        if window.text_bytes == 0 {
+            // Not one paragraph of what is left fits: nothing more to train on.
+            break;
+        }
+        from += window.text_bytes;
+        windows.push(window);
+    }
+    Ok(windows)
+}
 
+/// Prefills one window through the model (a fresh cache, positions from 0), capturing the
+/// pre-RoPE keys and queries of every layer in `layers`; `on_prefilled` sees the tokens done.
+fn capture_window(
+    model: &LoadedModel,
+    ids: &[u32],
+    layers: &[usize],
+    on_prefilled: &mut dyn FnMut(usize),
+) -> Result<Vec<Captured>> {
+    let config = model.model.config();
     let (heads, group) = (config.n_kv_heads, config.n_heads / config.n_kv_heads);
-    let policy = layer_policy(&config);
-    let mut captured: Vec<Captured> = (0..config.n_layers())
-        .filter(|&l| policy[l] == StoredLayer::All)
-        .map(|layer| Captured {
+    let mut captured: Vec<Captured> = layers
+        .iter()
+        .map(|&layer| Captured {
             layer,
             scale: 0.0,
             keys: vec![Vec::new(); heads],
             queries: vec![Vec::new(); heads],
         })
         .collect();
-    if captured.is_empty() {
-        return Err(Error::Query("the model has no retrieval layers".into()));
-    }
-    on_event(TrainEvent::Text {
-        tokens: ids.len(),
-        drills: drills.len(),
-        heads: captured.len() * heads,
-    });
-    let mut full = FullAttention::new(&config);
+    let mut full = FullAttention::new(config);
     let mut record = |input: &AttentionInput<'_>| -> kvdb_model::Result<Tensor> {
         if let Some(c) = captured.iter_mut().find(|c| c.layer == input.layer.index) {
             c.scale = input.scale;
@@ -338,7 +436,50 @@ pub fn train_artifact(
             &Logits::None,
         )?;
         done += chunk.len();
-        on_event(TrainEvent::Prefilled(done));
+        on_prefilled(done);
+    }
+    Ok(captured)
+}
+
+/// Trains a SAAP artifact for `model` on `text` (drills planted first): every retrieval
+/// layer (the layers whose keys are stored whole) and KV head gets its partition and
+/// classifier; the loss curves are kept in the artifact. More tokens than the model's
+/// context are prefilled as several windows, each on its own, whose queries train the
+/// classifiers together. The partition is fitted to the keys of the text alone: drills add
+/// training queries, not keys to partition (see the module documentation).
+pub fn train_artifact(
+    model: &LoadedModel,
+    text: &str,
+    training: &SaapTraining,
+    on_event: &mut dyn FnMut(TrainEvent),
+) -> Result<SaapArtifact> {
+    let config = model.model.config().clone();
+    let policy = layer_policy(&config);
+    let layers: Vec<usize> = (0..config.n_layers())
+        .filter(|&l| policy[l] == StoredLayer::All)
+        .collect();
+    if layers.is_empty() {
+        return Err(Error::Query("the model has no retrieval layers".into()));
+    }
+    let windows = plan_windows(model, text, training, config.context_length)?;
+    let tokens: usize = windows.iter().map(|w| w.ids.len()).sum();
+    if tokens == 0 {
+        return Err(Error::Query("no training text: the text is empty".into()));
+    }
+    let (heads, group) = (config.n_kv_heads, config.n_heads / config.n_kv_heads);
+    on_event(TrainEvent::Text {
+        tokens,
+        windows: windows.len(),
+        drills: training.drills,
+        heads: layers.len() * heads,
+    });
+    let mut captured: Vec<Vec<Captured>> = Vec::with_capacity(windows.len());
+    let mut done = 0;
+    for window in &windows {
+        captured.push(capture_window(model, &window.ids, &layers, &mut |n| {
+            on_event(TrainEvent::Prefilled(done + n))
+        })?);
+        done += window.ids.len();
     }
 
     let options = &training.options;
@@ -346,38 +487,57 @@ pub fn train_artifact(
         &model.record.sha256,
         options.centroids,
         options.seed,
-        ids.len(),
+        tokens,
     );
-    for c in &captured {
+    for (i, &layer) in layers.iter().enumerate() {
         let rope = model
             .model
-            .rope(c.layer)
-            .ok_or_else(|| Error::Query(format!("layer {} has no RoPE", c.layer)))?;
+            .rope(layer)
+            .ok_or_else(|| Error::Query(format!("layer {layer} has no RoPE")))?;
+        let d = rope.head_dim();
         let mut trained = Vec::with_capacity(heads);
         for kv_head in 0..heads {
-            on_event(TrainEvent::Head {
-                layer: c.layer,
-                kv_head,
-            });
-            let data = TrainingData {
-                keys: &c.keys[kv_head],
-                queries: &c.queries[kv_head],
-                group,
-                rope,
-                scale: c.scale,
-            };
+            on_event(TrainEvent::Head { layer, kv_head });
+            let text_keys: Vec<f32> = windows
+                .iter()
+                .zip(&captured)
+                .flat_map(|(window, layers)| {
+                    layers[i].keys[kv_head]
+                        .chunks_exact(d)
+                        .zip(&window.from_text)
+                        .filter(|(_, &from_text)| from_text)
+                        .flat_map(|(key, _)| key)
+                })
+                .copied()
+                .collect();
+            let centroids = partition(&text_keys, d, options)?;
+            let sequences: Vec<TrainingData<'_>> = captured
+                .iter()
+                .map(|layers| TrainingData {
+                    keys: &layers[i].keys[kv_head],
+                    queries: &layers[i].queries[kv_head],
+                    group,
+                    rope,
+                    scale: layers[i].scale,
+                })
+                .collect();
             let mut losses = Vec::new();
-            trained.push(train_head(&data, options, &mut |epoch| {
-                on_event(TrainEvent::Epoch {
-                    layer: c.layer,
-                    kv_head,
-                    epoch,
-                });
-                losses.push(epoch);
-            })?);
-            artifact.losses.push((c.layer, kv_head, losses));
+            trained.push(train_classifier(
+                &sequences,
+                centroids,
+                options,
+                &mut |epoch| {
+                    on_event(TrainEvent::Epoch {
+                        layer,
+                        kv_head,
+                        epoch,
+                    });
+                    losses.push(epoch);
+                },
+            )?);
+            artifact.losses.push((layer, kv_head, losses));
         }
-        artifact.layers.push((c.layer, trained));
+        artifact.layers.push((layer, trained));
     }
     Ok(artifact)
 }
@@ -385,6 +545,11 @@ pub fn train_artifact(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The drilled text the pieces make.
+    fn render(pieces: &[Piece<'_>]) -> String {
+        pieces.iter().map(|p| p.rendered()).collect()
+    }
 
     fn paragraphs(n: usize) -> String {
         (0..n)
@@ -398,8 +563,23 @@ mod tests {
         let text = paragraphs(400);
         let drills = drills(40, 3);
         let gap = 2_000;
-        let planted = plant_drills(&text, &drills, gap, 3);
-        assert_eq!(planted, plant_drills(&text, &drills, gap, 3), "seeded");
+        let pieces = plant_drills(&text, &drills, gap, 3);
+        assert_eq!(pieces, plant_drills(&text, &drills, gap, 3), "seeded");
+        let planted = render(&pieces);
+        // The pieces are the text's spans, in order, and every drill sentence once.
+        let spans: String = pieces
+            .iter()
+            .filter_map(|p| match p {
+                Piece::Text(span) => Some(*span),
+                Piece::Drill(_) => None,
+            })
+            .collect();
+        assert_eq!(spans, text);
+        let sentences = pieces
+            .iter()
+            .filter(|p| matches!(p, Piece::Drill(_)))
+            .count();
+        assert_eq!(sentences, 2 * drills.len());
         let mut rest = planted.clone();
         for (fact, question) in &drills {
             // Each is its own paragraph (a question may repeat its fact inside it).
@@ -424,17 +604,67 @@ mod tests {
         assert_eq!(rest, text, "the text itself is untouched");
     }
 
+    /// The ids marked as the text's are the text's, the others the drills' sentences: what
+    /// the partition is fitted to leaves every drill out.
+    #[test]
+    fn training_ids_mark_which_tokens_come_from_the_text() -> anyhow::Result<()> {
+        let file = kvdb_tests::TinyModel {
+            context_length: 8192,
+            ..kvdb_tests::TinyModel::gemma3()
+        }
+        .write_temp()?;
+        let model = crate::models::load(Some(file.path()), &kvdb_model::LoadOptions::default())?;
+        let text = kvdb_tests::gpl_text()?;
+        let drills = drills(12, 4);
+        let TrainingIds {
+            ids,
+            from_text,
+            text_bytes,
+        } = training_ids(&model, &text, &drills, 6000, 4)?;
+        assert_eq!(ids.len(), from_text.len());
+        let pick = |keep: bool| -> Vec<u32> {
+            ids.iter()
+                .zip(&from_text)
+                .filter(|(_, &t)| t == keep)
+                .map(|(&id, _)| id)
+                .collect()
+        };
+        let (text_part, drill_part) = (
+            model.tokenizer.decode(&pick(true), false)?,
+            model.tokenizer.decode(&pick(false), false)?,
+        );
+        for (fact, question) in &drills {
+            for sentence in [fact, question] {
+                assert!(
+                    drill_part.contains(sentence.as_str()),
+                    "{sentence} is a drill's"
+                );
+                assert!(
+                    !text_part.contains(sentence.as_str()),
+                    "{sentence} is not the text's"
+                );
+            }
+        }
+        // The text's tokens spell the prefix of the text the window says it holds, cut at a
+        // paragraph break (pieces encoded on their own may gain a leading space: compare
+        // without whitespace).
+        assert!(text_bytes > 1000 && text[text_bytes..].starts_with("\n\n"));
+        let squeeze = |s: &str| s.split_whitespace().collect::<String>();
+        assert_eq!(squeeze(&text_part), squeeze(&text[..text_bytes]));
+        Ok(())
+    }
+
     #[test]
     fn drills_in_a_text_without_room_are_asked_at_its_end() {
         let text = paragraphs(3);
         let drills = drills(5, 1);
-        let planted = plant_drills(&text, &drills, 10_000, 1);
+        let planted = render(&plant_drills(&text, &drills, 10_000, 1));
         let tail = &planted[planted.rfind("Paragraph 2").expect("last paragraph")..];
         for (fact, question) in &drills {
             assert!(planted.contains(fact.as_str()), "{fact}");
             assert!(tail.contains(question.as_str()), "{question} at the end");
         }
         // No drills: the text as it is.
-        assert_eq!(plant_drills(&text, &[], 10, 1), text);
+        assert_eq!(plant_drills(&text, &[], 10, 1), [Piece::Text(&text)]);
     }
 }

@@ -5,7 +5,7 @@
 use anyhow::Result;
 use kvdb::models::{load, LoadedModel};
 use kvdb::saap_training::{train_artifact, SaapTraining, TrainEvent};
-use kvdb_index::saap::TrainOptions;
+use kvdb_index::saap::{SaapArtifact, TrainOptions};
 use kvdb_model::LoadOptions;
 use kvdb_tests::{gpl_text, TinyFile, TinyModel};
 
@@ -34,26 +34,31 @@ fn tiny_gemma3() -> Result<(TinyFile, LoadedModel)> {
     Ok((file, model))
 }
 
-#[test]
-fn trains_every_retrieval_head_on_the_drilled_text_within_the_budget() -> Result<()> {
-    let (_file, model) = tiny_gemma3()?;
+/// An artifact trained on the GPL text, and the events it reported, in order.
+fn trained(
+    model: &LoadedModel,
+    training: &SaapTraining,
+) -> Result<(SaapArtifact, Vec<TrainEvent>)> {
     let mut events = Vec::new();
-    let artifact = train_artifact(&model, &gpl_text()?, &training(6000, 12), &mut |e| {
-        events.push(e)
-    })?;
+    let artifact = train_artifact(model, &gpl_text()?, training, &mut |e| events.push(e))?;
+    Ok((artifact, events))
+}
 
-    // The text is cut to leave the drills room: the budget is filled, not overrun.
-    let Some(&TrainEvent::Text {
-        tokens,
-        drills,
-        heads,
-    }) = events.first()
-    else {
-        panic!("the first event names the text: {:?}", events.first());
-    };
-    assert!((5000..=6000).contains(&tokens), "{tokens} tokens");
-    assert_eq!((drills, heads), (12, 2));
-    assert_eq!(artifact.tokens, tokens);
+/// The first event's text: tokens, windows, drills and heads.
+fn text_of(events: &[TrainEvent]) -> (usize, usize, usize, usize) {
+    match events.first() {
+        Some(&TrainEvent::Text {
+            tokens,
+            windows,
+            drills,
+            heads,
+        }) => (tokens, windows, drills, heads),
+        other => panic!("the first event names the text: {other:?}"),
+    }
+}
+
+/// The prefill progress rises to `tokens`, counted on across windows.
+fn assert_prefill_counts_to(events: &[TrainEvent], tokens: usize) {
     let prefilled: Vec<usize> = events
         .iter()
         .filter_map(|e| match e {
@@ -63,6 +68,19 @@ fn trains_every_retrieval_head_on_the_drilled_text_within_the_budget() -> Result
         .collect();
     assert!(prefilled.windows(2).all(|w| w[0] < w[1]), "{prefilled:?}");
     assert_eq!(prefilled.last(), Some(&tokens));
+}
+
+#[test]
+fn trains_every_retrieval_head_on_the_drilled_text_within_the_budget() -> Result<()> {
+    let (_file, model) = tiny_gemma3()?;
+    let (artifact, events) = trained(&model, &training(6000, 12))?;
+
+    // The text is cut to leave the drills room: the budget is filled, not overrun.
+    let (tokens, windows, drills, heads) = text_of(&events);
+    assert!((5000..=6000).contains(&tokens), "{tokens} tokens");
+    assert_eq!((windows, drills, heads), (1, 12, 2));
+    assert_eq!(artifact.tokens, tokens);
+    assert_prefill_counts_to(&events, tokens);
     let epochs = events
         .iter()
         .filter(|e| matches!(e, TrainEvent::Epoch { .. }))
@@ -77,6 +95,36 @@ fn trains_every_retrieval_head_on_the_drilled_text_within_the_budget() -> Result
     assert!(heads.iter().all(|h| h.buckets() == 8 && h.head_dim == 32));
     assert_eq!(artifact.losses.len(), 2);
     assert!(artifact.losses.iter().all(|(_, _, l)| l.len() == 2));
+    Ok(())
+}
+
+/// More tokens than the context are prefilled as several windows, the drills shared out,
+/// the prefill counted on across them, and every window's queries train the heads.
+#[test]
+fn more_tokens_than_the_context_are_prefilled_in_windows() -> Result<()> {
+    let (_file, model) = tiny_gemma3()?;
+    let (artifact, events) = trained(&model, &training(12_000, 12))?;
+    let (tokens, windows, _, _) = text_of(&events);
+    // Two windows of at most 6,000 tokens (the context is 8,192), each filled.
+    assert_eq!(windows, 2);
+    assert!((10_000..=12_000).contains(&tokens), "{tokens} tokens");
+    assert_eq!(artifact.tokens, tokens);
+    assert_prefill_counts_to(&events, tokens);
+
+    // Without drills the text is not repeated: windows take it on in order and stop at its
+    // end, short of the five windows that 40,000 tokens would fill.
+    let text = gpl_text()?;
+    let whole = model.tokenizer.encode(&text, Default::default())?.len();
+    let mut plain = Vec::new();
+    train_artifact(&model, &text, &training(40_000, 0), &mut |e| plain.push(e))?;
+    let (tokens, windows, _, _) = text_of(&plain);
+    assert!(whole < 40_000 && windows < 5, "{windows} windows");
+    // The text once: each window ends at a paragraph break and is encoded on its own, so
+    // the count differs from the whole text's by a little at each cut.
+    assert!(
+        tokens.abs_diff(whole) < 500 * windows,
+        "{tokens} tokens for the text's {whole}"
+    );
     Ok(())
 }
 
