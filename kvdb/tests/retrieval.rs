@@ -14,7 +14,6 @@ use kvdb::saap_training::{train_artifact, SaapTraining};
 use kvdb::session::{AskOptions, AttentionMode, Corpus};
 use kvdb::store::{Access, Store};
 use kvdb_attention::DensePolicy;
-use kvdb_index::saap::TrainOptions;
 use kvdb_model::{EncodeOptions, FullAttention, LoadOptions, Logits, WeightMode};
 use kvdb_tests::relative_max_error;
 
@@ -253,54 +252,78 @@ fn needles_are_found_by_flat_retrieval_where_full_attention_finds_them() -> Resu
     Ok(())
 }
 
-/// A SAAP artifact for the default model with `centroids` buckets, trained as `kvdb saap
-/// train --drills 500 --tokens 32768` trains one: on the whole GPL text with retrieval drills
-/// planted in it.
-fn saap_artifact(model: &LoadedModel, centroids: usize, path: &std::path::Path) -> Result<()> {
-    let training = SaapTraining {
-        options: TrainOptions {
-            centroids,
-            ..TrainOptions::default()
-        },
-        tokens: SaapTraining::DRILLED_TOKENS,
-        drills: SaapTraining::DRILLS,
-    };
-    let artifact = train_artifact(model, &gpl()?, &training, &mut |_| {})?;
-    artifact.write(path)?;
-    Ok(())
-}
-
-/// Every index type, built by the engine over a corpus with a planted needle, lets the
-/// model answer with the needle while attending to at most 5% of the corpus's keys; all but
-/// SAAP, whose answer is printed: even trained with 500 retrieval drills in the GPL text, its
-/// classifier does not route every digit's step to the needle's buckets within 5% of the keys
-/// (" 1." at saap128,l2 on this artifact; docs/benchmarks.md, "Retrieval drills", has the
-/// runs; issue 4 stays open on it).
-#[test]
-fn every_index_finds_the_needle_at_five_percent() -> Result<()> {
-    let model = default_model(WeightMode::Hybrid)?;
+/// The needle corpus of the per-index tests: the needle ("The special magic number for the
+/// blue door is 2099391.") at half depth of ~5,200 GPL tokens, ingested; and its question.
+fn needle_corpus(model: &LoadedModel) -> Result<(tempfile::TempDir, Arc<Store>, String)> {
     let text = gpl()?;
     let haystack = &text[..24_500];
-    let (object, number) = ("blue door", "2099391");
-    let needle = format!("The special magic number for the {object} is {number}.");
+    let needle = format!("The special magic number for the {OBJECT} is {NUMBER}.");
     let at = haystack[..haystack.len() / 2].rfind("\n\n").unwrap_or(0);
     let planted = format!("{}\n\n{needle}{}", &haystack[..at], &haystack[at..]);
     let docs = documents(&planted, 4500, "needle");
     let dir = tempfile::tempdir()?;
-    let artifact = dir.path().join("gemma.saap");
-    saap_artifact(&model, 128, &artifact)?;
     let store = Arc::new(Store::open(dir.path().join("store"), Access::Write)?);
     ingest(&store, "c", model.as_ref(), &docs, &mut |_| {})?;
+    let question = format!(
+        "What is the special magic number for the {OBJECT}? The special magic number for the \
+         {OBJECT} is"
+    );
+    Ok((dir, store, question))
+}
+
+const OBJECT: &str = "blue door";
+const NUMBER: &str = "2099391";
+
+/// The answer to `question` over `corpus` through `spec` (sink 4, window 64, 8 tokens), with
+/// `k` or the spec's breadth overridden when given, and the share of keys it attended.
+fn ask_through(
+    model: &LoadedModel,
+    corpus: &Corpus,
+    question: &str,
+    spec: &kvdb_index::IndexSpec,
+    k: Option<usize>,
+    breadth: Option<usize>,
+) -> Result<(String, f64, f64)> {
+    let options = AskOptions {
+        mode: AttentionMode::Retrieval(kvdb::session::Retrieval {
+            index: Some(spec.clone()),
+            k,
+            policy: DensePolicy {
+                sink: 4,
+                window: 64,
+            },
+            estimate: false,
+            breadth,
+        }),
+        generate: kvdb::generate::GenerateOptions {
+            max_tokens: 8,
+            ..Default::default()
+        },
+        template: None,
+    };
+    let answer = corpus.ask(model.as_ref(), question, &options, &mut |_| Ok(()))?;
+    let stats = answer.retrieval.clone().unwrap_or_default();
+    Ok((answer.answer, stats.selectivity(), stats.scored_share()))
+}
+
+/// Every index type but SAAP (below), built by the engine over a corpus with a planted
+/// needle, lets the model answer with the needle while attending to at most 5% of the
+/// corpus's keys.
+#[test]
+fn every_index_finds_the_needle_at_five_percent() -> Result<()> {
+    let model = default_model(WeightMode::Hybrid)?;
+    let (_dir, store, question) = needle_corpus(&model)?;
     let specs = [
         "flat",
         "ivf64,np40",
         "hnsw16,ef128",
         "lsh:L=64,K=4,min=3",
-        // The k-means baseline at a finer partition: ivf128,np4 (4.1%) found the needle on
-        // one machine and answered " 2099301" on another (faiss k-means over a different BLAS
-        // kernel); there ivf256,np8 (3.9%) found it, ivf64,np2 and ivf96,np3 did not.
-        "ivf256,np8,norope,all",
-        "saap128,l2",
+        // The k-means baseline at a fine partition. Coarser ones are fragile: ivf128,np4
+        // (4.1%) found the needle on one machine and answered " 2099301" on another, where
+        // ivf256,np8 (3.9%) found it; on a third (2026-11-24) ivf128,np4 found it and
+        // ivf256 answered " 209301." at every np from 4 to 11, while ivf512 found it at
+        // every np from 8 (3.3%) to 23 (8.7%).
+        "ivf512,np10,norope,all",
         "hip:k256,bq1,bk1",
         "ihip:lc=64/16/4,k=1024/256/64,refresh=16/8/4",
     ];
@@ -308,14 +331,8 @@ fn every_index_finds_the_needle_at_five_percent() -> Result<()> {
         .iter()
         .map(|s| s.parse())
         .collect::<Result<Vec<kvdb_index::IndexSpec>, _>>()?;
-    let infos = kvdb::indexes::update_indexes(
-        &store,
-        "c",
-        model.as_ref(),
-        &parsed,
-        Some(&artifact),
-        &mut |_| {},
-    )?;
+    let infos =
+        kvdb::indexes::update_indexes(&store, "c", model.as_ref(), &parsed, None, &mut |_| {})?;
     let canonical: Vec<String> = parsed.iter().map(|p| p.to_string()).collect();
     assert_eq!(
         infos.iter().map(|i| i.spec.clone()).collect::<Vec<_>>(),
@@ -324,45 +341,62 @@ fn every_index_finds_the_needle_at_five_percent() -> Result<()> {
     );
     let corpus = Corpus::open(store, "c", model.as_ref(), 1 << 30)?;
     let n = corpus.manifest().tokens;
-    let question = format!(
-        "What is the special magic number for the {object}? The special magic number for the \
-         {object} is"
-    );
     let mut missed = Vec::new();
     for spec in parsed {
         let k = (spec.default_k().is_none() && !spec.attends_whole_buckets()).then_some(n / 100);
-        let options = AskOptions {
-            mode: AttentionMode::Retrieval(kvdb::session::Retrieval {
-                index: Some(spec.clone()),
-                k,
-                policy: DensePolicy {
-                    sink: 4,
-                    window: 64,
-                },
-                estimate: false,
-                breadth: None,
-            }),
-            generate: kvdb::generate::GenerateOptions {
-                max_tokens: 8,
-                ..Default::default()
-            },
-            template: None,
-        };
-        let answer = corpus.ask(model.as_ref(), &question, &options, &mut |_| Ok(()))?;
-        let stats = answer.retrieval.clone().unwrap_or_default();
+        let (answer, selectivity, scored) =
+            ask_through(&model, &corpus, &question, &spec, k, None)?;
         eprintln!(
-            "{spec:<48} {:?}: selectivity {:.4}, scored {:.4} of the eligible keys",
-            answer.answer,
-            stats.selectivity(),
-            stats.scored_share()
+            "{spec:<48} {answer:?}: selectivity {selectivity:.4}, scored {scored:.4} of the \
+             eligible keys"
         );
-        let found = answer.answer.contains(number) && stats.selectivity() <= 0.05;
-        if !found && spec.kind() != "saap" {
-            missed.push(format!(
-                "{spec}: {:?} at {:.4}",
-                answer.answer,
-                stats.selectivity()
-            ));
+        if !answer.contains(NUMBER) || selectivity > 0.05 {
+            missed.push(format!("{spec}: {answer:?} at {selectivity:.4}"));
+        }
+    }
+    assert!(missed.is_empty(), "{missed:?}");
+    Ok(())
+}
+
+/// SAAP on the same needle: an artifact trained with retrieval drills
+/// ([`SaapTraining::drilled`], 256 buckets, on the GPL text) for each seed in
+/// `KVDB_SAAP_SEEDS` (default `0,1,2,3`), searched at 10 buckets visited. Ignored: this is
+/// issue 4's open point, and it fails. Measured on 2026-11-24 (docs/benchmarks.md, "Retrieval
+/// drills"): seeds 0 and 2 find the needle at 4.6% and 4.4% of the keys, seed 1 answers
+/// " 1000000" (4.5%), seed 3 " 100." (5.0%). About ten minutes for the four seeds on two
+/// cores.
+#[test]
+#[ignore = "issue 4: SAAP finds the needle within 5% of the keys for some artifact seeds only"]
+fn saap_finds_the_needle_at_five_percent() -> Result<()> {
+    let model = default_model(WeightMode::Hybrid)?;
+    let spec: kvdb_index::IndexSpec = "saap256,l10".parse()?;
+    let seeds = std::env::var("KVDB_SAAP_SEEDS").unwrap_or_else(|_| "0,1,2,3".into());
+    let mut missed = Vec::new();
+    for seed in seeds.split(',') {
+        let seed: u64 = seed.trim().parse()?;
+        // A corpus of its own: `update_indexes` builds a spec a corpus lacks, once.
+        let (dir, store, question) = needle_corpus(&model)?;
+        let artifact = dir.path().join("gemma.saap");
+        train_artifact(
+            &model,
+            &gpl()?,
+            &SaapTraining::drilled(256, seed),
+            &mut |_| {},
+        )?
+        .write(&artifact)?;
+        kvdb::indexes::update_indexes(
+            &store,
+            "c",
+            model.as_ref(),
+            std::slice::from_ref(&spec),
+            Some(&artifact),
+            &mut |_| {},
+        )?;
+        let corpus = Corpus::open(store, "c", model.as_ref(), 1 << 30)?;
+        let (answer, selectivity, _) = ask_through(&model, &corpus, &question, &spec, None, None)?;
+        eprintln!("{spec} (artifact seed {seed}): {answer:?} at selectivity {selectivity:.4}");
+        if !answer.contains(NUMBER) || selectivity > 0.05 {
+            missed.push(format!("seed {seed}: {answer:?} at {selectivity:.4}"));
         }
     }
     assert!(missed.is_empty(), "{missed:?}");
