@@ -103,11 +103,7 @@ fn bucket_indexes_cover_most_of_concentrated_attention_at_five_percent() -> anyh
         },
         &mut |_| {},
     )?;
-    let context = BuildContext {
-        rope: data.rope.clone(),
-        seed,
-        saap: Some(&head),
-    };
+    let context = build_context(&data, seed, &head);
     for spec in ["ivf64,np2,norope,all", "saap64,l2"] {
         let index = kvdb_index::build(&spec.parse::<IndexSpec>()?, &context, &data.keys)?;
         let (mut mass, mut selectivity) = (0.0, 0.0);
@@ -135,9 +131,15 @@ fn bucket_indexes_cover_most_of_concentrated_attention_at_five_percent() -> anyh
     Ok(())
 }
 
-/// A search's breadth override (`SearchParams::breadth`) is the same as building the index
-/// with that breadth in its spec: the partition does not depend on it, so a bench can sweep
-/// lists probed and buckets visited over one built index.
+/// What the indexes are built with: the data's RoPE, the seed, and `head` for SAAP.
+fn build_context<'a>(data: &Clustered, seed: u64, head: &'a SaapHead) -> BuildContext<'a> {
+    BuildContext {
+        rope: data.rope.clone(),
+        seed,
+        saap: Some(head),
+    }
+}
+
 /// A SAAP head trained briefly on all of `data` (enough for tests of what a search visits).
 fn quick_head(data: &Clustered, seed: u64) -> anyhow::Result<SaapHead> {
     Ok(train_head(
@@ -159,16 +161,15 @@ fn quick_head(data: &Clustered, seed: u64) -> anyhow::Result<SaapHead> {
     )?)
 }
 
+/// A search's breadth override (`SearchParams::breadth`) is the same as building the index
+/// with that breadth in its spec: the partition does not depend on it, so a bench can sweep
+/// lists probed and buckets visited over one built index.
 #[test]
 fn breadth_override_equals_the_spec_built_with_it() -> anyhow::Result<()> {
     let (seed, mut rng) = seeded();
     let data = clustered(&mut rng);
     let head = quick_head(&data, seed)?;
-    let context = BuildContext {
-        rope: data.rope.clone(),
-        seed,
-        saap: Some(&head),
-    };
+    let context = build_context(&data, seed, &head);
     let build = |spec: &str| -> anyhow::Result<_> {
         Ok(kvdb_index::build(
             &spec.parse::<IndexSpec>()?,
@@ -226,11 +227,7 @@ fn saap_spends_its_visits_on_buckets_with_eligible_keys() -> anyhow::Result<()> 
     let (seed, mut rng) = seeded();
     let data = clustered(&mut rng);
     let head = quick_head(&data, seed)?;
-    let context = BuildContext {
-        rope: data.rope.clone(),
-        seed,
-        saap: Some(&head),
-    };
+    let context = build_context(&data, seed, &head);
     let index = kvdb_index::build(&"saap64,l4".parse::<IndexSpec>()?, &context, &data.keys)?;
     let assigned = index
         .as_buckets()
