@@ -170,34 +170,32 @@ pub fn plant_drills<'a>(
 }
 
 /// The longest prefix of `text` ending at a paragraph break (or the whole text) that
-/// encodes to at most `tokens` tokens, and its token count.
+/// encodes to at most `tokens` tokens, and its token ids.
 fn fitting_prefix<'t>(
     model: &LoadedModel,
     text: &'t str,
     tokens: usize,
-) -> Result<(&'t str, usize)> {
-    let count = |s: &str| -> Result<usize> {
-        Ok(model.tokenizer.encode(s, EncodeOptions::default())?.len())
-    };
-    let whole = count(text)?;
-    if whole <= tokens {
+) -> Result<(&'t str, Vec<u32>)> {
+    let encode = |s: &str| model.tokenizer.encode(s, EncodeOptions::default());
+    let whole = encode(text)?;
+    if whole.len() <= tokens {
         return Ok((text, whole));
     }
     let breaks: Vec<usize> = text.match_indices("\n\n").map(|(i, _)| i).collect();
     // Binary search for the last break whose prefix fits (prefix lengths grow with it).
-    let (mut lo, mut hi, mut fits) = (0, breaks.len(), 0);
+    let (mut lo, mut hi, mut fits) = (0, breaks.len(), Vec::new());
     while lo < hi {
         let mid = (lo + hi) / 2;
-        let n = count(&text[..breaks[mid]])?;
-        if n <= tokens {
-            (lo, fits) = (mid + 1, n);
+        let ids = encode(&text[..breaks[mid]])?;
+        if ids.len() <= tokens {
+            (lo, fits) = (mid + 1, ids);
         } else {
             hi = mid;
         }
     }
     Ok(lo
         .checked_sub(1)
-        .map_or(("", 0), |i| (&text[..breaks[i]], fits)))
+        .map_or(("", Vec::new()), |i| (&text[..breaks[i]], fits)))
 }
 
 /// The token ids of one window to prefill, and which of them belong to the text itself (not
@@ -237,15 +235,14 @@ fn training_ids(
     // The text is cut (at a paragraph break) to leave room for the drills, so none is lost.
     let (text, plain) = fitting_prefix(model, text, room)?;
     if drills.is_empty() {
-        let ids = encode(text)?;
-        let from_text = vec![true; ids.len()];
+        let from_text = vec![true; plain.len()];
         return Ok(TrainingIds {
-            ids,
+            ids: plain,
             from_text,
             text_bytes: text.len(),
         });
     }
-    let chars_per_token = text.len() as f64 / plain.max(1) as f64;
+    let chars_per_token = text.len() as f64 / plain.len().max(1) as f64;
     let gap_chars = (DRILL_GAP_TOKENS as f64 * chars_per_token).ceil() as usize;
     let (mut ids, mut from_text) = (Vec::new(), Vec::new());
     for piece in plant_drills(text, drills, gap_chars, seed) {
