@@ -275,14 +275,13 @@ const OBJECT: &str = "blue door";
 const NUMBER: &str = "2099391";
 
 /// The answer to `question` over `corpus` through `spec` (sink 4, window 64, 8 tokens), with
-/// `k` or the spec's breadth overridden when given, and the share of keys it attended.
+/// `k` overridden when given, and the shares of the keys it attended and scored.
 fn ask_through(
     model: &LoadedModel,
     corpus: &Corpus,
     question: &str,
     spec: &kvdb_index::IndexSpec,
     k: Option<usize>,
-    breadth: Option<usize>,
 ) -> Result<(String, f64, f64)> {
     let options = AskOptions {
         mode: AttentionMode::Retrieval(kvdb::session::Retrieval {
@@ -293,7 +292,7 @@ fn ask_through(
                 window: 64,
             },
             estimate: false,
-            breadth,
+            breadth: None,
         }),
         generate: kvdb::generate::GenerateOptions {
             max_tokens: 8,
@@ -345,8 +344,7 @@ fn every_index_finds_the_needle_at_five_percent() -> Result<()> {
     let mut missed = Vec::new();
     for spec in parsed {
         let k = (spec.default_k().is_none() && !spec.attends_whole_buckets()).then_some(n / 100);
-        let (answer, selectivity, scored) =
-            ask_through(&model, &corpus, &question, &spec, k, None)?;
+        let (answer, selectivity, scored) = ask_through(&model, &corpus, &question, &spec, k)?;
         eprintln!(
             "{spec:<48} {answer:?}: selectivity {selectivity:.4}, scored {scored:.4} of the \
              eligible keys"
@@ -394,7 +392,7 @@ fn saap_finds_the_needle_at_five_percent() -> Result<()> {
             &mut |_| {},
         )?;
         let corpus = Corpus::open(store, "c", model.as_ref(), 1 << 30)?;
-        let (answer, selectivity, _) = ask_through(&model, &corpus, &question, &spec, None, None)?;
+        let (answer, selectivity, _) = ask_through(&model, &corpus, &question, &spec, None)?;
         eprintln!("{spec} (artifact seed {seed}): {answer:?} at selectivity {selectivity:.4}");
         if !answer.contains(NUMBER) || selectivity > 0.05 {
             missed.push(format!("seed {seed}: {answer:?} at {selectivity:.4}"));
