@@ -358,7 +358,7 @@ impl<'a> Fields<'a> {
             block_q: self.number(bq, "bq")?,
             block_k: self.number(bk, "bk")?,
         };
-        if spec.k % spec.block_k != 0 {
+        if !spec.k.is_multiple_of(spec.block_k) {
             return Err(self.error(k, "k must be a multiple of the key block size"));
         }
         Ok(IndexSpec::Hip(spec))

@@ -121,7 +121,7 @@ pub fn document_from_bytes(path: &Path, bytes: &[u8]) -> Result<SourceDocument> 
         path: path.to_path_buf(),
         reason,
     };
-    let decoded = std::str::from_utf8(&bytes).map_err(|e| {
+    let decoded = std::str::from_utf8(bytes).map_err(|e| {
         bad(format!(
             "not UTF-8 text (invalid bytes at offset {}); convert it first, e.g. with iconv",
             e.valid_up_to()

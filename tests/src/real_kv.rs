@@ -128,7 +128,9 @@ pub fn default_model() -> Result<(Model, Tokenizer)> {
 /// text (at most [`real_kv_whole`]'s length, ~7.5K tokens): a prefix of the whole capture,
 /// which is exact because the model is causal and prefills in the same 512-token chunks.
 pub fn real_kv(tokens: usize) -> Result<Arc<Vec<RealKv>>> {
-    static CACHE: OnceLock<Mutex<Vec<(usize, Arc<Vec<RealKv>>)>>> = OnceLock::new();
+    /// Captures by their token count.
+    type Captures = Vec<(usize, Arc<Vec<RealKv>>)>;
+    static CACHE: OnceLock<Mutex<Captures>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     let mut cache = cache.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
     if let Some((_, kv)) = cache.iter().find(|(n, _)| *n == tokens) {
