@@ -85,7 +85,7 @@ pub(crate) struct SaapTrainArgs {
     #[arg(long, default_value_t = TrainOptions::default().max_samples)]
     max_samples: usize,
     /// Train the paper's plain classifier, without the k-means routing score added to its
-    /// logits.
+    /// logits; its indexes route by the classifier alone, without the geometric expert.
     #[arg(long)]
     no_prior: bool,
     /// Text files (.txt, .md, .html) or folders of them.

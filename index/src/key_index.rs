@@ -64,15 +64,17 @@ impl GroupQuery<'_> {
 
 /// A bucket a search did not visit, with what the engine needs to estimate its share of
 /// the attention (RetroInfer's idea): its size, and each head's inner product with its
-/// centroid.
+/// centroid (ivf) or with the mean of its rotated keys (saap).
 #[derive(Debug, Clone, PartialEq)]
 pub struct UnvisitedBucket {
     /// The bucket's number (see [`BucketIndex::assignments`]).
     pub bucket: u32,
     /// Keys in the bucket.
     pub size: u32,
-    /// `q_h · centroid` per query head of the group, unscaled, in the space the partition
-    /// was built in (rotated for RoPE'd partitions, pre-RoPE for `norope` and saap).
+    /// Per query head of the group, unscaled: `q_h · centroid` in the space the partition
+    /// was built in (rotated for RoPE'd ivf, pre-RoPE for `norope`), or for saap the rotated
+    /// query's inner product with the mean of the bucket's rotated keys (so that
+    /// `size · exp(scale · logit)` is a lower bound of the bucket's mass, by Jensen).
     pub logits: Vec<f32>,
 }
 

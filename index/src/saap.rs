@@ -26,12 +26,28 @@
 //! classifier cannot route to key content it never saw (a planted needle, say), and the
 //! prior keeps the geometry in the score.
 //!
-//! At search time every query head of a GQA group runs the classifier on its de-roped query,
-//! the heads' softmax outputs are summed, and the top ℓ of the buckets that hold candidates
-//! are visited (a partition trained on other text leaves many buckets empty in a given
-//! corpus: they cost no visit); every key in a visited bucket (inside the candidates) is
-//! attended. The batch norm is folded into the first layer after training, so inference is
-//! two matrix-vector products in plain f32.
+//! At search time every query head of a GQA group routes its query to a distribution over
+//! the buckets the corpus holds keys in, the group sums the heads' distributions, and the top
+//! ℓ of the buckets that hold candidates are visited (a partition trained on other text
+//! leaves many buckets empty in a given corpus: they cost no visit); every key in a visited
+//! bucket (inside the candidates) is attended. A head's distribution is the classifier's
+//! softmax output (renormalised over those buckets), mixed half and half
+//! ([`GEOMETRY_SHARE`]) with a second addition of ours, the **geometric expert**: the softmax
+//! of each bucket's mean attention logit over the corpus's keys in it,
+//! `scale · q_rot · mean(k_rot)`, query and keys RoPE'd at their positions. The index keeps
+//! every bucket's sum of rotated keys up to date as keys are added, so the expert costs `C`
+//! inner products. Why: the classifier learns which buckets questions of its training text
+//! wanted, and a distinctive key of a new corpus (a planted needle's digit, alone in a
+//! bucket such lookups rarely reached in training) gets next to nothing from it, however well
+//! it matches; the expert scores the corpus's own keys, so such a key brings its own score. On
+//! the default model, with drilled artifacts of 256 buckets, `kvdb ask` copied a planted
+//! needle's seven digits at ℓ = 10 for two artifact seeds of four by the classifier alone and
+//! for all four with the expert mixed in, attending fewer keys; on the GPL-3 the mixture held
+//! about the classifier's attention mass (0.628 / 0.459 / 0.190 against 0.629 / 0.456 / 0.196
+//! in layers 5 / 11 / 17) at 4.1 / 3.9 / 3.0% of the keys against 4.8 / 4.3 / 4.1%
+//! (docs/benchmarks.md, "The geometric expert"). A head trained without the prior routes by
+//! its classifier alone. The batch norm is folded into the first layer after training, so
+//! inference is two matrix-vector products in plain f32 plus the expert's `C`.
 //!
 //! A [`SaapArtifact`] (one per model, written by `kvdb saap train`) holds the heads of every
 //! retrieval layer; a [`SaapIndex`] assigns a corpus's keys to its head's centroids and keeps a
@@ -42,13 +58,16 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{BatchNormConfig, Module, ModuleT, Optimizer, VarBuilder, VarMap};
+use kvdb_model::Rope;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::common::{check_add, check_query, decode, eligible, encode, top_indices};
+use crate::common::{
+    check_add, check_query, decode, eligible, encode, rotated_keys, rotated_queries, top_indices,
+};
 use crate::error::rows;
 use crate::kernel::dot;
 use crate::key_index::{OneShot, StatelessSearch};
@@ -69,6 +88,18 @@ pub const TRAINING_WINDOW: usize = 256;
 /// Version of the artifact file format.
 /// 2: heads carry the weight of the geometric prior.
 const ARTIFACT_VERSION: u32 = 2;
+
+/// The geometric expert's share of a query head's routing distribution (see the module
+/// documentation); the classifier has the rest.
+pub const GEOMETRY_SHARE: f32 = 0.5;
+
+/// The geometric expert's share for `head`: none for a head trained without the prior.
+fn geometry_share(head: &SaapHead) -> f32 {
+    if head.prior == 0.0 {
+        return 0.0;
+    }
+    GEOMETRY_SHARE
+}
 
 /// One layer/KV head's trained partition and query classifier.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -116,6 +147,11 @@ impl SaapHead {
 
     /// The classifier's softmax output for one de-roped query.
     pub fn route(&self, query: &[f32]) -> Vec<f32> {
+        softmax(&self.logits(query))
+    }
+
+    /// The classifier's logits (prior included) for one de-roped query.
+    fn logits(&self, query: &[f32]) -> Vec<f32> {
         let d = self.head_dim;
         let hidden: Vec<f32> = self
             .w1
@@ -123,14 +159,12 @@ impl SaapHead {
             .zip(&self.b1)
             .map(|(w, b)| (dot(w, query) + b).max(0.0))
             .collect();
-        let logits: Vec<f32> = self
-            .w2
+        self.w2
             .chunks_exact(hidden.len())
             .zip(&self.b2)
             .zip(self.centroids.chunks_exact(d))
             .map(|((w, b), c)| dot(w, &hidden) + b + self.prior * dot(query, c))
-            .collect();
-        softmax(&logits)
+            .collect()
     }
 
     /// The bucket of each de-roped key: its nearest centroid (squared L2, as k-means).
@@ -139,8 +173,12 @@ impl SaapHead {
     }
 }
 
+/// Softmax of `logits`; all zeros when every logit is −∞ (nothing to route to).
 fn softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return vec![0.0; logits.len()];
+    }
     let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
     let sum: f32 = exp.iter().sum();
     exp.into_iter().map(|e| e / sum).collect()
@@ -610,6 +648,12 @@ pub struct SaapIndex {
     assigned: Vec<u32>,
     /// Ids of each bucket, ascending.
     buckets: Vec<Vec<u32>>,
+    /// The layer's RoPE: the geometric expert scores rotated keys.
+    rope: Rope,
+    /// Sum of each bucket's rotated keys `[C, d]`, in f64 so that many adds do not drift.
+    rotated_sums: Vec<f64>,
+    /// Each bucket's mean rotated key `[C, d]` (zero for an empty bucket).
+    mean_keys: Vec<f32>,
     stats: BuildStats,
 }
 
@@ -646,13 +690,51 @@ impl SaapIndex {
                 head.buckets()
             )));
         }
+        let (c, d) = (head.buckets(), head.head_dim);
         Ok(Self {
             spec: *spec,
-            buckets: vec![Vec::new(); head.buckets()],
+            buckets: vec![Vec::new(); c],
             head,
             assigned: Vec::new(),
+            rope: context.rope.clone(),
+            rotated_sums: vec![0.0; c * d],
+            mean_keys: vec![0.0; c * d],
             stats: BuildStats::default(),
         })
+    }
+
+    /// One query head's routing distribution over the buckets the corpus holds keys in
+    /// (`rotated`: the query RoPE'd at its position): the classifier's output mixed with the
+    /// geometric expert's (see the module documentation), and `q_rot · m_b` per bucket
+    /// (0 for an empty one), which the unretrieved-mass estimate reuses.
+    fn route(&self, query: &[f32], rotated: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        let mean_scores: Vec<f32> = self
+            .mean_keys
+            .chunks_exact(self.head_dim())
+            .map(|mean| dot(rotated, mean))
+            .collect();
+        let held = |b: usize| !self.buckets[b].is_empty();
+        let masked = |logits: Vec<f32>| -> Vec<f32> {
+            let logits = logits
+                .into_iter()
+                .enumerate()
+                .map(|(b, l)| if held(b) { l } else { f32::NEG_INFINITY })
+                .collect::<Vec<_>>();
+            softmax(&logits)
+        };
+        let classifier = masked(self.head.logits(query));
+        let share = geometry_share(&self.head);
+        let routed = if share == 0.0 {
+            classifier
+        } else {
+            let geometric = masked(mean_scores.iter().map(|s| self.head.prior * s).collect());
+            classifier
+                .iter()
+                .zip(&geometric)
+                .map(|(c, g)| (1.0 - share) * c + share * g)
+                .collect()
+        };
+        (routed, mean_scores)
     }
 
     /// Reopens a saved index: its head from `body`, the keys re-assigned.
@@ -680,12 +762,14 @@ impl StatelessSearch for SaapIndex {
             return Ok(Found::default());
         }
         let c = self.spec.centroids;
-        // The group's heads sum their classifier outputs.
+        // The group's heads sum their routing distributions.
+        let rotated = rotated_queries(&self.rope, query);
         let mut summed = vec![0f32; c];
-        for q in query.queries.chunks_exact(d) {
-            for (s, p) in summed.iter_mut().zip(self.head.route(q)) {
-                *s += p;
-            }
+        let mut mean_scores = Vec::new();
+        for (q, rotated) in query.queries.chunks_exact(d).zip(rotated.chunks_exact(d)) {
+            let (routed, scores) = self.route(q, rotated);
+            summed.iter_mut().zip(routed).for_each(|(s, p)| *s += p);
+            mean_scores.push(scores);
         }
         // A bucket holding none of the eligible keys (k-means trained on other text leaves
         // many empty in a given corpus) would spend one of the ℓ visits on nothing.
@@ -710,17 +794,10 @@ impl StatelessSearch for SaapIndex {
             visited.iter().for_each(|&b| seen[b as usize] = true);
             (0..c)
                 .filter(|&b| !seen[b] && !self.buckets[b].is_empty())
-                .map(|b| {
-                    let centroid = &self.head.centroids[b * d..(b + 1) * d];
-                    UnvisitedBucket {
-                        bucket: b as u32,
-                        size: self.buckets[b].len() as u32,
-                        logits: query
-                            .queries
-                            .chunks_exact(d)
-                            .map(|q| dot(q, centroid))
-                            .collect(),
-                    }
+                .map(|b| UnvisitedBucket {
+                    bucket: b as u32,
+                    size: self.buckets[b].len() as u32,
+                    logits: mean_scores.iter().map(|scores| scores[b]).collect(),
                 })
                 .collect()
         } else {
@@ -751,10 +828,26 @@ impl KeyIndex for SaapIndex {
     fn add(&mut self, keys: &[f32]) -> Result<()> {
         let started = Instant::now();
         let adding = check_add(keys, self.head_dim(), self.len())?;
-        let first = self.len() as u32;
+        let first = self.len();
+        let d = self.head_dim();
         let assigned = self.head.assign(keys);
-        for (i, &b) in assigned.iter().enumerate() {
-            self.buckets[b as usize].push(first + i as u32);
+        let rotated = rotated_keys(&self.rope, keys, first);
+        for ((i, &b), key) in assigned.iter().enumerate().zip(rotated.chunks_exact(d)) {
+            let b = b as usize;
+            self.buckets[b].push((first + i) as u32);
+            let sum = &mut self.rotated_sums[b * d..(b + 1) * d];
+            sum.iter_mut().zip(key).for_each(|(s, &k)| *s += k as f64);
+        }
+        let mut touched = assigned.clone();
+        touched.sort_unstable();
+        touched.dedup();
+        for b in touched.into_iter().map(|b| b as usize) {
+            let n = self.buckets[b].len() as f64;
+            let sum = &self.rotated_sums[b * d..(b + 1) * d];
+            let mean = &mut self.mean_keys[b * d..(b + 1) * d];
+            mean.iter_mut()
+                .zip(sum)
+                .for_each(|(m, &s)| *m = (s / n) as f32);
         }
         self.assigned.extend(assigned);
         self.stats.record_add(adding, started);
@@ -772,7 +865,8 @@ impl KeyIndex for SaapIndex {
             + self.head.w2.capacity()
             + self.head.b2.capacity();
         let ids: usize = self.buckets.iter().map(Vec::capacity).sum();
-        (head + ids + self.assigned.capacity()) * 4
+        (head + ids + self.assigned.capacity() + self.mean_keys.capacity()) * 4
+            + self.rotated_sums.capacity() * 8
     }
 
     fn build_stats(&self) -> &BuildStats {
@@ -796,5 +890,297 @@ impl BucketIndex for SaapIndex {
 
     fn assignments(&self) -> Vec<u32> {
         self.assigned.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvdb_model::{RopeConfig, RopeScaling, RopeStyle};
+    use std::collections::HashSet;
+
+    const D: usize = 8;
+    const HIDDEN_TEST: usize = 16;
+    const SCALE: f32 = 0.35;
+
+    fn rope() -> Rope {
+        let config = RopeConfig {
+            base: 10_000.0,
+            style: RopeStyle::Halves,
+            scaling: RopeScaling::None,
+        };
+        Rope::new(&config, D, None)
+    }
+
+    fn uniform(rng: &mut StdRng, n: usize, bound: f32) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-bound..bound)).collect()
+    }
+
+    /// A head of `c` random centroids with a random (untrained) classifier.
+    fn random_head(rng: &mut StdRng, c: usize) -> SaapHead {
+        SaapHead {
+            head_dim: D,
+            centroids: uniform(rng, c * D, 1.0),
+            w1: uniform(rng, HIDDEN_TEST * D, 0.5),
+            b1: uniform(rng, HIDDEN_TEST, 0.1),
+            w2: uniform(rng, c * HIDDEN_TEST, 0.5),
+            b2: uniform(rng, c, 0.5),
+            prior: SCALE,
+        }
+    }
+
+    fn built(head: &SaapHead, keys: &[f32], built_over: usize) -> Result<SaapIndex> {
+        let context = BuildContext {
+            rope: rope(),
+            seed: 0,
+            saap: Some(head),
+        };
+        let spec = SaapSpec {
+            centroids: head.buckets(),
+            probes: 2,
+        };
+        let mut index = SaapIndex::build(&spec, &context, &keys[..built_over * D])?;
+        index.add(&keys[built_over * D..])?;
+        Ok(index)
+    }
+
+    /// Buckets of [`random_index`]'s head.
+    const BUCKETS: usize = 8;
+
+    /// A random head of [`BUCKETS`] buckets and `n` random keys, the index built over the
+    /// first `built_over` and added the rest; the generator goes on for the test's queries.
+    fn random_index(
+        seed: u64,
+        n: usize,
+        built_over: usize,
+    ) -> Result<(StdRng, SaapHead, Vec<f32>, SaapIndex)> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let head = random_head(&mut rng, BUCKETS);
+        let keys = uniform(&mut rng, n * D, 1.0);
+        let index = built(&head, &keys, built_over)?;
+        Ok((rng, head, keys, index))
+    }
+
+    /// Softmax in f64 over the buckets `held` marks; 0 elsewhere.
+    fn masked_softmax(logits: &[f64], held: &[bool]) -> Vec<f64> {
+        let max = logits
+            .iter()
+            .zip(held)
+            .filter(|(_, &h)| h)
+            .map(|(l, _)| *l)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let exp: Vec<f64> = logits
+            .iter()
+            .zip(held)
+            .map(|(l, &h)| if h { (l - max).exp() } else { 0.0 })
+            .collect();
+        let sum: f64 = exp.iter().sum();
+        exp.iter().map(|e| e / sum).collect()
+    }
+
+    fn dot64(a: &[f32], b: &[f32]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+    }
+
+    /// The group's routing score per bucket, recomputed in f64 from the definition: per
+    /// query head, the classifier's softmax (MLP + centroid prior) mixed, by
+    /// [`GEOMETRY_SHARE`], with the softmax of `scale · q_rot · mean(k_rot)` over the
+    /// bucket's keys, both over the buckets that hold keys; summed over the heads.
+    fn reference_routing(
+        head: &SaapHead,
+        keys: &[f32],
+        queries: &[f32],
+        position: usize,
+    ) -> Vec<f64> {
+        let (c, rope) = (head.buckets(), rope());
+        let assigned = head.assign(keys);
+        let mut sums = vec![vec![0f64; D]; c];
+        let mut counts = vec![0usize; c];
+        for (j, key) in keys.chunks_exact(D).enumerate() {
+            let mut k = key.to_vec();
+            rope.rotate(&mut k, j);
+            let b = assigned[j] as usize;
+            sums[b]
+                .iter_mut()
+                .zip(&k)
+                .for_each(|(s, x)| *s += *x as f64);
+            counts[b] += 1;
+        }
+        let held: Vec<bool> = counts.iter().map(|&n| n > 0).collect();
+        let mut routed = vec![0f64; c];
+        for q in queries.chunks_exact(D) {
+            let hidden: Vec<f64> = head
+                .w1
+                .chunks_exact(D)
+                .zip(&head.b1)
+                .map(|(w, b)| (dot64(w, q) + *b as f64).max(0.0))
+                .collect();
+            let classifier: Vec<f64> = (0..c)
+                .map(|b| {
+                    let w = &head.w2[b * HIDDEN_TEST..(b + 1) * HIDDEN_TEST];
+                    let mlp: f64 = w.iter().zip(&hidden).map(|(w, h)| *w as f64 * h).sum();
+                    let centroid = &head.centroids[b * D..(b + 1) * D];
+                    mlp + head.b2[b] as f64 + SCALE as f64 * dot64(q, centroid)
+                })
+                .collect();
+            let mut q_rot = q.to_vec();
+            rope.rotate(&mut q_rot, position);
+            let geometric: Vec<f64> = (0..c)
+                .map(|b| {
+                    let n = counts[b].max(1) as f64;
+                    let mean: f64 = sums[b]
+                        .iter()
+                        .zip(&q_rot)
+                        .map(|(s, x)| s / n * *x as f64)
+                        .sum();
+                    SCALE as f64 * mean
+                })
+                .collect();
+            let (p, g) = (
+                masked_softmax(&classifier, &held),
+                masked_softmax(&geometric, &held),
+            );
+            for b in 0..c {
+                let share = GEOMETRY_SHARE as f64;
+                routed[b] += (1.0 - share) * p[b] + share * g[b];
+            }
+        }
+        routed
+    }
+
+    /// The buckets a search visited: those of the keys it selected.
+    fn visited(
+        index: &SaapIndex,
+        keys: &[f32],
+        queries: &[f32],
+        position: usize,
+    ) -> Result<HashSet<u32>> {
+        let assigned = index.head.assign(keys);
+        let found = index.search_once(
+            &GroupQuery { queries, position },
+            &SearchParams::top(0, 0..index.len() as u32),
+        )?;
+        Ok(found
+            .selection
+            .ids()
+            .iter()
+            .map(|&id| assigned[id as usize])
+            .collect())
+    }
+
+    /// Searches visit the ℓ buckets with the highest group routing score, computed from its
+    /// definition in f64, on an index built over part of the keys and added the rest (the
+    /// buckets' mean rotated keys kept up to date).
+    #[test]
+    fn searches_visit_the_top_buckets_of_the_mixed_routing() -> Result<()> {
+        let (c, n, group) = (BUCKETS, 600, 2);
+        let (mut rng, head, keys, index) = random_index(3, n, n / 3)?;
+        let mut compared = 0;
+        for _ in 0..40 {
+            let queries: Vec<f32> = uniform(&mut rng, group * D, 4.0);
+            let reference = reference_routing(&head, &keys, &queries, n);
+            let mut ranked: Vec<usize> = (0..c).collect();
+            ranked.sort_by(|&a, &b| reference[b].total_cmp(&reference[a]));
+            if reference[ranked[1]] - reference[ranked[2]] < 1e-4 {
+                continue; // a near tie at the cut, which f32 rounding may break either way
+            }
+            let expected: HashSet<u32> = ranked[..2].iter().map(|&b| b as u32).collect();
+            assert_eq!(
+                visited(&index, &keys, &queries, n)?,
+                expected,
+                "{reference:?}"
+            );
+            compared += 1;
+        }
+        assert!(compared > 30, "only {compared} queries without a near tie");
+        Ok(())
+    }
+
+    /// The estimate's inputs for an unvisited bucket: its size and, per query head, the
+    /// rotated query's inner product with the mean of the bucket's rotated keys, recomputed
+    /// in f64 from the keys.
+    #[test]
+    fn unvisited_buckets_carry_their_mean_rotated_key_logit() -> Result<()> {
+        let (c, n, group) = (BUCKETS, 300, 2);
+        let (mut rng, head, keys, index) = random_index(5, n, n / 2)?;
+        let queries = uniform(&mut rng, group * D, 2.0);
+        let found = index.search_once(
+            &GroupQuery {
+                queries: &queries,
+                position: n,
+            },
+            &SearchParams {
+                estimate: true,
+                ..SearchParams::top(0, 0..n as u32)
+            },
+        )?;
+        let rope = rope();
+        let assigned = head.assign(&keys);
+        assert_eq!(found.unvisited.len(), c - 2, "every bucket holds keys here");
+        for bucket in &found.unvisited {
+            let members: Vec<usize> = (0..n).filter(|&j| assigned[j] == bucket.bucket).collect();
+            assert_eq!(bucket.size as usize, members.len());
+            let mut mean = [0f64; D];
+            for &j in &members {
+                let mut k = keys[j * D..(j + 1) * D].to_vec();
+                rope.rotate(&mut k, j);
+                mean.iter_mut()
+                    .zip(&k)
+                    .for_each(|(m, x)| *m += *x as f64 / members.len() as f64);
+            }
+            for (q, &logit) in queries.chunks_exact(D).zip(&bucket.logits) {
+                let mut q_rot = q.to_vec();
+                rope.rotate(&mut q_rot, n);
+                let expected: f64 = mean.iter().zip(&q_rot).map(|(m, x)| m * *x as f64).sum();
+                assert!(
+                    (logit as f64 - expected).abs() < 1e-4,
+                    "bucket {}: {logit} against {expected}",
+                    bucket.bucket
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// A key that the classifier never routes to (its bucket's bias far below the others)
+    /// is still visited when it alone matches the query: the geometric expert scores the
+    /// corpus's own keys. A head trained without the prior routes by its classifier alone.
+    #[test]
+    fn the_geometric_expert_finds_what_the_classifier_buries() -> Result<()> {
+        let mut rng = StdRng::seed_from_u64(4);
+        let (c, n) = (8, 400);
+        let mut head = random_head(&mut rng, c);
+        head.w2.iter_mut().for_each(|w| *w = 0.0);
+        head.b2.iter_mut().for_each(|b| *b = 0.0);
+        let mut keys = uniform(&mut rng, n * D, 0.2);
+        // The needle: one key, at the centroid of bucket 5 pushed further out, alone there.
+        let needle = 123;
+        for (i, x) in head.centroids[5 * D..6 * D].iter_mut().enumerate() {
+            *x = if i % 2 == 0 { 6.0 } else { -6.0 };
+        }
+        keys[needle * D..(needle + 1) * D].copy_from_slice(&head.centroids[5 * D..6 * D]);
+        head.b2[5] = -1000.0;
+        let index = built(&head, &keys, n)?;
+        assert_eq!(
+            index.buckets[5],
+            vec![needle as u32],
+            "the needle is alone in bucket 5"
+        );
+        // A query that scores the needle highest: the needle itself, asked at its position
+        // (only the difference of positions enters the rotated scores).
+        let query = keys[needle * D..(needle + 1) * D].to_vec();
+        let spec = SaapSpec {
+            centroids: c,
+            probes: 1,
+        };
+        let one = |head: &SaapHead| -> Result<HashSet<u32>> {
+            let mut index = built(head, &keys, n)?;
+            index.spec = spec;
+            visited(&index, &keys, &query, needle)
+        };
+        assert_eq!(one(&head)?, [5].into());
+        head.prior = 0.0;
+        assert_ne!(one(&head)?, [5].into());
+        Ok(())
     }
 }
