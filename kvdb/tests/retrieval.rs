@@ -359,17 +359,16 @@ fn every_index_finds_the_needle_at_five_percent() -> Result<()> {
 
 /// SAAP on the same needle: an artifact trained with retrieval drills
 /// ([`SaapTraining::drilled`], 256 buckets, on the GPL text) for each seed in
-/// `KVDB_SAAP_SEEDS` (default `0,1,2,3`), searched at 10 buckets visited. Ignored: this is
-/// issue 4's open point, and it fails. Measured on 2026-11-24 (docs/benchmarks.md, "Retrieval
-/// drills"): seeds 0 and 2 find the needle at 4.6% and 4.4% of the keys, seed 1 answers
-/// " 1000000" (4.5%), seed 3 " 100." (5.0%). About ten minutes for the four seeds on two
-/// cores.
+/// `KVDB_SAAP_SEEDS`, searched at 10 buckets visited. The default is seed 1 alone, one of the
+/// two whose classifier alone missed the needle (docs/benchmarks.md, "The geometric expert"):
+/// training takes about three minutes on two cores, and CI has room for one;
+/// `KVDB_SAAP_SEEDS=0,1,2,3` checks the four measured there (about 13 minutes; on 2026-11-25
+/// all four found it at 3.8–4.2% of the keys).
 #[test]
-#[ignore = "issue 4: SAAP finds the needle within 5% of the keys for some artifact seeds only"]
 fn saap_finds_the_needle_at_five_percent() -> Result<()> {
     let model = default_model(WeightMode::Hybrid)?;
     let spec: kvdb_index::IndexSpec = "saap256,l10".parse()?;
-    let seeds = std::env::var("KVDB_SAAP_SEEDS").unwrap_or_else(|_| "0,1,2,3".into());
+    let seeds = std::env::var("KVDB_SAAP_SEEDS").unwrap_or_else(|_| "1".into());
     let mut missed = Vec::new();
     for seed in seeds.split(',') {
         let seed: u64 = seed.trim().parse()?;
