@@ -652,7 +652,9 @@ pub struct SaapIndex {
     rope: Rope,
     /// Sum of each bucket's rotated keys `[C, d]`, in f64 so that many adds do not drift.
     rotated_sums: Vec<f64>,
-    /// Each bucket's mean rotated key `[C, d]` (zero for an empty bucket).
+    /// Each bucket's mean rotated key `[C, d]` (zero for an empty bucket): derivable from
+    /// `rotated_sums` and the bucket sizes, kept in f32 so that each search scores the means
+    /// with the f32 kernel instead of dividing C f64 sums per query head.
     mean_keys: Vec<f32>,
     stats: BuildStats,
 }
