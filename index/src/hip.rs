@@ -12,8 +12,8 @@ use kvdb_model::Rope;
 use crate::common::{check_query, eligible, expect_empty_body, group_score, rank, rotated_queries};
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::{
-    BuildContext, BuildStats, FlatIndex, Found, GroupQuery, HipSpec, IndexError, IndexSpec,
-    KeyIndex, Result, SearchParams, Searcher,
+    BuildContext, BuildStats, FlatIndex, Found, GroupQuery, HipSpec, IndexSpec, KeyIndex, Result,
+    SearchParams, Searcher,
 };
 
 /// The token that stands for the span `tokens` when a hierarchical search scores it: its
@@ -134,19 +134,7 @@ impl HipIndex {
     /// An index with no keys, after checking the spec (its fields are public, so a spec
     /// that did not come from the parser can reach here).
     fn empty(spec: &HipSpec, context: &BuildContext<'_>) -> Result<Self> {
-        let problem = if spec.k == 0 || spec.block_q == 0 || spec.block_k == 0 {
-            Some("k, bq and bk must be positive")
-        } else if !spec.k.is_multiple_of(spec.block_k) {
-            Some("k must be a multiple of the key block size")
-        } else {
-            None
-        };
-        if let Some(reason) = problem {
-            return Err(IndexError::Build {
-                spec: IndexSpec::Hip(*spec).to_string(),
-                reason: reason.into(),
-            });
-        }
+        IndexSpec::Hip(*spec).validate()?;
         Ok(Self {
             spec: *spec,
             rope: context.rope.clone(),

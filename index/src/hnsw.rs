@@ -34,8 +34,6 @@ const MAX_LAYERS: usize = 16;
 /// hnsw_rs draws node levels from an RNG it seeds with this constant for every new graph; it
 /// is recorded in [`BuildStats::seed`] because it is what makes the build reproducible.
 const HNSW_RS_LEVEL_SEED: u64 = 397;
-/// Most links per node hnsw_rs allows (it exits the process above this).
-const MAX_LINKS: usize = 256;
 /// Version of the body `save` writes.
 const BODY_VERSION: u32 = 1;
 /// A filtered graph search walks through ineligible nodes to reach eligible ones; when fewer
@@ -208,18 +206,9 @@ impl HnswIndex {
 
     /// An index with no keys and augmentation radius `radius`.
     fn empty(spec: &HnswSpec, rope: Rope, radius: f64) -> Result<Self> {
-        let invalid = |reason: String| IndexError::Build {
-            spec: IndexSpec::Hnsw(*spec).to_string(),
-            reason,
-        };
-        if !(2..=MAX_LINKS).contains(&spec.m) {
-            return Err(invalid(format!(
-                "links per node must be in 2..={MAX_LINKS}"
-            )));
-        }
-        if spec.ef_search == 0 || spec.ef_construction == 0 {
-            return Err(invalid("ef and efc must be positive".into()));
-        }
+        // The fields are public, so a spec that did not come from the parser can reach here
+        // (hnsw_rs exits the process on too many links).
+        IndexSpec::Hnsw(*spec).validate()?;
         Ok(Self {
             graph: Self::new_graph(spec, 0),
             spec: *spec,

@@ -70,8 +70,8 @@ use rayon::prelude::*;
 use crate::common::{check_query, eligible, expect_empty_body, group_score, rank, rotated_queries};
 use crate::hip::representative;
 use crate::{
-    BuildContext, BuildStats, FlatIndex, Found, GroupQuery, IhipSpec, IndexError, IndexSpec,
-    KeyIndex, Result, SearchParams, Searcher, Selection,
+    BuildContext, BuildStats, FlatIndex, Found, GroupQuery, IhipSpec, IndexSpec, KeyIndex, Result,
+    SearchParams, Searcher, Selection,
 };
 
 /// Below this many chunks in a stage one thread scores them all (a rayon task costs more
@@ -143,27 +143,7 @@ impl IhipIndex {
     /// An index with no keys, after checking the spec (its fields are public, so a spec
     /// that did not come from the parser can reach here).
     fn empty(spec: &IhipSpec, context: &BuildContext<'_>) -> Result<Self> {
-        let stages = spec.chunks.len();
-        let positive = |v: &[usize]| v.iter().all(|&x| x > 0);
-        let problem = if stages == 0 {
-            Some("no stages")
-        } else if spec.budgets.len() != stages || spec.refresh.len() != stages {
-            Some("chunks, budgets and refresh need one entry per stage")
-        } else if !positive(&spec.chunks) || !positive(&spec.budgets) || !positive(&spec.refresh) {
-            Some("chunk sizes, budgets and refresh periods must be positive")
-        } else if spec.chunks.windows(2).any(|w| w[0] % w[1] != 0) {
-            Some("each chunk size must be a multiple of the next")
-        } else if spec.budgets.windows(2).any(|w| w[0] < w[1]) {
-            Some("stage budgets must not grow")
-        } else {
-            None
-        };
-        if let Some(reason) = problem {
-            return Err(IndexError::Build {
-                spec: IndexSpec::Ihip(spec.clone()).to_string(),
-                reason: reason.into(),
-            });
-        }
+        IndexSpec::Ihip(spec.clone()).validate()?;
         Ok(Self {
             spec: spec.clone(),
             rope: context.rope.clone(),

@@ -81,6 +81,7 @@ impl IvfIndex {
     /// Trains the partition on pre-RoPE `keys` (ids `0..`) and adds them.
     pub fn build(spec: &IvfSpec, context: &BuildContext<'_>, keys: &[f32]) -> Result<Self> {
         let started = Instant::now();
+        IndexSpec::Ivf(*spec).validate()?;
         let d = context.rope.head_dim();
         let n = check_add(keys, d, 0)?;
         let mut effective = *spec;

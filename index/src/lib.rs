@@ -77,7 +77,9 @@ pub use key_index::{
 pub use lsh::LshIndex;
 pub use saap::SaapIndex;
 pub use selection::Selection;
-pub use spec::{HipSpec, HnswSpec, IhipSpec, IndexSpec, IvfSpec, LshSpec, SaapSpec, GRAMMAR};
+pub use spec::{
+    limits, HipSpec, HnswSpec, IhipSpec, IndexSpec, IvfSpec, LshSpec, SaapSpec, GRAMMAR,
+};
 
 /// Version of the bytes [`save`] writes.
 const SAVED_VERSION: u32 = 1;
@@ -93,6 +95,27 @@ struct Saved {
     body: Vec<u8>,
 }
 
+/// Checks, before anything is built or saved, that `spec` can be built by this build of
+/// the crate: its fields within bounds ([`IndexSpec::validate`]) and its library compiled
+/// in. (What a build needs besides, such as SAAP's trained artifact, is the caller's to
+/// check.)
+pub fn check_buildable(spec: &IndexSpec) -> Result<()> {
+    spec.validate()?;
+    #[cfg(not(feature = "faiss"))]
+    if matches!(spec, IndexSpec::Ivf(_)) {
+        return Err(no_faiss(spec));
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "faiss"))]
+fn no_faiss(spec: &IndexSpec) -> IndexError {
+    IndexError::Build {
+        spec: spec.to_string(),
+        reason: "this build of kvdb-index has no faiss (feature `faiss`)".into(),
+    }
+}
+
 /// Builds the index `spec` names over pre-RoPE `keys` `[n, head_dim]` (ids `0..n`).
 pub fn build(
     spec: &IndexSpec,
@@ -104,12 +127,7 @@ pub fn build(
         #[cfg(feature = "faiss")]
         IndexSpec::Ivf(s) => Box::new(IvfIndex::build(s, context, keys)?),
         #[cfg(not(feature = "faiss"))]
-        IndexSpec::Ivf(_) => {
-            return Err(IndexError::Build {
-                spec: spec.to_string(),
-                reason: "this build of kvdb-index has no faiss (feature `faiss`)".into(),
-            })
-        }
+        IndexSpec::Ivf(_) => return Err(no_faiss(spec)),
         IndexSpec::Hnsw(s) => Box::new(HnswIndex::build(s, context, keys)?),
         IndexSpec::Lsh(s) => Box::new(LshIndex::build(s, context, keys)?),
         IndexSpec::Saap(s) => Box::new(SaapIndex::build(s, context, keys)?),
@@ -185,12 +203,7 @@ pub fn load(bytes: &[u8], context: &BuildContext<'_>, keys: &[f32]) -> Result<Bo
         #[cfg(feature = "faiss")]
         IndexSpec::Ivf(s) => Box::new(IvfIndex::load(s, context, stats, body, old)?),
         #[cfg(not(feature = "faiss"))]
-        IndexSpec::Ivf(_) => {
-            return Err(IndexError::Build {
-                spec: spec.to_string(),
-                reason: "this build of kvdb-index has no faiss (feature `faiss`)".into(),
-            })
-        }
+        IndexSpec::Ivf(_) => return Err(no_faiss(spec)),
         IndexSpec::Hnsw(s) => Box::new(HnswIndex::load(s, context, stats, body, old)?),
         IndexSpec::Lsh(s) => Box::new(LshIndex::load(s, context, stats, body, old)?),
         IndexSpec::Saap(s) => Box::new(SaapIndex::load(s, context, stats, body, old)?),

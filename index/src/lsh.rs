@@ -25,9 +25,6 @@ use crate::{
 
 /// Version of the body `save` writes.
 const BODY_VERSION: u32 = 1;
-/// Most hyperplanes (`tables · bits`) an index draws: a bound on a spec's memory, far above
-/// MagicPIG's configurations (L·K of a few thousand).
-const MAX_PLANES: usize = 1 << 20;
 /// Keys hashed per rayon task.
 const HASH_CHUNK_ROWS: usize = 256;
 /// Bytes a `HashMap<u32, Vec<u32>>` entry takes besides the ids: the key, the Vec header and
@@ -175,21 +172,8 @@ impl LshIndex {
 
     /// An index with no keys.
     fn empty(spec: &LshSpec, rope: Rope) -> Result<Self> {
-        let invalid = |reason: &str| IndexError::Build {
-            spec: IndexSpec::Lsh(*spec).to_string(),
-            reason: reason.into(),
-        };
-        if spec.tables == 0 || !(1..=32).contains(&spec.bits) {
-            return Err(invalid(
-                "needs at least one table and 1 to 32 bits per table",
-            ));
-        }
-        if spec.tables.saturating_mul(spec.bits) > MAX_PLANES {
-            return Err(invalid("more than 2^20 hyperplanes (tables times bits)"));
-        }
-        if !(1..=spec.tables).contains(&spec.min_collisions) {
-            return Err(invalid("min must be between 1 and the number of tables"));
-        }
+        // The spec's bounds also bound the hyperplanes drawn and the codes kept per key.
+        IndexSpec::Lsh(*spec).validate()?;
         let planes = draw_planes(spec.seed, spec.tables * spec.bits, rope.head_dim());
         Ok(Self {
             spec: *spec,

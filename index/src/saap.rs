@@ -674,6 +674,7 @@ impl SaapIndex {
     }
 
     fn with_head(spec: &SaapSpec, head: SaapHead, context: &BuildContext<'_>) -> Result<Self> {
+        IndexSpec::Saap(*spec).validate()?;
         head.check()?;
         let error = |reason: String| IndexError::Build {
             spec: IndexSpec::Saap(*spec).to_string(),

@@ -129,6 +129,51 @@ pub enum IndexSpec {
 const DEFAULT_EF_CONSTRUCTION: usize = 200;
 const DEFAULT_MIN_COLLISIONS: usize = 2;
 
+/// Upper bounds of every spec field. A spec is a user's string, saved in the manifest and
+/// re-parsed on every open: a value past these would either wrap in arithmetic, exhaust
+/// memory while building, or be refused by the library underneath (hnsw_rs exits the
+/// process above 256 links), so the parser refuses it before anything is saved. Each bound
+/// is far above any useful setting.
+pub mod limits {
+    /// IVF lists and SAAP buckets (k-means centroids).
+    pub const MAX_LISTS: usize = 1 << 16;
+    /// hnsw links per node: hnsw_rs's own maximum.
+    pub const MAX_LINKS: usize = 256;
+    /// hnsw candidate lists (`ef`, `efc`).
+    pub const MAX_EF: usize = 1 << 16;
+    /// LSH tables: each costs 4 bytes per key and one code per search.
+    pub const MAX_TABLES: usize = 256;
+    /// LSH bits per table (a table's code is a `u32`).
+    pub const MAX_BITS: usize = 32;
+    /// Keys a hip/ihip stage keeps: 16M, beyond any model's context.
+    pub const MAX_BUDGET: usize = 1 << 24;
+    /// hip block sizes and ihip chunk sizes, in tokens.
+    pub const MAX_BLOCK: usize = 1 << 16;
+    /// ihip stages and refresh periods (decode steps).
+    pub const MAX_STAGES: usize = 8;
+    /// ihip refresh period in decode steps.
+    pub const MAX_REFRESH: usize = 1 << 16;
+}
+use limits::*;
+
+/// What is wrong with a spec: the field as the spec spells it (`np`, `L`, `k`, ...) and the
+/// problem.
+type Problem = (&'static str, String);
+
+/// `Some(problem)` when `value` is outside `range`.
+fn outside(
+    field: &'static str,
+    value: usize,
+    range: std::ops::RangeInclusive<usize>,
+) -> Option<Problem> {
+    (!range.contains(&value)).then(|| {
+        (
+            field,
+            format!("{value} is not in {}..={}", range.start(), range.end()),
+        )
+    })
+}
+
 impl IndexSpec {
     /// The keys a query attends to when the caller names no budget: the spec's own budget
     /// for hip and ihip, `None` for the others (the engine's `k`; bucket indexes visiting
@@ -154,6 +199,101 @@ impl IndexSpec {
             Self::Saap(s) => Some(("l", s.probes)),
             Self::Hnsw(h) => Some(("ef", h.ef_search)),
             _ => None,
+        }
+    }
+
+    /// Checks every field against its bounds and the others, so that whatever this returns
+    /// `Ok` for builds (the parser calls it, and so does every index's constructor, since
+    /// the fields are public). The error names the field as the spec spells it.
+    pub fn validate(&self) -> Result<(), IndexError> {
+        match self.problem() {
+            None => Ok(()),
+            Some((field, problem)) => Err(IndexError::Spec {
+                spec: echoed(&self.to_string()),
+                token: field.to_string(),
+                problem,
+            }),
+        }
+    }
+
+    fn problem(&self) -> Option<Problem> {
+        match self {
+            Self::Flat => None,
+            Self::Ivf(s) => outside("ivf", s.lists, 1..=MAX_LISTS).or_else(|| {
+                (!(1..=s.lists).contains(&s.probes)).then(|| {
+                    (
+                        "np",
+                        format!("probes {} of the {} lists", s.probes, s.lists),
+                    )
+                })
+            }),
+            Self::Hnsw(s) => outside("hnsw", s.m, 2..=MAX_LINKS)
+                .or_else(|| outside("ef", s.ef_search, 1..=MAX_EF))
+                .or_else(|| outside("efc", s.ef_construction, 1..=MAX_EF)),
+            Self::Lsh(s) => outside("L", s.tables, 1..=MAX_TABLES)
+                .or_else(|| outside("K", s.bits, 1..=MAX_BITS))
+                .or_else(|| {
+                    (!(1..=s.tables).contains(&s.min_collisions)).then(|| {
+                        (
+                            "min",
+                            format!(
+                                "{} is not between 1 and the number of tables ({})",
+                                s.min_collisions, s.tables
+                            ),
+                        )
+                    })
+                }),
+            Self::Saap(s) => outside("saap", s.centroids, 2..=MAX_LISTS).or_else(|| {
+                (!(1..=s.centroids).contains(&s.probes)).then(|| {
+                    (
+                        "l",
+                        format!("visits {} of the {} buckets", s.probes, s.centroids),
+                    )
+                })
+            }),
+            Self::Hip(s) => outside("k", s.k, 1..=MAX_BUDGET)
+                .or_else(|| outside("bq", s.block_q, 1..=MAX_BLOCK))
+                .or_else(|| outside("bk", s.block_k, 1..=MAX_BLOCK))
+                .or_else(|| {
+                    (!s.k.is_multiple_of(s.block_k)).then(|| {
+                        (
+                            "k",
+                            "k must be a multiple of the key block size".to_string(),
+                        )
+                    })
+                }),
+            Self::Ihip(s) => {
+                let stages = s.chunks.len();
+                let each = |field, values: &[usize], most| {
+                    values.iter().find_map(|&v| outside(field, v, 1..=most))
+                };
+                outside("lc", stages, 1..=MAX_STAGES)
+                    .or_else(|| {
+                        (s.budgets.len() != stages || s.refresh.len() != stages).then(|| {
+                            (
+                                "lc",
+                                "lc, k and refresh need one entry per stage".to_string(),
+                            )
+                        })
+                    })
+                    .or_else(|| each("lc", &s.chunks, MAX_BLOCK))
+                    .or_else(|| each("k", &s.budgets, MAX_BUDGET))
+                    .or_else(|| each("refresh", &s.refresh, MAX_REFRESH))
+                    .or_else(|| {
+                        s.chunks.windows(2).any(|w| w[0] % w[1] != 0).then(|| {
+                            (
+                                "lc",
+                                "each chunk size must be a multiple of the next".to_string(),
+                            )
+                        })
+                    })
+                    .or_else(|| {
+                        s.budgets
+                            .windows(2)
+                            .any(|w| w[0] < w[1])
+                            .then(|| ("k", "stage budgets must not grow".to_string()))
+                    })
+            }
         }
     }
 
@@ -205,6 +345,19 @@ impl fmt::Display for IndexSpec {
     }
 }
 
+/// Most characters of a user's spec or token repeated in an error: a spec is user input,
+/// and an error must not echo a 100 KB string back.
+const ECHOED_CHARS: usize = 80;
+
+/// `text`, cut to [`ECHOED_CHARS`] characters with a note of its length when longer.
+fn echoed(text: &str) -> String {
+    if text.chars().count() <= ECHOED_CHARS {
+        return text.to_string();
+    }
+    let head: String = text.chars().take(ECHOED_CHARS).collect();
+    format!("{head}… ({} bytes)", text.len())
+}
+
 /// Parses the fields of one spec, naming the bad token in its errors.
 struct Fields<'a> {
     spec: &'a str,
@@ -213,9 +366,29 @@ struct Fields<'a> {
 impl<'a> Fields<'a> {
     fn error(&self, token: &str, problem: impl Into<String>) -> IndexError {
         IndexError::Spec {
-            spec: self.spec.to_string(),
-            token: token.to_string(),
+            spec: echoed(self.spec),
+            token: echoed(token),
             problem: problem.into(),
+        }
+    }
+
+    /// `spec` after [`IndexSpec::validate`]'s checks, an error naming the token that spells
+    /// the bad field (`tokens` pairs fields with their tokens; `whole` names the rest).
+    fn checked(
+        &self,
+        spec: IndexSpec,
+        whole: &str,
+        tokens: &[(&'static str, &str)],
+    ) -> Result<IndexSpec, IndexError> {
+        match spec.problem() {
+            None => Ok(spec),
+            Some((field, problem)) => {
+                let token = tokens
+                    .iter()
+                    .find(|(f, _)| *f == field)
+                    .map_or(whole, |(_, t)| *t);
+                Err(self.error(token, problem))
+            }
         }
     }
 
@@ -224,21 +397,23 @@ impl<'a> Fields<'a> {
         let digits = token
             .strip_prefix(prefix)
             .ok_or_else(|| self.error(token, format!("expected `{prefix}<number>`")))?;
+        self.positive(token, digits)
+    }
+
+    /// `digits` as a positive integer (too large for a `usize` is an error too).
+    fn positive(&self, token: &str, digits: &str) -> Result<usize, IndexError> {
         match digits.parse::<usize>() {
             Ok(n) if n > 0 => Ok(n),
-            _ => Err(self.error(token, format!("`{digits}` is not a positive integer"))),
+            _ => Err(self.error(
+                token,
+                format!("`{}` is not a positive integer", echoed(digits)),
+            )),
         }
     }
 
     /// `a/b/c` as positive integers.
     fn list(&self, token: &'a str, value: &str) -> Result<Vec<usize>, IndexError> {
-        value
-            .split('/')
-            .map(|v| match v.parse::<usize>() {
-                Ok(n) if n > 0 => Ok(n),
-                _ => Err(self.error(token, format!("`{v}` is not a positive integer"))),
-            })
-            .collect()
+        value.split('/').map(|v| self.positive(token, v)).collect()
     }
 
     /// Splits `key=value` tokens.
@@ -255,7 +430,8 @@ impl<'a> Fields<'a> {
 
     fn ivf(&self, body: &'a str) -> Result<IndexSpec, IndexError> {
         let mut tokens = body.split(',');
-        let lists = self.number(tokens.next().unwrap_or(""), "ivf")?;
+        let lists_token = tokens.next().unwrap_or("");
+        let lists = self.number(lists_token, "ivf")?;
         let probes_token = tokens
             .next()
             .ok_or_else(|| self.error(body, "missing `np<P>`"))?;
@@ -272,15 +448,13 @@ impl<'a> Fields<'a> {
             }
             *flag = true;
         }
-        if probes > lists {
-            return Err(self.error(probes_token, format!("probes more lists than the {lists}")));
-        }
-        Ok(IndexSpec::Ivf(IvfSpec {
+        let spec = IndexSpec::Ivf(IvfSpec {
             lists,
             probes,
             norope,
             all,
-        }))
+        });
+        self.checked(spec, body, &[("ivf", lists_token), ("np", probes_token)])
     }
 
     fn hnsw(&self, body: &'a str) -> Result<IndexSpec, IndexError> {
@@ -290,19 +464,25 @@ impl<'a> Fields<'a> {
             [m, ef, efc] => (*m, *ef, Some(*efc)),
             _ => return Err(self.error(body, "expected `hnsw<M>,ef<E>[,efc<C>]`")),
         };
-        Ok(IndexSpec::Hnsw(HnswSpec {
+        let spec = IndexSpec::Hnsw(HnswSpec {
             m: self.number(m, "hnsw")?,
             ef_search: self.number(ef, "ef")?,
             ef_construction: match efc {
                 Some(t) => self.number(t, "efc")?,
                 None => DEFAULT_EF_CONSTRUCTION,
             },
-        }))
+        });
+        self.checked(
+            spec,
+            body,
+            &[("hnsw", m), ("ef", ef), ("efc", efc.unwrap_or(body))],
+        )
     }
 
     fn lsh(&self, body: &'a str) -> Result<IndexSpec, IndexError> {
         let (mut tables, mut bits) = (None, None);
         let (mut min_collisions, mut seed) = (DEFAULT_MIN_COLLISIONS, 0u64);
+        let mut tokens = Vec::new();
         for (token, key, value) in self.pairs(body)? {
             let n = || {
                 self.number(value, "")
@@ -319,21 +499,19 @@ impl<'a> Fields<'a> {
                 }
                 _ => return Err(self.error(token, "expected `L=`, `K=`, `min=` or `seed=`")),
             }
+            tokens.push((token, key));
         }
-        let tables = tables.ok_or_else(|| self.error(body, "missing `L=<tables>`"))?;
-        let bits = bits.ok_or_else(|| self.error(body, "missing `K=<bits>`"))?;
-        if bits > 32 {
-            return Err(self.error(body, "K is at most 32 bits per table"));
-        }
-        if min_collisions > tables {
-            return Err(self.error(body, "min is more than the number of tables"));
-        }
-        Ok(IndexSpec::Lsh(LshSpec {
-            tables,
-            bits,
+        let spec = IndexSpec::Lsh(LshSpec {
+            tables: tables.ok_or_else(|| self.error(body, "missing `L=<tables>`"))?,
+            bits: bits.ok_or_else(|| self.error(body, "missing `K=<bits>`"))?,
             min_collisions,
             seed,
-        }))
+        });
+        let named = |field: &'static str| {
+            let token = tokens.iter().find(|(_, k)| *k == field).map(|(t, _)| *t);
+            (field, token.unwrap_or(body))
+        };
+        self.checked(spec, body, &[named("L"), named("K"), named("min")])
     }
 
     fn saap(&self, body: &'a str) -> Result<IndexSpec, IndexError> {
@@ -341,11 +519,11 @@ impl<'a> Fields<'a> {
         let [c, l] = tokens.as_slice() else {
             return Err(self.error(body, "expected `saap<C>,l<P>`"));
         };
-        let (centroids, probes) = (self.number(c, "saap")?, self.number(l, "l")?);
-        if probes > centroids {
-            return Err(self.error(l, format!("visits more buckets than the {centroids}")));
-        }
-        Ok(IndexSpec::Saap(SaapSpec { centroids, probes }))
+        let spec = IndexSpec::Saap(SaapSpec {
+            centroids: self.number(c, "saap")?,
+            probes: self.number(l, "l")?,
+        });
+        self.checked(spec, body, &[("saap", c), ("l", l)])
     }
 
     fn hip(&self, body: &'a str) -> Result<IndexSpec, IndexError> {
@@ -353,15 +531,12 @@ impl<'a> Fields<'a> {
         let [k, bq, bk] = tokens.as_slice() else {
             return Err(self.error(body, "expected `hip:k<K>,bq<B>,bk<B>`"));
         };
-        let spec = HipSpec {
+        let spec = IndexSpec::Hip(HipSpec {
             k: self.number(k, "k")?,
             block_q: self.number(bq, "bq")?,
             block_k: self.number(bk, "bk")?,
-        };
-        if !spec.k.is_multiple_of(spec.block_k) {
-            return Err(self.error(k, "k must be a multiple of the key block size"));
-        }
-        Ok(IndexSpec::Hip(spec))
+        });
+        self.checked(spec, body, &[("k", k), ("bq", bq), ("bk", bk)])
     }
 
     fn ihip(&self, body: &'a str) -> Result<IndexSpec, IndexError> {
@@ -370,34 +545,40 @@ impl<'a> Fields<'a> {
         }
         if let Some(n) = body.strip_suffix('k') {
             let n = self.number(n, "")?;
+            // The first stage keeps 16 times the final budget (`final_budget`).
+            let most = MAX_BUDGET / 16 / 1024;
+            if n > most {
+                return Err(self.error(body, format!("{n}k is more than {most}k")));
+            }
             return Ok(IndexSpec::Ihip(IhipSpec::final_budget(n * 1024)));
         }
         let mut spec = IhipSpec::paper();
         let mut budgets = None;
+        let mut tokens = Vec::new();
         for (token, key, value) in self.pairs(body)? {
-            match key {
-                "lc" => spec.chunks = self.list(token, value)?,
-                "k" => budgets = Some(self.list(token, value)?),
-                "refresh" => spec.refresh = self.list(token, value)?,
+            let field = match key {
+                "lc" => {
+                    spec.chunks = self.list(token, value)?;
+                    "lc"
+                }
+                "k" => {
+                    budgets = Some(self.list(token, value)?);
+                    "k"
+                }
+                "refresh" => {
+                    spec.refresh = self.list(token, value)?;
+                    "refresh"
+                }
                 _ => {
                     return Err(
                         self.error(token, "expected `lc=`, `k=` or `refresh=` (or a preset)")
                     )
                 }
-            }
+            };
+            tokens.push((field, token));
         }
         spec.budgets = budgets.ok_or_else(|| self.error(body, "missing `k=<k1>/<k2>/...`"))?;
-        let stages = spec.chunks.len();
-        if spec.budgets.len() != stages || spec.refresh.len() != stages {
-            return Err(self.error(body, "lc, k and refresh need one entry per stage"));
-        }
-        if spec.chunks.windows(2).any(|w| w[0] % w[1] != 0) {
-            return Err(self.error(body, "each chunk size must be a multiple of the next"));
-        }
-        if spec.budgets.windows(2).any(|w| w[0] < w[1]) {
-            return Err(self.error(body, "stage budgets must not grow"));
-        }
-        Ok(IndexSpec::Ihip(spec))
+        self.checked(IndexSpec::Ihip(spec), body, &tokens)
     }
 }
 
@@ -487,18 +668,13 @@ mod tests {
             ("hnsw32,ef", "ef"),
             ("lsh:L=4", "L=4"),
             ("lsh:L=4,K=x", "K=x"),
-            ("lsh:L=4,K=40", "L=4,K=40"),
-            ("lsh:L=4,K=8,min=5", "L=4,K=8,min=5"),
+            ("lsh:L=4,K=40", "K=40"),
+            ("lsh:L=4,K=8,min=5", "min=5"),
             ("saap8,l9", "l9"),
             ("hip:k500,bq32,bk64", "k500"),
-            (
-                "ihip:lc=256/32,k=1/2,refresh=1/1",
-                "lc=256/32,k=1/2,refresh=1/1",
-            ),
-            (
-                "ihip:lc=256/30,k=8/2,refresh=1/1",
-                "lc=256/30,k=8/2,refresh=1/1",
-            ),
+            ("ihip:lc=256/32,k=1/2,refresh=1/1", "k=1/2"),
+            ("ihip:lc=256/30,k=8/2,refresh=1/1", "lc=256/30"),
+            ("ihip:lc=256/32,k=8/2,refresh=1", "lc=256/32"),
             ("ihip:nope", "nope"),
             ("pq16", "pq16"),
         ] {
@@ -509,5 +685,84 @@ mod tests {
             assert_eq!(t, token, "{bad}");
             assert!(err.to_string().contains("ivf<C>,np<P>"), "{bad}: {err}");
         }
+    }
+
+    /// Values that wrapped or built for minutes before the bounds: each is refused by the
+    /// parser, naming its token, so no such spec reaches a manifest.
+    #[test]
+    fn out_of_bounds_values_are_refused() {
+        for (bad, token) in [
+            ("ihip:99999999999999999k", "99999999999999999k"),
+            ("ihip:18014398509481984k", "18014398509481984k"),
+            ("ihip:1025k", "1025k"),
+            (
+                "ihip:lc=256/32,k=99999999999/8,refresh=1/1",
+                "k=99999999999/8",
+            ),
+            (
+                "ihip:lc=8/8/8/8/8/8/8/8/8,k=1/1/1/1/1/1/1/1/1,refresh=1/1/1/1/1/1/1/1/1",
+                "lc=8/8/8/8/8/8/8/8/8",
+            ),
+            (
+                "ivf99999999999999999999999,np1",
+                "ivf99999999999999999999999",
+            ),
+            ("ivf65537,np1", "ivf65537"),
+            ("hnsw1,ef1", "hnsw1"),
+            ("hnsw257,ef1", "hnsw257"),
+            ("hnsw16,ef99999999", "ef99999999"),
+            ("hnsw16,ef64,efc99999999", "efc99999999"),
+            ("lsh:L=99999,K=8", "L=99999"),
+            (
+                "lsh:L=8,K=8,seed=99999999999999999999999",
+                "seed=99999999999999999999999",
+            ),
+            ("saap1,l1", "saap1"),
+            ("hip:k99999999999,bq1,bk1", "k99999999999"),
+            ("hip:k65536,bq99999999,bk1", "bq99999999"),
+        ] {
+            let err = bad.parse::<IndexSpec>().expect_err(bad);
+            let IndexError::Spec { token: t, .. } = &err else {
+                panic!("{bad}: {err:?}");
+            };
+            assert_eq!(t, token, "{bad}: {err}");
+        }
+        // The largest values allowed still parse and round-trip.
+        for good in [
+            "ihip:1024k",
+            "ivf65536,np65536",
+            "hnsw256,ef65536,efc65536",
+            "lsh:L=256,K=32,min=256,seed=18446744073709551615",
+            "hip:k16777216,bq65536,bk65536",
+        ] {
+            let spec: IndexSpec = good.parse().unwrap_or_else(|e| panic!("{good}: {e}"));
+            assert_eq!(spec.to_string().parse::<IndexSpec>().unwrap(), spec);
+            spec.validate().unwrap();
+        }
+    }
+
+    /// A spec built in code is held to the same bounds as a parsed one.
+    #[test]
+    fn validate_checks_specs_built_in_code() {
+        let bad = IndexSpec::Ihip(IhipSpec::final_budget(MAX_BUDGET));
+        assert!(bad.validate().is_err());
+        let bad = IndexSpec::Lsh(LshSpec {
+            tables: 4,
+            bits: 8,
+            min_collisions: 0,
+            seed: 0,
+        });
+        assert!(bad.validate().is_err());
+        assert!(IndexSpec::Ihip(IhipSpec::paper()).validate().is_ok());
+    }
+
+    /// An error repeats at most a bounded prefix of what the user typed.
+    #[test]
+    fn errors_do_not_echo_huge_specs() {
+        let huge = format!("ivf{}", "9".repeat(100_000));
+        let err = huge.parse::<IndexSpec>().unwrap_err().to_string();
+        assert!(err.len() < 2_000, "{} bytes", err.len());
+        let huge = "x".repeat(100_000);
+        assert!(huge.parse::<IndexSpec>().unwrap_err().to_string().len() < 2_000);
     }
 }

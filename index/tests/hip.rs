@@ -340,7 +340,7 @@ fn errors_and_empty_searches() -> TestResult {
         },
     ] {
         let err = HipIndex::build(&bad, &context(rope.clone()), &[]).expect_err("bad spec");
-        assert!(matches!(err, IndexError::Build { .. }), "{bad:?}: {err}");
+        assert!(matches!(err, IndexError::Spec { .. }), "{bad:?}: {err}");
     }
     let mut index = HipIndex::build(
         &HipSpec {

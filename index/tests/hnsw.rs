@@ -418,7 +418,7 @@ fn errors_and_edge_cases() -> TestResult {
         },
     ] {
         let err = HnswIndex::build(&bad, &ctx, &[0.0; 16]).expect_err("bad spec");
-        assert!(matches!(err, IndexError::Build { .. }), "{err}");
+        assert!(matches!(err, IndexError::Spec { .. }), "{err}");
     }
     assert!(
         kvdb_index::build(&spec()?, &context(test_rope(RopeStyle::Halves, 0)), &[1.0]).is_err()

@@ -349,7 +349,7 @@ fn errors_and_edge_cases() -> TestResult {
         },
     ] {
         let err = IhipIndex::build(&bad, &context(rope.clone()), &[]).expect_err("bad spec");
-        assert!(matches!(err, IndexError::Build { .. }), "{bad:?}: {err}");
+        assert!(matches!(err, IndexError::Spec { .. }), "{bad:?}: {err}");
     }
     let mut index = IhipIndex::build(
         &good,

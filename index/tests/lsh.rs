@@ -361,7 +361,7 @@ fn cost_seed_and_edge_cases() -> TestResult {
         },
     ] {
         let err = LshIndex::build(&bad, &ctx, &keys).expect_err("bad spec");
-        assert!(matches!(err, IndexError::Build { .. }), "{err}");
+        assert!(matches!(err, IndexError::Spec { .. }), "{err}");
     }
     assert!(kvdb_index::build(&spec, &context(test_rope(RopeStyle::Halves, 0)), &[1.0]).is_err());
     assert!(index.memory_bytes() > n * d * 4);
