@@ -17,6 +17,7 @@ use kvdb_model::LoadOptions;
 
 use crate::index_cli::{parse_spec, update_with_progress};
 use crate::SamplingArgs;
+use kvdb::indexes::check_specs;
 
 /// How ingest reports progress.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -75,7 +76,7 @@ pub(crate) struct AskArgs {
     index: Option<IndexSpec>,
     /// Keys retrieved per retrieval layer and KV head at every step (default: the spec's own
     /// budget for hip and ihip, else 64; bucket indexes attend whole buckets).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::retrieval_k)]
     k: Option<usize>,
     /// Attention sink: the first tokens of the corpus, always attended.
     #[arg(long, default_value_t = DensePolicy::default().sink)]
@@ -140,6 +141,9 @@ pub(crate) fn ingest(args: IngestArgs) -> Result<()> {
     // Read and check every input before touching the store: a bad file writes nothing.
     let documents = read_documents(&args.paths)?;
     let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
+    // And every index spec: one that cannot be built fails here, before any document is
+    // committed, not after.
+    check_specs(&args.indexes, &loaded.record.sha256, args.saap.as_deref())?;
     let fresh = !Store::exists(&args.target.store) && !args.target.store.exists();
     let store = Store::open(&args.target.store, Access::Write)?;
     let result = ingest_into(&store, &args, &documents, &loaded);

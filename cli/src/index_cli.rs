@@ -1,4 +1,4 @@
-//! The index commands of the `kvdb` binary: `index add|list` and `saap train`, and the index
+//! The index commands of the `kvdb` binary: `index add|remove|list` and `saap train`, and the index
 //! update that `ingest` runs after its documents.
 
 use std::path::{Path, PathBuf};
@@ -7,7 +7,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
 use kvdb::documents::read_documents;
-use kvdb::indexes::{list_indexes, saap_registry_path, update_indexes, IndexEvent, IndexInfo};
+use kvdb::indexes::{
+    list_indexes, remove_index, saap_registry_path, update_indexes, IndexEvent, IndexInfo,
+};
 use kvdb::ingest::{ModelRef, DOCUMENT_SEPARATOR};
 use kvdb::saap_training::{train_artifact, SaapTraining, TrainEvent};
 use kvdb::store::{Access, Store};
@@ -41,6 +43,15 @@ pub(crate) enum IndexCommand {
         /// `hip:k512,bq32,bk2` `ihip:2k`.
         #[arg(required = true, value_parser = parse_spec)]
         specs: Vec<IndexSpec>,
+    },
+    /// Remove indexes from a corpus: their saved data is deleted and they are no longer
+    /// listed (the only index of a corpus stays: add another first).
+    Remove {
+        #[command(flatten)]
+        target: CorpusRef,
+        /// Index specs as `kvdb index list` shows them (or any spelling of the same spec).
+        #[arg(required = true)]
+        specs: Vec<String>,
     },
     /// List a corpus's indexes: spec as asked and as built, keys, build time, bytes.
     List(CorpusRef),
@@ -172,6 +183,18 @@ pub(crate) fn index(command: IndexCommand) -> Result<()> {
                 progress,
             )?;
             print_infos(&infos);
+        }
+        IndexCommand::Remove { target, specs } => {
+            if !Store::exists(&target.store) {
+                return Err(kvdb::Error::StoreMissing { path: target.store }.into());
+            }
+            let store = Store::open(&target.store, Access::Write)?;
+            let mut manifest = store.manifest(&target.corpus)?;
+            for spec in &specs {
+                manifest = remove_index(&store, &target.corpus, spec)?;
+                eprintln!("kvdb: removed index `{spec}` from `{}`", target.corpus);
+            }
+            print_infos(&list_indexes(&store, &manifest)?);
         }
         IndexCommand::List(target) => {
             let store = Store::open(&target.store, Access::Read)?;

@@ -95,8 +95,8 @@ pub(crate) struct SamplingArgs {
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
-    /// Sampling temperature; 0 decodes greedily.
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature in [0, 2]; 0 decodes greedily.
+    #[arg(long, default_value_t = 0.0, value_parser = temperature)]
     temperature: f64,
     /// Nucleus sampling: keep the most likely tokens up to this probability mass.
     #[arg(long, default_value_t = 1.0, value_parser = top_p)]
@@ -130,17 +130,30 @@ fn weight_mode(s: &str) -> Result<WeightMode, String> {
     }
 }
 
+// Option values are checked by the engine's functions, the ones the server uses, so the CLI
+// and the HTTP API accept the same values.
+
+fn temperature(s: &str) -> Result<f64, String> {
+    let t: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    kvdb::generate::checked_temperature(t).map_err(|e| e.to_string())
+}
+
 fn top_p(s: &str) -> Result<f64, String> {
     let p: f64 = s.parse().map_err(|e| format!("{e}"))?;
-    if p > 0.0 && p <= 1.0 {
-        Ok(p)
-    } else {
-        Err("top-p must be in (0, 1]".into())
-    }
+    kvdb::generate::checked_top_p(p).map_err(|e| e.to_string())
+}
+
+/// `--k` for clap.
+pub(crate) fn retrieval_k(s: &str) -> Result<usize, String> {
+    let k: usize = s.parse().map_err(|e| format!("{e}"))?;
+    kvdb::generate::checked_k(k).map_err(|e| e.to_string())
 }
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve(_)) {
+        quiet_on_closed_stdout();
+    }
     match cli.command {
         Command::Model { command } => match command {
             ModelCommand::Fetch => {
@@ -243,14 +256,24 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let loaded = kvdb::models::load(args.model.as_deref(), &options)?;
     let options = args.sampling.options();
     let mut stdout = std::io::stdout().lock();
-    write!(stdout, "{}", args.prompt)?;
+    // The prompt is echoed with the first generated piece, not before: a prompt the model
+    // cannot take (too long for its context) fails without being printed back.
+    let mut echoed = false;
     let generation = generate(
         &loaded.model,
         &loaded.tokenizer,
         &args.prompt,
         &options,
-        &mut |piece| corpus_cli::emit(&mut stdout, piece),
+        &mut |piece| {
+            if !std::mem::replace(&mut echoed, true) {
+                corpus_cli::emit(&mut stdout, &args.prompt)?;
+            }
+            corpus_cli::emit(&mut stdout, piece)
+        },
     )?;
+    if !echoed {
+        write!(stdout, "{}", args.prompt)?;
+    }
     writeln!(stdout)?;
     let reason = match generation.stop {
         StopReason::EndOfText => "end of text",
@@ -267,4 +290,16 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         generation.tokens.len() as f64 / generation.decode_seconds.max(1e-9),
     );
     Ok(())
+}
+
+/// Lets a closed stdout end the process quietly, as it ends other Unix tools: Rust ignores
+/// SIGPIPE, so `kvdb corpus info | head` would otherwise panic in `println!` when `head`
+/// exits. Not for `serve`, which must outlive a client that hangs up (its sockets do not
+/// raise SIGPIPE either way).
+fn quiet_on_closed_stdout() {
+    // SAFETY: restoring a signal's default disposition at start-up, before any thread is
+    // spawned, has no preconditions.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
 }

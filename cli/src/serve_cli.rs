@@ -49,6 +49,8 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
     // The server logs what it does not tell clients (internal errors, job events).
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour codes only for a person watching, not in a redirected log.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
         .with_target(false)
         .init();

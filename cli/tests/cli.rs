@@ -164,4 +164,10 @@ fn prompt_longer_than_the_context_is_refused() {
         err.contains("do not fit the model's context of 32768"),
         "{err}"
     );
+    // The 66 KB prompt is not echoed back before the refusal.
+    assert!(
+        out.stdout.is_empty(),
+        "{} bytes on stdout",
+        out.stdout.len()
+    );
 }

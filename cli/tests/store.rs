@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use kvdb::documents::read_documents;
+use kvdb::indexes::update_indexes;
 use kvdb::ingest::{ingest, ingest_until, IngestEvent};
 use kvdb::models::{load, LoadedModel};
 use kvdb::session::{AskOptions, AttentionMode, Corpus};
@@ -803,6 +804,278 @@ fn index_commands_build_list_and_query() -> Result<()> {
     Ok(())
 }
 
+/// A spec that parses but cannot build, or whose numbers wrapped, is refused before anything
+/// is saved (the corpus used to list it unbuilt, and every later ingest and `index add`
+/// failed on it); an ingest naming one commits no document.
+#[test]
+fn a_spec_that_cannot_be_built_is_refused_before_anything_is_saved() -> Result<()> {
+    let (model, _loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let docs = write_documents(&dir.path().join("docs"), 2, 600, 11)?;
+    let store = dir.path().join("s");
+    let (s, m) = (path_str(&store), path_str(model.path()));
+    let ingest = |doc: &Path, extra: &[&str]| {
+        let mut args = vec!["ingest", "--store", s, "--corpus", "c", "--model", m];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--progress", "none", path_str(doc)]);
+        run(&args)
+    };
+    let out = ingest(&docs[0], &["--index", "hip:k16,bq1,bk4"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let listed = || text(&run(&["index", "list", "--store", s, "--corpus", "c"]).stdout);
+    let before = listed();
+    let tokens = m_final_tokens(&store)?;
+    for (spec, token) in [
+        ("hnsw1,ef1", "hnsw1"),
+        ("ihip:99999999999999999k", "99999999999999999k"),
+        ("ihip:18014398509481984k", "18014398509481984k"),
+        ("lsh:L=99999,K=8", "L=99999"),
+    ] {
+        let out = run(&[
+            "index", "add", "--store", s, "--corpus", "c", "--model", m, spec,
+        ]);
+        let err = text(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(&format!("at `{token}`")),
+            "{spec}: {err}"
+        );
+        assert_eq!(listed(), before, "{spec}");
+    }
+    // No SAAP artifact is registered for the tiny model: the ingest fails before it commits
+    // the document, not after.
+    let out = ingest(&docs[1], &["--index", "saap8,l2"]);
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no SAAP artifact"),
+        "{err}"
+    );
+    assert_eq!(m_final_tokens(&store)?, tokens);
+    assert_eq!(listed(), before);
+    // The corpus is not stuck: the next ingest and index add work.
+    let out = ingest(&docs[1], &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(m_final_tokens(&store)? > tokens);
+    let out = run(&[
+        "index",
+        "add",
+        "--store",
+        s,
+        "--corpus",
+        "c",
+        "--model",
+        m,
+        "--progress",
+        "none",
+        "hnsw2,ef8",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    Ok(())
+}
+
+/// A spec listed without ever being built (as a corpus created over HTTP lists its specs
+/// before its first ingest) that fails to build is taken off the list, so the next update
+/// does not fail on it again.
+#[test]
+fn a_listed_spec_that_fails_to_build_is_dropped() -> Result<()> {
+    let (_model, loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let docs = write_documents(&dir.path().join("docs"), 1, 600, 12)?;
+    let store = Store::open(dir.path().join("s"), Access::Write)?;
+    let config = loaded.model.config();
+    let mut manifest = store.create_corpus(
+        "c",
+        loaded.record.clone(),
+        kvdb::ingest::layer_policy(config),
+        kvdb::store::DEFAULT_BLOCK_SIZE,
+    )?;
+    manifest.indexes = vec!["saap8,l2".into(), "hip:k16,bq1,bk4".into()];
+    let mut batch = store.batch();
+    batch.put_manifest(&manifest)?;
+    store.commit(batch)?;
+    ingest(
+        &store,
+        "c",
+        loaded.as_ref(),
+        &read_documents(&docs)?,
+        &mut |_| {},
+    )?;
+    let err = update_indexes(&store, "c", loaded.as_ref(), &[], None, &mut |_| {})
+        .expect_err("saap without an artifact");
+    assert!(
+        matches!(&err, kvdb::Error::IndexBuild { dropped: true, spec, .. } if spec == "saap8,l2"),
+        "{err}"
+    );
+    assert_eq!(store.manifest("c")?.indexes, ["hip:k16,bq1,bk4"]);
+    let infos = update_indexes(&store, "c", loaded.as_ref(), &[], None, &mut |_| {})?;
+    assert_eq!(infos.len(), 1);
+    assert!(infos[0].parts > 0 && infos[0].keys == store.manifest("c")?.tokens);
+    // A corpus whose only spec is dropped falls back to `flat`, a new corpus's default.
+    manifest = store.create_corpus(
+        "d",
+        loaded.record.clone(),
+        kvdb::ingest::layer_policy(config),
+        kvdb::store::DEFAULT_BLOCK_SIZE,
+    )?;
+    manifest.indexes = vec!["saap8,l2".into()];
+    let mut batch = store.batch();
+    batch.put_manifest(&manifest)?;
+    store.commit(batch)?;
+    ingest(
+        &store,
+        "d",
+        loaded.as_ref(),
+        &read_documents(&docs)?,
+        &mut |_| {},
+    )?;
+    assert!(update_indexes(&store, "d", loaded.as_ref(), &[], None, &mut |_| {}).is_err());
+    assert_eq!(store.manifest("d")?.indexes, ["flat"]);
+    update_indexes(&store, "d", loaded.as_ref(), &[], None, &mut |_| {})?;
+    Ok(())
+}
+
+/// `kvdb index remove` deletes an index and moves the later ones up without rebuilding
+/// them; an unknown spec and a corpus's only index are clear errors.
+#[test]
+fn index_remove_keeps_the_other_indexes_as_they_were() -> Result<()> {
+    let (model, _loaded) = tiny()?;
+    let dir = tempfile::tempdir()?;
+    let docs = write_documents(&dir.path().join("docs"), 1, 900, 13)?;
+    let store = dir.path().join("s");
+    let (s, m) = (path_str(&store), path_str(model.path()));
+    let out = run(&[
+        "ingest",
+        "--store",
+        s,
+        "--corpus",
+        "c",
+        "--model",
+        m,
+        "--progress",
+        "none",
+        "--index",
+        "hip:k16,bq1,bk4",
+        "--index",
+        "lsh:L=8,K=6,min=1",
+        "--index",
+        "hnsw8,ef32",
+        path_str(&docs[0]),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let saved = |spec: &str| -> Result<Vec<Vec<u8>>> {
+        let store = Store::open(&store, Access::Read)?;
+        let manifest = store.manifest("c")?;
+        let number = manifest.indexes.iter().position(|s| s == spec).expect(spec);
+        let mut parts = Vec::new();
+        for layer in manifest.retrieval_layers() {
+            for head in 0..manifest.model.n_kv_heads {
+                let key = kvdb::store::IndexKey {
+                    corpus: manifest.id,
+                    index: number as u16,
+                    layer: layer as u16,
+                    head: head as u16,
+                };
+                parts.push(store.index(key)?.expect("saved"));
+            }
+        }
+        Ok(parts)
+    };
+    let hnsw = saved("hnsw8,ef32,efc200")?;
+    let hip = saved("hip:k16,bq1,bk4")?;
+    let remove = |spec: &str| run(&["index", "remove", "--store", s, "--corpus", "c", spec]);
+    // Any spelling of the spec names it.
+    let out = remove("lsh:K=6,L=8,min=1");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let manifest = Store::open(&store, Access::Read)?.manifest("c")?;
+    assert_eq!(manifest.indexes, ["hip:k16,bq1,bk4", "hnsw8,ef32,efc200"]);
+    assert_eq!(saved("hnsw8,ef32,efc200")?, hnsw, "moved up unchanged");
+    assert_eq!(saved("hip:k16,bq1,bk4")?, hip);
+    {
+        let store = Store::open(&store, Access::Read)?;
+        let key = kvdb::store::IndexKey {
+            corpus: manifest.id,
+            index: 2,
+            layer: manifest.retrieval_layers()[0] as u16,
+            head: 0,
+        };
+        assert!(store.index(key)?.is_none(), "the last place is emptied");
+    }
+    let out = run(&[
+        "ask",
+        "--store",
+        s,
+        "--corpus",
+        "c",
+        "--model",
+        m,
+        "--index",
+        "hnsw8,ef32",
+        "--max-tokens",
+        "2",
+        "--json",
+        "question",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = remove("ivf8,np2");
+    let err = text(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("has no index `ivf8,np2`"),
+        "{err}"
+    );
+    assert!(remove("hip:k16,bq1,bk4").status.success());
+    let out = remove("hnsw8,ef32");
+    let err = text(&out.stderr);
+    assert!(!out.status.success() && err.contains("only index"), "{err}");
+    Ok(())
+}
+
+/// Option values the server refuses with 422 are refused by the CLI at argument parsing,
+/// by the same checks.
+#[test]
+fn out_of_range_options_are_refused_at_parsing() {
+    for (flag, value) in [
+        ("--temperature", "-1"),
+        ("--temperature", "NaN"),
+        ("--temperature", "inf"),
+        ("--temperature", "1e30"),
+        ("--top-p", "0"),
+        ("--k", "0"),
+        ("--k", "99999999"),
+    ] {
+        let arg = format!("{flag}={value}");
+        let out = run(&["ask", "--store", "/nonexistent", "--corpus", "c", &arg, "q"]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {err}");
+        assert!(err.contains("must be"), "{flag} {value}: {err}");
+    }
+}
+
+/// A reader that closes its end early (`kvdb corpus list | head -c0`) ends kvdb quietly: no
+/// panic message, no exit status 101.
+#[test]
+fn a_closed_stdout_ends_quietly() -> Result<()> {
+    let corpus = tiny_corpus(1, 300, 14)?;
+    let path = corpus.store.path().to_path_buf();
+    drop(corpus.store);
+    let mut child = kvdb_cmd()
+        .args([
+            "corpus",
+            "info",
+            "--store",
+            path_str(&path),
+            "--corpus",
+            "c",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    drop(child.stdout.take());
+    let out = child.wait_with_output()?;
+    let err = text(&out.stderr);
+    assert_ne!(out.status.code(), Some(101), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    Ok(())
+}
+
 /// `kvdb serve` holds the store: a CLI writer fails saying the server owns it (with its pid
 /// and address); SIGTERM stops the server cleanly and frees the store for writers again.
 #[test]
@@ -878,6 +1151,8 @@ fn a_served_store_refuses_cli_writers_until_sigterm() -> Result<()> {
     stderr.read_to_string(&mut rest)?;
     assert!(status.success(), "{rest}");
     assert!(rest.contains("server stopped"), "{rest}");
+    // stderr is a pipe here, not a terminal: no colour codes in the log.
+    assert!(!rest.contains('\x1b') && !line.contains('\x1b'), "{rest:?}");
     let out = ingest();
     assert!(out.status.success(), "{}", text(&out.stderr));
     Ok(())

@@ -125,6 +125,42 @@ pub enum Error {
         /// Its length in tokens.
         total: usize,
     },
+    /// The corpus has no index of this spec.
+    #[error(
+        "corpus `{corpus}` has no index `{spec}` (it has: {})",
+        available.join(", ")
+    )]
+    IndexMissing {
+        /// The corpus.
+        corpus: String,
+        /// The spec asked for (canonical).
+        spec: String,
+        /// The specs it has.
+        available: Vec<String>,
+    },
+    /// Removing the only index of a corpus would leave queries without a default.
+    #[error("`{spec}` is the only index of corpus `{corpus}`: add another before removing it")]
+    LastIndex {
+        /// The corpus.
+        corpus: String,
+        /// Its only spec.
+        spec: String,
+    },
+    /// An index could not be built; nothing of it was saved.
+    #[error("index `{spec}` of corpus `{corpus}` could not be built, nothing of it was saved{}: {source}",
+        if *.dropped { " and it is no longer listed" } else { "" })]
+    IndexBuild {
+        /// The corpus.
+        corpus: String,
+        /// The spec.
+        spec: String,
+        /// Whether the spec had been listed (by an older kvdb, or a corpus created with it
+        /// over HTTP) and was taken off the list, so the corpus does not stay stuck on it.
+        dropped: bool,
+        /// Why.
+        #[source]
+        source: Box<Error>,
+    },
     /// Query options that cannot work.
     #[error("{0}")]
     Query(String),

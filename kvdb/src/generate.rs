@@ -38,6 +38,64 @@ impl Default for GenerateOptions {
     }
 }
 
+/// Highest sampling temperature accepted: past 2 the distribution is close to uniform and
+/// the text noise.
+pub const MAX_TEMPERATURE: f64 = 2.0;
+/// Most keys a query may retrieve per retrieval layer and KV head at each step.
+pub const MAX_K: usize = 1 << 16;
+
+/// An option value outside what generation accepts. The CLI (at argument parsing) and the
+/// server (as a 422) check with the same functions, so both refuse the same values.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("`{name}` must be {expected}, not {given}")]
+pub struct OptionError {
+    /// The option.
+    pub name: &'static str,
+    /// What it must be.
+    pub expected: String,
+    /// What was given.
+    pub given: String,
+}
+
+/// `temperature` if it is in `[0, MAX_TEMPERATURE]` (NaN and infinities are not).
+pub fn checked_temperature(temperature: f64) -> std::result::Result<f64, OptionError> {
+    if (0.0..=MAX_TEMPERATURE).contains(&temperature) {
+        Ok(temperature)
+    } else {
+        Err(OptionError {
+            name: "temperature",
+            expected: format!("in [0, {MAX_TEMPERATURE}]"),
+            given: temperature.to_string(),
+        })
+    }
+}
+
+/// `top_p` if it is in `(0, 1]`.
+pub fn checked_top_p(top_p: f64) -> std::result::Result<f64, OptionError> {
+    if top_p > 0.0 && top_p <= 1.0 {
+        Ok(top_p)
+    } else {
+        Err(OptionError {
+            name: "top_p",
+            expected: "in (0, 1]".into(),
+            given: top_p.to_string(),
+        })
+    }
+}
+
+/// `k` if it is in `1..=MAX_K`.
+pub fn checked_k(k: usize) -> std::result::Result<usize, OptionError> {
+    if (1..=MAX_K).contains(&k) {
+        Ok(k)
+    } else {
+        Err(OptionError {
+            name: "k",
+            expected: format!("in 1..={MAX_K}"),
+            given: k.to_string(),
+        })
+    }
+}
+
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

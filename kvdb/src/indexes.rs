@@ -81,12 +81,12 @@ pub fn saap_registry_path(model_sha256: &str, centroids: usize) -> Result<PathBu
 /// The SAAP artifact for `spec`: `explicit` when given, else the one registered for the model.
 fn saap_artifact(
     explicit: Option<&Path>,
-    manifest: &CorpusManifest,
+    model_sha256: &str,
     centroids: usize,
 ) -> Result<SaapArtifact> {
     let path = match explicit {
         Some(p) => p.to_path_buf(),
-        None => saap_registry_path(&manifest.model.sha256, centroids)?,
+        None => saap_registry_path(model_sha256, centroids)?,
     };
     if !path.exists() {
         return Err(Error::Query(format!(
@@ -100,7 +100,7 @@ fn saap_artifact(
         context: format!("reading {}", path.display()),
         source: e,
     })?;
-    if artifact.model_sha256 != manifest.model.sha256 {
+    if artifact.model_sha256 != model_sha256 {
         return Err(Error::Query(format!(
             "{} was trained for another model (sha256 {})",
             path.display(),
@@ -133,6 +133,24 @@ fn build_context<'a>(
     })
 }
 
+/// Checks, before anything is ingested, built or saved, that every spec in `specs` can be
+/// built for a corpus of the model with hash `model_sha256`: its fields within bounds, its
+/// library compiled in, and for `saap` the trained artifact (`saap_file`, or the one
+/// registered for the model) present and made for this model and bucket count.
+pub fn check_specs(
+    specs: &[IndexSpec],
+    model_sha256: &str,
+    saap_file: Option<&Path>,
+) -> Result<()> {
+    for spec in specs {
+        kvdb_index::check_buildable(spec)?;
+        if let IndexSpec::Saap(s) = spec {
+            saap_artifact(saap_file, model_sha256, s.centroids)?;
+        }
+    }
+    Ok(())
+}
+
 /// Brings every index of corpus `name` up to date with its tokens, after adding the specs in
 /// `new` that it lacks (building them). SAAP specs use the artifact in `saap_file`, or the
 /// one registered for the model. Each spec's indexes are committed in one batch with the
@@ -154,6 +172,12 @@ pub fn update_indexes(
 /// [`update_indexes`] that the caller can stop: `on_event` returning `Break` at a `Started`
 /// or `Part` event stops the update with [`Error::Cancelled`]; the specs committed before it
 /// stay, the one in progress is not written.
+///
+/// A spec joins the manifest's list in the commit that saves its built indexes, never
+/// before: a spec that fails to build leaves no trace ([`Error::IndexBuild`]), so a corpus
+/// is never left listing an index that every later update would fail on. A listed spec
+/// with nothing saved that fails (listed by a corpus created over HTTP, or by an older
+/// kvdb) is taken off the list for the same reason.
 pub fn update_indexes_until(
     store: &Store,
     name: &str,
@@ -162,12 +186,9 @@ pub fn update_indexes_until(
     saap_file: Option<&Path>,
     on_event: &mut dyn FnMut(IndexEvent<'_>) -> ControlFlow<()>,
 ) -> Result<Vec<IndexInfo>> {
-    let stop = |manifest: &CorpusManifest| Error::Cancelled {
-        corpus: manifest.name.clone(),
-        tokens: manifest.tokens,
-    };
     let mut manifest = store.manifest(name)?;
     crate::ingest::check_model(&manifest, model.record)?;
+    check_specs(new, &manifest.model.sha256, saap_file)?;
     // A corpus's first ingest names its indexes: the default `flat` gives way to them.
     let unsaved_default = match manifest.retrieval_layers().first() {
         Some(&layer) => {
@@ -179,90 +200,206 @@ pub fn update_indexes_until(
     if unsaved_default && !new.is_empty() {
         manifest.indexes.clear();
     }
+    let mut wanted = manifest.indexes.clone();
     for spec in new {
         let canonical = spec.to_string();
-        if !manifest.indexes.contains(&canonical) {
-            manifest.indexes.push(canonical);
+        if !wanted.contains(&canonical) {
+            wanted.push(canonical);
         }
     }
-    if manifest.indexes.len() > u16::MAX as usize {
+    if wanted.len() > u16::MAX as usize {
         return Err(Error::Query("too many indexes".into()));
     }
-    let n = manifest.tokens;
-    let layers = manifest.retrieval_layers();
-    let heads = manifest.model.n_kv_heads;
-    for (number, text) in manifest.indexes.clone().iter().enumerate() {
-        let spec: IndexSpec = text.parse()?;
-        if on_event(IndexEvent::Started {
-            spec: text,
-            parts: layers.len() * heads,
-        })
-        .is_break()
-        {
-            return Err(stop(&manifest));
-        }
-        let artifact = match &spec {
-            IndexSpec::Saap(s) => Some(saap_artifact(saap_file, &manifest, s.centroids)),
-            _ => None,
-        };
-        let mut batch = store.batch();
-        for &layer in &layers {
-            for head in 0..heads {
-                let key = index_key(&manifest, number, layer, head);
-                let saved = store.index(key)?;
-                let current = match &saved {
-                    Some(bytes) => kvdb_index::saved_info(bytes)?.len == n,
-                    None => false,
-                };
-                if !current && n > 0 {
-                    let keys = store.rows(&manifest, Kv::Keys, layer, head, 0..n)?;
-                    let head_artifact = match &artifact {
-                        Some(Ok(a)) => Some(a.head(layer, head).ok_or_else(|| {
-                            Error::Query(format!(
-                                "the SAAP artifact has no head for layer {layer}, KV head {head}"
-                            ))
-                        })?),
-                        Some(Err(e)) if saved.is_none() => return Err(Error::Query(e.to_string())),
-                        _ => None,
-                    };
-                    let context = build_context(model, layer, head_artifact)?;
-                    let index = match &saved {
-                        Some(bytes) => {
-                            let index = kvdb_index::load(bytes, &context, &keys)?;
-                            // Lists reduced for a small corpus are rebuilt once it has grown.
-                            let stats = index.build_stats();
-                            if index.spec() != spec && n >= 2 * stats.keys {
-                                kvdb_index::build(&spec, &context, &keys)?
-                            } else {
-                                index
-                            }
-                        }
-                        None => kvdb_index::build(&spec, &context, &keys)?,
-                    };
-                    for warning in &index.build_stats().warnings {
-                        // Warnings come mid-build; the `Part` that follows is where to stop.
-                        let _ = on_event(IndexEvent::Warning {
-                            spec: text,
-                            message: format!("layer {layer} KV head {head}: {warning}"),
-                        });
-                    }
-                    batch.put_index(key, &kvdb_index::save(index.as_ref())?)?;
+    for (number, text) in wanted.iter().enumerate() {
+        let listed = number < manifest.indexes.len();
+        let batch = match build_spec(store, &manifest, number, text, model, saap_file, on_event) {
+            Ok(batch) => batch,
+            Err(e @ Error::Cancelled { .. }) => return Err(e),
+            Err(source) => {
+                let dropped = listed && saved_parts(store, &manifest, number)? == 0;
+                if dropped {
+                    remove_at(store, &mut manifest, number)?;
                 }
-                if on_event(IndexEvent::Part {
-                    spec: text,
-                    layer,
-                    head,
-                })
-                .is_break()
-                {
-                    return Err(stop(&manifest));
-                }
+                return Err(Error::IndexBuild {
+                    corpus: manifest.name.clone(),
+                    spec: text.clone(),
+                    dropped,
+                    source: Box::new(source),
+                });
             }
+        };
+        let mut batch = batch;
+        if !listed {
+            manifest.indexes.push(text.clone());
         }
         batch.put_manifest(&manifest)?;
         store.commit(batch)?;
     }
     list_indexes(store, &manifest)
+}
+
+/// Builds or catches up spec number `number` (`text`) of the corpus for every retrieval
+/// layer and KV head, into a batch that is not yet committed.
+fn build_spec<'s>(
+    store: &'s Store,
+    manifest: &CorpusManifest,
+    number: usize,
+    text: &str,
+    model: ModelRef<'_>,
+    saap_file: Option<&Path>,
+    on_event: &mut dyn FnMut(IndexEvent<'_>) -> ControlFlow<()>,
+) -> Result<crate::store::Batch<'s>> {
+    let stop = || Error::Cancelled {
+        corpus: manifest.name.clone(),
+        tokens: manifest.tokens,
+    };
+    let n = manifest.tokens;
+    let layers = manifest.retrieval_layers();
+    let heads = manifest.model.n_kv_heads;
+    let spec: IndexSpec = text.parse()?;
+    if on_event(IndexEvent::Started {
+        spec: text,
+        parts: layers.len() * heads,
+    })
+    .is_break()
+    {
+        return Err(stop());
+    }
+    let artifact = match &spec {
+        IndexSpec::Saap(s) => Some(saap_artifact(
+            saap_file,
+            &manifest.model.sha256,
+            s.centroids,
+        )),
+        _ => None,
+    };
+    let mut batch = store.batch();
+    for &layer in &layers {
+        for head in 0..heads {
+            let key = index_key(manifest, number, layer, head);
+            let saved = store.index(key)?;
+            let current = match &saved {
+                Some(bytes) => kvdb_index::saved_info(bytes)?.len == n,
+                None => false,
+            };
+            if !current && n > 0 {
+                let keys = store.rows(manifest, Kv::Keys, layer, head, 0..n)?;
+                let head_artifact = match &artifact {
+                    Some(Ok(a)) => Some(a.head(layer, head).ok_or_else(|| {
+                        Error::Query(format!(
+                            "the SAAP artifact has no head for layer {layer}, KV head {head}"
+                        ))
+                    })?),
+                    Some(Err(e)) if saved.is_none() => return Err(Error::Query(e.to_string())),
+                    _ => None,
+                };
+                let context = build_context(model, layer, head_artifact)?;
+                let index = match &saved {
+                    Some(bytes) => {
+                        let index = kvdb_index::load(bytes, &context, &keys)?;
+                        // Lists reduced for a small corpus are rebuilt once it has grown.
+                        let stats = index.build_stats();
+                        if index.spec() != spec && n >= 2 * stats.keys {
+                            kvdb_index::build(&spec, &context, &keys)?
+                        } else {
+                            index
+                        }
+                    }
+                    None => kvdb_index::build(&spec, &context, &keys)?,
+                };
+                for warning in &index.build_stats().warnings {
+                    // Warnings come mid-build; the `Part` that follows is where to stop.
+                    let _ = on_event(IndexEvent::Warning {
+                        spec: text,
+                        message: format!("layer {layer} KV head {head}: {warning}"),
+                    });
+                }
+                batch.put_index(key, &kvdb_index::save(index.as_ref())?)?;
+            }
+            if on_event(IndexEvent::Part {
+                spec: text,
+                layer,
+                head,
+            })
+            .is_break()
+            {
+                return Err(stop());
+            }
+        }
+    }
+    Ok(batch)
+}
+
+/// How many layer/KV-head indexes of spec number `number` are saved.
+fn saved_parts(store: &Store, manifest: &CorpusManifest, number: usize) -> Result<usize> {
+    let mut parts = 0;
+    for layer in manifest.retrieval_layers() {
+        for head in 0..manifest.model.n_kv_heads {
+            parts += usize::from(
+                store
+                    .index(index_key(manifest, number, layer, head))?
+                    .is_some(),
+            );
+        }
+    }
+    Ok(parts)
+}
+
+/// Removes index `spec` from corpus `name`: its saved indexes are deleted and the specs after
+/// it move up one place (a saved index is addressed by its spec's position), in one commit
+/// with the manifest. `spec` is matched as listed or in its canonical spelling, so a spec
+/// that an older kvdb saved and this one no longer parses can still be removed. The only
+/// index of a corpus cannot be removed (queries need a default): add another first.
+pub fn remove_index(store: &Store, name: &str, spec: &str) -> Result<CorpusManifest> {
+    let mut manifest = store.manifest(name)?;
+    let canonical = spec.parse::<IndexSpec>().map(|s| s.to_string());
+    let Some(number) = manifest
+        .indexes
+        .iter()
+        .position(|s| s == spec || canonical.as_ref().is_ok_and(|c| c == s))
+    else {
+        return Err(Error::IndexMissing {
+            corpus: manifest.name.clone(),
+            spec: canonical.unwrap_or_else(|_| spec.to_string()),
+            available: manifest.indexes.clone(),
+        });
+    };
+    if manifest.indexes.len() == 1 {
+        return Err(Error::LastIndex {
+            corpus: manifest.name.clone(),
+            spec: manifest.indexes[0].clone(),
+        });
+    }
+    remove_at(store, &mut manifest, number)?;
+    Ok(manifest)
+}
+
+/// Takes spec number `number` off `manifest`'s list, deleting its saved indexes and moving
+/// the later specs' up one place, in one commit.
+fn remove_at(store: &Store, manifest: &mut CorpusManifest, number: usize) -> Result<()> {
+    let mut batch = store.batch();
+    let last = manifest.indexes.len() - 1;
+    for layer in manifest.retrieval_layers() {
+        for head in 0..manifest.model.n_kv_heads {
+            for later in number + 1..=last {
+                let from = index_key(manifest, later, layer, head);
+                let to = index_key(manifest, later - 1, layer, head);
+                match store.index(from)? {
+                    Some(bytes) => batch.put_index(to, &bytes)?,
+                    None => batch.delete_index(to)?,
+                }
+            }
+            batch.delete_index(index_key(manifest, last, layer, head))?;
+        }
+    }
+    manifest.indexes.remove(number);
+    if manifest.indexes.is_empty() {
+        // Only a failed build drops a corpus's last spec: it falls back to the default of a
+        // new corpus, `flat`, which answers without anything saved.
+        manifest.indexes.push(IndexSpec::Flat.to_string());
+    }
+    batch.put_manifest(manifest)?;
+    store.commit(batch)
 }
 
 fn index_key(manifest: &CorpusManifest, number: usize, layer: usize, head: usize) -> IndexKey {
@@ -329,13 +466,11 @@ pub fn load_indexes(
     let text = spec.to_string();
     let number = manifest.indexes.iter().position(|s| *s == text);
     if number.is_none() && *spec != IndexSpec::Flat {
-        return Err(Error::Query(format!(
-            "corpus `{}` has no index `{text}` (it has: {}); add it with `kvdb index add \
-             --corpus {} {text}`",
-            manifest.name,
-            manifest.indexes.join(", "),
-            manifest.name
-        )));
+        return Err(Error::IndexMissing {
+            corpus: manifest.name.clone(),
+            spec: text,
+            available: manifest.indexes.clone(),
+        });
     }
     let n = manifest.tokens;
     let mut set = IndexSet::new();
@@ -358,7 +493,8 @@ pub fn load_indexes(
                 _ if matches!(spec, IndexSpec::Saap(_)) => {
                     return Err(Error::Query(format!(
                         "the saap index of layer {layer} KV head {head} is not saved for these \
-                         {n} tokens yet: run `kvdb index add --corpus {} {text}`",
+                         {n} tokens yet: bring the corpus's indexes up to date (`kvdb index \
+                         add --corpus {0} {text}`, or POST /v1/corpora/{0}/indexes to a server)",
                         manifest.name
                     )))
                 }

@@ -679,6 +679,12 @@ impl Batch<'_> {
         Ok(())
     }
 
+    /// Deletes one saved index.
+    pub fn delete_index(&mut self, key: IndexKey) -> Result<()> {
+        self.batch.delete_cf(self.store.cf("index")?, key.bytes());
+        Ok(())
+    }
+
     /// Deletes blocks `blocks` of one layer and KV head (keys and values).
     pub fn delete_blocks(
         &mut self,
