@@ -6,7 +6,7 @@ use axum::extract::{FromRequest, Multipart, Request, State};
 use axum::http::{header, StatusCode};
 use axum::Json;
 use kvdb::documents::{document_from_bytes, supported, SourceDocument};
-use kvdb::indexes::{list_indexes, IndexInfo};
+use kvdb::indexes::{check_specs, list_indexes, remove_index as remove_index_from, IndexInfo};
 use kvdb::ingest::layer_policy;
 use kvdb::store::{validate_corpus_name, CorpusManifest, StoredLayer, DEFAULT_BLOCK_SIZE};
 use kvdb_index::IndexSpec;
@@ -14,7 +14,7 @@ use kvdb_model::LayerKind;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::error::{ApiError, ApiJson, ApiPath, ApiResult, ErrorBody};
+use crate::error::{echo, interrupted, ApiError, ApiJson, ApiPath, ApiResult, ErrorBody};
 use crate::jobs::{Job, Work};
 use crate::state::AppState;
 use crate::{blocking, Shared};
@@ -177,15 +177,14 @@ pub(crate) fn checked_name(name: &str) -> ApiResult<()> {
     Ok(validate_corpus_name(name)?)
 }
 
+/// Parses an index spec (400 naming it and its bad token, both cut short).
+pub(crate) fn parse_spec(spec: &str) -> ApiResult<IndexSpec> {
+    spec.parse::<IndexSpec>().map_err(|e| ApiError::from(&e))
+}
+
 /// Parses index specs (400 naming the bad one).
 pub(crate) fn parse_specs(specs: &[String]) -> ApiResult<Vec<IndexSpec>> {
-    specs
-        .iter()
-        .map(|s| {
-            s.parse::<IndexSpec>()
-                .map_err(|e| ApiError::bad_request(e.to_string()))
-        })
-        .collect()
+    specs.iter().map(|s| parse_spec(s)).collect()
 }
 
 /// List the corpora.
@@ -216,6 +215,9 @@ pub(crate) async fn create(
     let specs = parse_specs(&body.indexes)?;
     blocking(state, move |s| {
         let model = s.models.by_name(body.model.as_deref())?;
+        // The specs are saved before anything is stored to build them: each must be
+        // buildable now (SAAP's artifact found), or the corpus's first ingest would fail.
+        check_specs(&specs, &model.record.sha256, None)?;
         let config = model.model.config();
         let layers = match body.layers {
             Some(layers) => check_layers(config, layers)?,
@@ -225,7 +227,7 @@ pub(crate) async fn create(
         if s.store.manifest(&body.name).is_ok() {
             return Err(ApiError::conflict(format!(
                 "corpus `{}` exists already",
-                body.name
+                echo(&body.name)
             )));
         }
         let mut manifest =
@@ -294,7 +296,8 @@ pub(crate) async fn describe(
     .await
 }
 
-/// Delete a corpus and everything it stored (409 while a job works on it).
+/// Delete a corpus and everything it stored (409 while a job works on it or queries run on
+/// it).
 #[utoipa::path(delete, path = "/v1/corpora/{name}", tag = "corpora",
     params(("name" = String, Path, description = "The corpus")),
     responses((status = 200, body = CorpusInfo), (status = 404, body = ErrorBody),
@@ -305,14 +308,11 @@ pub(crate) async fn delete(
 ) -> ApiResult<Json<CorpusInfo>> {
     checked_name(&name)?;
     blocking(state, move |s| {
+        // Under the catalog lock: no query can start on the corpus between the check and
+        // the deletion (queries count themselves under the same lock).
         let _catalog = s.lock_catalog()?;
         let manifest = s.store.manifest(&name)?;
-        if let Some(job) = s.jobs.active(&name)? {
-            return Err(ApiError::conflict(format!(
-                "job `{job}` is working on corpus `{name}`: cancel it (DELETE /v1/jobs/{job}) \
-                 or wait for it to end"
-            )));
-        }
+        s.check_idle(&name)?;
         let info = corpus_info(s, &manifest, false)?;
         s.store.delete_corpus(&name)?;
         s.invalidate(&name);
@@ -347,11 +347,17 @@ pub(crate) async fn add_documents(
     if multipart {
         let mut form = Multipart::from_request(request, &()).await?;
         while let Some(field) = form.next_field().await? {
-            let title = field.file_name().unwrap_or_default().to_string();
-            let path = PathBuf::from(&title);
-            if !supported(&path) {
+            let Some(title) = field.file_name().map(str::to_string) else {
                 return Err(ApiError::invalid(format!(
-                    "`{title}`: upload files named .txt, .md or .html"
+                    "part `{}` is not a file: each part must be a file with a filename \
+                     (named .txt, .md or .html)",
+                    echo(field.name().unwrap_or_default())
+                )));
+            };
+            if !supported(&PathBuf::from(&title)) {
+                return Err(ApiError::invalid(format!(
+                    "`{}`: upload files named .txt, .md or .html",
+                    echo(&title)
                 )));
             }
             uploads.push((title, field.bytes().await?.to_vec()));
@@ -383,10 +389,37 @@ pub(crate) async fn add_documents(
         let manifest = s.store.manifest(&name)?;
         // Fails now, not in the job, when the corpus's model is not here.
         s.models.for_corpus(&manifest)?;
+        check_finishes_pending(s, &manifest, &documents)?;
         let job = s.jobs.submit(&name, Work::Ingest(documents))?;
         Ok((StatusCode::ACCEPTED, Json(job)))
     })
     .await
+}
+
+/// 409 now, not a failed job later, when the corpus has an interrupted document (a cancelled
+/// ingest left it part-way) and `documents` does not include it: the engine finishes it
+/// before anything new and refuses a set without it. With a job queued or running the
+/// corpus's state is in flux (a running ingest has a document part-way; a queued one may
+/// finish it), and that job's own start decides.
+fn check_finishes_pending(
+    s: &AppState,
+    manifest: &CorpusManifest,
+    documents: &[SourceDocument],
+) -> ApiResult<()> {
+    let Some(pending) = &manifest.pending else {
+        return Ok(());
+    };
+    if s.jobs.active(&manifest.name)?.is_some()
+        || documents.iter().any(|d| d.sha256 == pending.sha256)
+    {
+        return Ok(());
+    }
+    Err(ApiError::conflict(interrupted(
+        &manifest.name,
+        &pending.title,
+        manifest.tokens.saturating_sub(pending.start),
+        pending.total,
+    )))
 }
 
 /// List a corpus's indexes as saved.
@@ -426,15 +459,63 @@ pub(crate) async fn add_indexes(
         let _catalog = s.lock_catalog()?;
         let manifest = s.store.manifest(&name)?;
         s.models.for_corpus(&manifest)?;
+        // Refused now (SAAP without its artifact), not as a failed job.
+        check_specs(&specs, &manifest.model.sha256, None)?;
         let job = s.jobs.submit(&name, Work::Index(specs))?;
         Ok((StatusCode::ACCEPTED, Json(job)))
     })
     .await
 }
 
+/// Remove an index from a corpus: its saved data is deleted and the specs after it move up
+/// (409 while a job works on the corpus or queries run on it; the only index cannot go).
+#[utoipa::path(delete, path = "/v1/corpora/{name}/indexes/{spec}", tag = "corpora",
+    params(("name" = String, Path, description = "The corpus"),
+        ("spec" = String, Path, description = "The index spec, URL-encoded (`ivf64%2Cnp40`)")),
+    responses((status = 200, body = IndexList, description = "The indexes left"),
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody)))]
+pub(crate) async fn remove_index(
+    State(state): State<Shared>,
+    ApiPath((name, spec)): ApiPath<(String, String)>,
+) -> ApiResult<Json<IndexList>> {
+    checked_name(&name)?;
+    blocking(state, move |s| {
+        // Under the catalog lock: queries count themselves under it, so none starts (on the
+        // old numbering of the corpus's saved indexes) between the check and the removal.
+        let _catalog = s.lock_catalog()?;
+        let manifest = s.store.manifest(&name)?;
+        // A spec listed as given is removed even if it no longer parses (an older kvdb
+        // saved it); anything else must parse (400) and be listed (404).
+        if !manifest.indexes.contains(&spec) {
+            let canonical = parse_spec(&spec)?.to_string();
+            if !manifest.indexes.contains(&canonical) {
+                return Err(ApiError::not_found(format!(
+                    "corpus `{name}` has no index `{}` (it has: {})",
+                    echo(&canonical),
+                    manifest.indexes.join(", ")
+                )));
+            }
+        }
+        s.check_idle(&name)?;
+        let removed = remove_index_from(&s.store, &name, &spec).map_err(|e| match e {
+            // Here a missing index is the resource the request names, not a query's option.
+            kvdb::Error::IndexMissing { .. } => ApiError::not_found(e.to_string()),
+            e => e.into(),
+        });
+        // Also after a failure: the store may have changed, and a reopen costs little.
+        s.invalidate(&name);
+        let manifest = removed?;
+        Ok(Json(IndexList {
+            indexes: list_indexes(&s.store, &manifest)?,
+        }))
+    })
+    .await
+}
+
 fn checked_job(id: &str) -> ApiResult<()> {
     if id.is_empty() || id.len() > 16 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(ApiError::not_found(format!("no job `{id}`")));
+        return Err(ApiError::not_found(format!("no job `{}`", echo(id))));
     }
     Ok(())
 }

@@ -1,7 +1,11 @@
 //! One error type for every handler: a status, a stable machine-readable code and a message,
 //! answered as `{"error": {"code": ..., "message": ...}}`. Engine errors map here once;
 //! internal failures are logged and answered with a generic message (their text can name
-//! files and store internals).
+//! files and store internals). Messages repeat user input (names, specs, titles, ids) only
+//! through [`echo`], and no message is longer than [`MAX_MESSAGE_BYTES`], so that a client
+//! sending 100 KB of name does not get 100 KB back.
+
+use std::error::Error as StdError;
 
 use axum::extract::multipart::{MultipartError, MultipartRejection};
 use axum::extract::rejection::{JsonRejection, PathRejection};
@@ -21,8 +25,8 @@ pub struct ErrorBody {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ErrorDetail {
     /// A stable code: `bad_request`, `unauthorized`, `not_found`, `method_not_allowed`,
-    /// `conflict`, `payload_too_large`, `unsupported_media_type`, `invalid_request`,
-    /// `overloaded`, `unavailable` or `internal`.
+    /// `request_timeout`, `conflict`, `payload_too_large`, `unsupported_media_type`,
+    /// `invalid_request`, `overloaded`, `unavailable` or `internal`.
     pub code: String,
     /// What to do about it.
     pub message: String,
@@ -39,12 +43,48 @@ pub struct ApiError {
     pub message: String,
 }
 
+/// Characters of one piece of user input that an error message repeats.
+const ECHO_CHARS: usize = 64;
+
+/// The longest message an error answers with, in bytes (longer ones are cut): a backstop for
+/// text that embeds user input the handlers did not [`echo`] (a serde error naming an unknown
+/// field, say).
+pub(crate) const MAX_MESSAGE_BYTES: usize = 4096;
+
+/// User input as an error message repeats it: whole when it is short, else its first
+/// [`ECHO_CHARS`] characters and its length (`abc…(102400 bytes)`), so that the client can
+/// still tell which input it was.
+pub(crate) fn echo(input: &str) -> String {
+    cut(input, input.char_indices().nth(ECHO_CHARS).map(|(i, _)| i))
+}
+
+/// `text` up to byte `at` (a char boundary) with a note of its length, or all of it.
+fn cut(text: &str, at: Option<usize>) -> String {
+    match at {
+        Some(at) if at < text.len() => format!("{}…({} bytes)", &text[..at], text.len()),
+        _ => text.to_string(),
+    }
+}
+
+/// `message` cut to at most about `max` bytes.
+fn bounded(message: String, max: usize) -> String {
+    if message.len() <= max {
+        return message;
+    }
+    let at = (0..=max).rev().find(|&i| message.is_char_boundary(i));
+    cut(&message, at)
+}
+
+/// Bytes of axum's rejection text kept: serde's messages are short unless they quote the
+/// input (an unknown field's name, say).
+const REJECTION_BYTES: usize = 512;
+
 impl ApiError {
     fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         Self {
             status,
             code,
-            message: message.into(),
+            message: bounded(message.into(), MAX_MESSAGE_BYTES),
         }
     }
 
@@ -70,6 +110,11 @@ impl ApiError {
     /// 409: the request conflicts with the state (a running ingest, an existing corpus).
     pub fn conflict(message: impl Into<String>) -> Self {
         Self::new(StatusCode::CONFLICT, "conflict", message)
+    }
+
+    /// 408: the request's body stopped arriving (the server's body read timeout).
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::REQUEST_TIMEOUT, "request_timeout", message)
     }
 
     /// 413: a body, question or document set over the server's limits.
@@ -140,25 +185,97 @@ impl IntoResponse for ApiError {
 impl From<kvdb::Error> for ApiError {
     fn from(e: kvdb::Error) -> Self {
         use kvdb::Error as E;
+        // Variants that carry user input are answered with that input cut short (`echo`).
         match &e {
-            E::CorpusMissing { .. } => Self::not_found(e.to_string()),
-            E::InvalidCorpusName { .. } => Self::bad_request(e.to_string()),
-            E::ModelMismatch { .. } | E::Interrupted { .. } | E::Cancelled { .. } => {
+            E::CorpusMissing { name, available } => Self::not_found(
+                E::CorpusMissing {
+                    name: echo(name),
+                    available: available.clone(),
+                }
+                .to_string(),
+            ),
+            E::InvalidCorpusName { name } => {
+                Self::bad_request(E::InvalidCorpusName { name: echo(name) }.to_string())
+            }
+            E::Interrupted {
+                corpus,
+                title,
+                done,
+                total,
+            } => Self::conflict(interrupted(corpus, title, *done, *total)),
+            E::ModelMismatch { .. } | E::Cancelled { .. } | E::LastIndex { .. } => {
                 Self::conflict(e.to_string())
             }
-            E::Query(_) | E::ContextOverflow { .. } | E::Document { .. } => {
+            // The engine's text names no way to add an index; a server client adds it here.
+            E::IndexMissing {
+                corpus,
+                spec,
+                available,
+            } => Self::invalid(format!(
+                "{}; add it with `POST /v1/corpora/{corpus}/indexes` and \
+                 {{\"specs\": [\"{}\"]}} (a background job)",
+                E::IndexMissing {
+                    corpus: corpus.clone(),
+                    spec: echo(spec),
+                    available: available.clone(),
+                },
+                echo(spec)
+            )),
+            E::Document { path, reason } => {
+                Self::invalid(format!("{}: {reason}", echo(&path.display().to_string())))
+            }
+            E::Query(_) | E::ContextOverflow { .. } | E::IndexBuild { .. } => {
                 Self::invalid(e.to_string())
             }
-            E::Index(kvdb_index::IndexError::Spec { .. }) => Self::bad_request(e.to_string()),
+            E::Index(spec @ kvdb_index::IndexError::Spec { .. }) => Self::from(spec),
             E::StoreBusy { .. } | E::StoreOwned { .. } => Self::unavailable(e.to_string()),
             _ => Self::internal(e),
         }
     }
 }
 
+impl From<&kvdb_index::IndexError> for ApiError {
+    /// A spec that does not parse is a bad request naming the spec and the bad token, both
+    /// cut short; other index errors are internal.
+    fn from(e: &kvdb_index::IndexError) -> Self {
+        match e {
+            kvdb_index::IndexError::Spec {
+                spec,
+                token,
+                problem,
+            } => Self::bad_request(
+                kvdb_index::IndexError::Spec {
+                    spec: echo(spec),
+                    token: echo(token),
+                    problem: problem.clone(),
+                }
+                .to_string(),
+            ),
+            e => Self::internal(e),
+        }
+    }
+}
+
+/// What to do about corpus `corpus`'s interrupted document `title` (`done` of `total`
+/// tokens stored) over HTTP.
+pub(crate) fn interrupted(corpus: &str, title: &str, done: usize, total: usize) -> String {
+    format!(
+        "corpus `{corpus}` has an interrupted document `{}` ({done} of {total} tokens stored): \
+         send it again (the same content, alone or among other documents) to \
+         POST /v1/corpora/{corpus}/documents to finish it",
+        echo(title)
+    )
+}
+
 /// Keeps axum's status for a rejected body (400 syntax, 413 size, 415 type, 422 data) and
-/// answers it in the API's error shape.
-fn rejection(status: StatusCode, message: String) -> ApiError {
+/// answers it in the API's error shape; a body that stopped arriving (the server's body
+/// read timeout, somewhere in `error`'s sources) is 408.
+fn rejection(status: StatusCode, message: String, error: &(dyn StdError + 'static)) -> ApiError {
+    if timed_out(error) {
+        return ApiError::request_timeout(
+            "the request body stopped arriving (the server's body read timeout): send it again",
+        );
+    }
     let code = match status {
         StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
         StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
@@ -166,30 +283,42 @@ fn rejection(status: StatusCode, message: String) -> ApiError {
         s if s.is_server_error() => return ApiError::internal(message),
         _ => "bad_request",
     };
-    ApiError::new(status, code, message)
+    ApiError::new(status, code, bounded(message, REJECTION_BYTES))
+}
+
+/// Whether `error` or one of its sources is the body read timeout's.
+fn timed_out(error: &(dyn StdError + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if e.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> Self {
-        rejection(r.status(), r.body_text())
+        rejection(r.status(), r.body_text(), &r)
     }
 }
 
 impl From<PathRejection> for ApiError {
     fn from(r: PathRejection) -> Self {
-        rejection(r.status(), r.body_text())
+        rejection(r.status(), r.body_text(), &r)
     }
 }
 
 impl From<MultipartRejection> for ApiError {
     fn from(r: MultipartRejection) -> Self {
-        rejection(r.status(), r.body_text())
+        rejection(r.status(), r.body_text(), &r)
     }
 }
 
 impl From<MultipartError> for ApiError {
     fn from(r: MultipartError) -> Self {
-        rejection(r.status(), r.body_text())
+        rejection(r.status(), r.body_text(), &r)
     }
 }
 

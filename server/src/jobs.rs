@@ -23,7 +23,7 @@ use kvdb_index::IndexSpec;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::error::{ApiError, ApiResult, ErrorDetail};
+use crate::error::{echo, interrupted, ApiError, ApiResult, ErrorDetail};
 use crate::state::AppState;
 
 /// A job's state.
@@ -107,6 +107,10 @@ pub struct Job {
     /// Why it failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorDetail>,
+    /// The document a cancelled or failed ingest left part-way, and how to finish it (the
+    /// corpus takes no other documents until it is sent again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interrupted: Option<String>,
     /// Whether a cancel was asked for (it stops at the next commit point).
     #[serde(default)]
     pub cancel_requested: bool,
@@ -262,6 +266,7 @@ impl Jobs {
             specs,
             skipped: Vec::new(),
             error: None,
+            interrupted: None,
             cancel_requested: false,
             restarts: 0,
             created: now(),
@@ -293,7 +298,7 @@ impl Jobs {
             .jobs
             .get(id)
             .map(|e| e.job.clone())
-            .ok_or_else(|| ApiError::not_found(format!("no job `{id}`")))
+            .ok_or_else(|| ApiError::not_found(format!("no job `{}`", echo(id))))
     }
 
     /// The unfinished job of corpus `name`, if any.
@@ -312,7 +317,7 @@ impl Jobs {
         let entry = inner
             .jobs
             .get_mut(id)
-            .ok_or_else(|| ApiError::not_found(format!("no job `{id}`")))?;
+            .ok_or_else(|| ApiError::not_found(format!("no job `{}`", echo(id))))?;
         match entry.job.status {
             JobStatus::Queued => {
                 entry.cancel.store(true, Ordering::SeqCst);
@@ -385,9 +390,9 @@ impl Jobs {
         }
     }
 
-    /// Records how a job ended: succeeded, failed, cancelled, or (stopped by a shutdown)
-    /// queued again for the next start.
-    fn end(&self, id: &str, result: Result<(), ApiError>, shutdown: bool) {
+    /// Records how a job ended: succeeded, failed, cancelled (noting the document it left
+    /// part-way, `left`), or (stopped by a shutdown) queued again for the next start.
+    fn end(&self, id: &str, result: Result<(), ApiError>, shutdown: bool, left: Option<String>) {
         let Ok(mut inner) = self.lock() else {
             return;
         };
@@ -400,8 +405,14 @@ impl Jobs {
                 entry.job.status = JobStatus::Queued;
                 write_job(&self.dir, &entry.job)
             }
-            Err(e) if e.code == CANCELLED => self.finish_entry(entry, JobStatus::Cancelled, None),
-            Err(e) => self.finish_entry(entry, JobStatus::Failed, Some(e.body().error)),
+            Err(e) if e.code == CANCELLED => {
+                entry.job.interrupted = left;
+                self.finish_entry(entry, JobStatus::Cancelled, None)
+            }
+            Err(e) => {
+                entry.job.interrupted = left;
+                self.finish_entry(entry, JobStatus::Failed, Some(e.body().error))
+            }
         };
         if let Err(e) = outcome {
             tracing::error!("recording the end of job {id}: {e}");
@@ -445,7 +456,11 @@ pub(crate) fn worker(state: Arc<AppState>) {
         state.metrics.ingest_planned.set(0);
         state.metrics.ingest_done.set(0);
         let shutdown = state.stopping.load(Ordering::SeqCst);
-        state.jobs.end(&id, result, shutdown);
+        let left = match (&result, kind) {
+            (Err(_), JobKind::Ingest) => left_part_way(&state, &corpus),
+            _ => None,
+        };
+        state.jobs.end(&id, result, shutdown, left);
         if let Ok(job) = state.jobs.get(&id) {
             if job.status.finished() {
                 let kind = match kind {
@@ -460,6 +475,18 @@ pub(crate) fn worker(state: Arc<AppState>) {
             }
         }
     }
+}
+
+/// The document corpus `corpus` has part-way, and how to finish it, if any.
+fn left_part_way(state: &AppState, corpus: &str) -> Option<String> {
+    let manifest = state.store.manifest(corpus).ok()?;
+    let pending = manifest.pending?;
+    Some(interrupted(
+        corpus,
+        &pending.title,
+        manifest.tokens.saturating_sub(pending.start),
+        pending.total,
+    ))
 }
 
 /// One job: an ingest (then its corpus's index update), or an index build.

@@ -12,7 +12,7 @@ use kvdb::models::LoadedModel;
 use kvdb::store::CorpusManifest;
 use kvdb_model::LoadOptions;
 
-use crate::error::{ApiError, ApiResult};
+use crate::error::{echo, ApiError, ApiResult};
 
 /// The model folder and what was loaded from it.
 #[derive(Debug)]
@@ -54,15 +54,17 @@ impl Models {
         let plain = Path::new(name).file_name().and_then(|n| n.to_str()) == Some(name);
         if !plain || name.starts_with('.') || name.is_empty() {
             return Err(ApiError::invalid(format!(
-                "`{name}` is not a model name: name a file of the server's model folder, \
+                "`{}` is not a model name: name a file of the server's model folder, \
                  e.g. `{}`",
+                echo(name),
                 kvdb_model::fetch::DEFAULT_MODEL_FILE
             )));
         }
         let path = self.dir.join(name);
         if !path.is_file() {
             return Err(ApiError::invalid(format!(
-                "no model `{name}` in the server's model folder; it has: {}",
+                "no model `{}` in the server's model folder; it has: {}",
+                echo(name),
                 list(&self.names())
             )));
         }

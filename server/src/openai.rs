@@ -15,7 +15,7 @@ use kvdb::session::{Answer, Provenance};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::error::{ApiError, ApiJson, ApiResult, ErrorBody};
+use crate::error::{echo, ApiError, ApiJson, ApiResult, ErrorBody};
 use crate::query::{admit, json_event, sse, Ask, Sampling, Streamed};
 use crate::{blocking, Shared};
 
@@ -370,7 +370,8 @@ fn chat_question(messages: Vec<ChatMessage>) -> ApiResult<String> {
             "assistant" => "Assistant",
             other => {
                 return Err(ApiError::invalid(format!(
-                    "unsupported message role `{other}`"
+                    "unsupported message role `{}`",
+                    echo(other)
                 )))
             }
         };

@@ -2,8 +2,9 @@
 //! OpenAI-compatible endpoints share.
 //!
 //! A request is checked against the limits, admitted to the query pool (429 when it is
-//! full), its corpus and index opened (so that a bad name or index is an error status, not
-//! an event in a stream), and then it waits for a worker and generates on a blocking thread.
+//! full), counted on its corpus (so that the corpus is not deleted under it), its corpus and
+//! index opened (so that a bad name or index is an error status, not an event in a stream),
+//! and then it waits for a worker and generates on a blocking thread.
 //! A generation stops as soon as its client is gone: a stream's receiver is dropped, or a
 //! plain request's handler future is dropped (its guard clears the flag `on_text` checks).
 
@@ -16,24 +17,21 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::{self, Stream, StreamExt};
-use kvdb::generate::{GenerateOptions, StopReason};
+use kvdb::generate::{checked_k, checked_temperature, checked_top_p, GenerateOptions, StopReason};
 use kvdb::models::LoadedModel;
 use kvdb::session::{Answer, AskOptions, AttentionMode, Retrieval};
-use kvdb_index::IndexSpec;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use utoipa::ToSchema;
 
-use crate::corpora::checked_name;
+use crate::corpora::{checked_name, parse_spec};
 use crate::error::{ApiError, ApiJson, ApiPath, ApiResult, ErrorBody};
-use crate::state::{OpenCorpus, Ticket};
+use crate::state::{OpenCorpus, QueryGuard, Ticket};
 use crate::{blocking, Shared};
 
 /// Most stop strings, and their longest length in characters.
 const STOP_STRINGS: (usize, usize) = (8, 64);
-/// Largest `k`.
-const MAX_K: usize = 1 << 16;
 
 /// `POST /v1/corpora/{name}/query`.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -165,15 +163,10 @@ impl Ask {
                 limits.max_question_chars
             )));
         }
-        let index = index
-            .map(|s| {
-                s.parse::<IndexSpec>()
-                    .map_err(|e| ApiError::bad_request(e.to_string()))
-            })
-            .transpose()?;
-        if k.is_some_and(|k| k == 0 || k > MAX_K) {
-            return Err(ApiError::invalid(format!("`k` must be in 1..={MAX_K}")));
-        }
+        let index = index.map(parse_spec).transpose()?;
+        // The same checks as the CLI's, so both refuse the same values.
+        let invalid = |e: kvdb::generate::OptionError| ApiError::invalid(e.to_string());
+        let k = k.map(checked_k).transpose().map_err(invalid)?;
         let defaults = GenerateOptions::default();
         let max_tokens = sampling.max_tokens.unwrap_or(defaults.max_tokens);
         if max_tokens == 0 || max_tokens > limits.max_tokens {
@@ -182,14 +175,9 @@ impl Ask {
                 limits.max_tokens
             )));
         }
-        let temperature = sampling.temperature.unwrap_or(defaults.temperature);
-        if !(0.0..=2.0).contains(&temperature) {
-            return Err(ApiError::invalid("`temperature` must be in [0, 2]"));
-        }
-        let top_p = sampling.top_p.unwrap_or(defaults.top_p);
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::invalid("`top_p` must be in (0, 1]"));
-        }
+        let temperature = checked_temperature(sampling.temperature.unwrap_or(defaults.temperature))
+            .map_err(invalid)?;
+        let top_p = checked_top_p(sampling.top_p.unwrap_or(defaults.top_p)).map_err(invalid)?;
         let stop = match sampling.stop {
             None => Vec::new(),
             Some(StopStrings::One(s)) => vec![s],
@@ -231,16 +219,22 @@ impl Ask {
 #[derive(Debug)]
 pub(crate) struct Admitted {
     ticket: Ticket,
+    /// Held until the generation ends: the corpus is not deleted under it.
+    guard: QueryGuard,
     open: Arc<OpenCorpus>,
     ask: Ask,
 }
 
-/// Admits `ask` to the pool (429 when full) and opens its corpus and index.
+/// Admits `ask` to the pool (429 when full), counts it on its corpus and opens its corpus
+/// and index.
 pub(crate) async fn admit(state: &Shared, ask: Ask) -> ApiResult<Admitted> {
     let ticket = state.pool.admit()?;
     let name = ask.corpus.clone();
     let mode = ask.options.mode.clone();
-    let open = blocking(state.clone(), move |s| {
+    let (guard, open) = blocking(state.clone(), move |s| {
+        // Counted before the corpus opens: a delete from here on answers 409, and one that
+        // came first leaves no corpus to open (404).
+        let guard = s.start_query(&name)?;
         let open = s.corpus(&name)?;
         if let AttentionMode::Retrieval(r) = &mode {
             let spec = match &r.index {
@@ -249,10 +243,15 @@ pub(crate) async fn admit(state: &Shared, ask: Ask) -> ApiResult<Admitted> {
             };
             open.corpus.index(LoadedModel::as_ref(&open.model), &spec)?;
         }
-        Ok(open)
+        Ok((guard, open))
     })
     .await?;
-    Ok(Admitted { ticket, open, ask })
+    Ok(Admitted {
+        ticket,
+        guard,
+        open,
+        ask,
+    })
 }
 
 impl Admitted {
@@ -264,10 +263,16 @@ impl Admitted {
         mut on_text: impl FnMut(&str) -> bool + Send + 'static,
     ) -> ApiResult<Answer> {
         self.ticket.start().await?;
-        let Self { ticket, open, ask } = self;
+        let Self {
+            ticket,
+            guard,
+            open,
+            ask,
+        } = self;
         let (answer, gone) = tokio::task::spawn_blocking(move || {
-            // The worker's slot is free only once the generation has stopped.
-            let _ticket = ticket;
+            // The worker's slot is free, and the corpus may be deleted, only once the
+            // generation has stopped.
+            let _held = (ticket, guard);
             let mut gone = false;
             let answer = open.corpus.ask(
                 LoadedModel::as_ref(&open.model),

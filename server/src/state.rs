@@ -6,10 +6,15 @@
 //! running finish on theirs. The query pool admits `max_concurrent` generations at once and
 //! queues up to `max_queue` more; past that a request is refused at once (429), so an
 //! overloaded server answers quickly instead of slowing everyone down.
+//!
+//! Every query holds a [`QueryGuard`] on its corpus from before the corpus opens until its
+//! generation ends (streams included). Guards are taken under the catalog lock, and deleting
+//! a corpus or removing one of its indexes checks under the same lock that none is held, so a
+//! query never finds its corpus's keys or indexes gone or renumbered under it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use kvdb::models::LoadedModel;
 use kvdb::session::Corpus;
@@ -37,6 +42,7 @@ pub(crate) struct AppState {
     /// Set when shutdown begins: jobs stop at their next commit point.
     pub(crate) stopping: AtomicBool,
     corpora: Mutex<CorpusCache>,
+    queries: QueryCounts,
 }
 
 /// An open corpus with the model it answers with.
@@ -70,7 +76,37 @@ impl AppState {
             catalog: Mutex::default(),
             stopping: AtomicBool::new(false),
             corpora: Mutex::default(),
+            queries: QueryCounts::default(),
         })
+    }
+
+    /// Counts a query on corpus `name` until the guard drops. Taken under the catalog lock,
+    /// so that it cannot slip between a delete's check and its deletion: the query either
+    /// counts before the check (and the delete answers 409) or starts after the deletion
+    /// (and its corpus open answers 404).
+    pub(crate) fn start_query(&self, name: &str) -> ApiResult<QueryGuard> {
+        let _catalog = self.lock_catalog()?;
+        Ok(self.queries.enter(name))
+    }
+
+    /// 409 unless corpus `name` is idle: no job works on it (or waits to) and no query runs
+    /// on it. Call it holding the catalog lock, and change the corpus under the same hold.
+    pub(crate) fn check_idle(&self, name: &str) -> ApiResult<()> {
+        if let Some(job) = self.jobs.active(name)? {
+            return Err(ApiError::conflict(format!(
+                "job `{job}` is working on corpus `{name}`: cancel it (DELETE /v1/jobs/{job}) \
+                 or wait for it to end, then retry"
+            )));
+        }
+        match self.queries.count(name) {
+            0 => Ok(()),
+            1 => Err(ApiError::conflict(format!(
+                "a query is running on corpus `{name}`: retry once it has finished"
+            ))),
+            n => Err(ApiError::conflict(format!(
+                "{n} queries are running on corpus `{name}`: retry once they have finished"
+            ))),
+        }
     }
 
     /// Corpus `name`, opened on first use (blocking: run it off the async executor).
@@ -125,6 +161,49 @@ impl AppState {
         self.catalog
             .lock()
             .map_err(|_| ApiError::internal("a catalog change panicked"))
+    }
+}
+
+/// Queries in flight, by corpus.
+#[derive(Debug, Default)]
+struct QueryCounts(Arc<Mutex<HashMap<String, usize>>>);
+
+impl QueryCounts {
+    fn enter(&self, name: &str) -> QueryGuard {
+        *lock(&self.0).entry(name.to_string()).or_default() += 1;
+        QueryGuard {
+            counts: self.0.clone(),
+            name: name.to_string(),
+        }
+    }
+
+    fn count(&self, name: &str) -> usize {
+        lock(&self.0).get(name).copied().unwrap_or(0)
+    }
+}
+
+/// The counts stay right even if a holder panicked: each change is one step, nothing is
+/// left half-done.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One query in flight on a corpus (see [`AppState::start_query`]).
+#[derive(Debug)]
+pub(crate) struct QueryGuard {
+    counts: Arc<Mutex<HashMap<String, usize>>>,
+    name: String,
+}
+
+impl Drop for QueryGuard {
+    fn drop(&mut self) {
+        let mut counts = lock(&self.counts);
+        if let Some(n) = counts.get_mut(&self.name) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                counts.remove(&self.name);
+            }
+        }
     }
 }
 
