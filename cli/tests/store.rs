@@ -156,6 +156,54 @@ fn run(args: &[&str]) -> Output {
     kvdb_cmd().args(args).output().expect("running kvdb")
 }
 
+/// A tiny model and documents for driving the `kvdb` binary, with a store path (not yet
+/// created) in the same temporary folder.
+struct CliCorpus {
+    model: TinyFile,
+    docs: Vec<PathBuf>,
+    store: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl CliCorpus {
+    fn new(count: usize, chars: usize, seed: u64) -> Result<Self> {
+        let (model, _) = tiny()?;
+        let dir = tempfile::tempdir()?;
+        Ok(Self {
+            model,
+            docs: write_documents(&dir.path().join("docs"), count, chars, seed)?,
+            store: dir.path().join("s"),
+            _dir: dir,
+        })
+    }
+}
+
+/// `kvdb ingest` of `doc` into corpus `c` of store `s` with model `m`, `extra` arguments
+/// first, without progress output.
+fn ingest_cli(s: &str, m: &str, doc: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["ingest", "--store", s, "--corpus", "c", "--model", m];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--progress", "none", path_str(doc)]);
+    run(&args)
+}
+
+/// `kvdb index add` of `spec` to corpus `c` of store `s` with model `m`, without progress.
+fn index_add_cli(s: &str, m: &str, spec: &str) -> Output {
+    run(&[
+        "index",
+        "add",
+        "--store",
+        s,
+        "--corpus",
+        "c",
+        "--model",
+        m,
+        "--progress",
+        "none",
+        spec,
+    ])
+}
+
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -706,17 +754,10 @@ fn corpus_commands_list_describe_and_delete() -> Result<()> {
 /// date, and a bad spec is an error that shows the grammar.
 #[test]
 fn index_commands_build_list_and_query() -> Result<()> {
-    let (model, _loaded) = tiny()?;
-    let dir = tempfile::tempdir()?;
-    let docs = write_documents(&dir.path().join("docs"), 3, 900, 5)?;
-    let store = dir.path().join("s");
-    let (s, m) = (path_str(&store), path_str(model.path()));
-    let ingest = |doc: &std::path::Path, extra: &[&str]| {
-        let mut args = vec!["ingest", "--store", s, "--corpus", "c", "--model", m];
-        args.extend_from_slice(extra);
-        args.extend_from_slice(&["--progress", "none", path_str(doc)]);
-        run(&args)
-    };
+    let cli = CliCorpus::new(3, 900, 5)?;
+    let (docs, store) = (&cli.docs, &cli.store);
+    let (s, m) = (path_str(store), path_str(cli.model.path()));
+    let ingest = |doc: &Path, extra: &[&str]| ingest_cli(s, m, doc, extra);
     let out = ingest(
         &docs[0],
         &["--index", "hnsw8,ef32", "--index", "hip:k16,bq1,bk4"],
@@ -732,19 +773,7 @@ fn index_commands_build_list_and_query() -> Result<()> {
     };
     let listed = list(&["hnsw8,ef32,efc200", "hip:k16,bq1,bk4", "(default)"])?;
     assert!(!listed.contains("flat"), "{listed}");
-    let out = run(&[
-        "index",
-        "add",
-        "--store",
-        s,
-        "--corpus",
-        "c",
-        "--model",
-        m,
-        "--progress",
-        "none",
-        "lsh:L=8,K=6,min=1",
-    ]);
+    let out = index_add_cli(s, m, "lsh:L=8,K=6,min=1");
     assert!(out.status.success(), "{}", text(&out.stderr));
     list(&["lsh:L=8,K=6,min=1,seed=0"])?;
     // A later ingest catches every index up with the new tokens.
@@ -809,17 +838,10 @@ fn index_commands_build_list_and_query() -> Result<()> {
 /// failed on it); an ingest naming one commits no document.
 #[test]
 fn a_spec_that_cannot_be_built_is_refused_before_anything_is_saved() -> Result<()> {
-    let (model, _loaded) = tiny()?;
-    let dir = tempfile::tempdir()?;
-    let docs = write_documents(&dir.path().join("docs"), 2, 600, 11)?;
-    let store = dir.path().join("s");
-    let (s, m) = (path_str(&store), path_str(model.path()));
-    let ingest = |doc: &Path, extra: &[&str]| {
-        let mut args = vec!["ingest", "--store", s, "--corpus", "c", "--model", m];
-        args.extend_from_slice(extra);
-        args.extend_from_slice(&["--progress", "none", path_str(doc)]);
-        run(&args)
-    };
+    let cli = CliCorpus::new(2, 600, 11)?;
+    let (docs, store) = (&cli.docs, &cli.store);
+    let (s, m) = (path_str(store), path_str(cli.model.path()));
+    let ingest = |doc: &Path, extra: &[&str]| ingest_cli(s, m, doc, extra);
     let out = ingest(&docs[0], &["--index", "hip:k16,bq1,bk4"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let listed = || text(&run(&["index", "list", "--store", s, "--corpus", "c"]).stdout);
@@ -831,9 +853,7 @@ fn a_spec_that_cannot_be_built_is_refused_before_anything_is_saved() -> Result<(
         ("ihip:18014398509481984k", "18014398509481984k"),
         ("lsh:L=99999,K=8", "L=99999"),
     ] {
-        let out = run(&[
-            "index", "add", "--store", s, "--corpus", "c", "--model", m, spec,
-        ]);
+        let out = index_add_cli(s, m, spec);
         let err = text(&out.stderr);
         assert!(
             !out.status.success() && err.contains(&format!("at `{token}`")),
@@ -855,19 +875,7 @@ fn a_spec_that_cannot_be_built_is_refused_before_anything_is_saved() -> Result<(
     let out = ingest(&docs[1], &[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(m_final_tokens(&store)? > tokens);
-    let out = run(&[
-        "index",
-        "add",
-        "--store",
-        s,
-        "--corpus",
-        "c",
-        "--model",
-        m,
-        "--progress",
-        "none",
-        "hnsw2,ef8",
-    ]);
+    let out = index_add_cli(s, m, "hnsw2,ef8");
     assert!(out.status.success(), "{}", text(&out.stderr));
     Ok(())
 }
@@ -881,24 +889,28 @@ fn a_listed_spec_that_fails_to_build_is_dropped() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let docs = write_documents(&dir.path().join("docs"), 1, 600, 12)?;
     let store = Store::open(dir.path().join("s"), Access::Write)?;
-    let config = loaded.model.config();
-    let mut manifest = store.create_corpus(
-        "c",
-        loaded.record.clone(),
-        kvdb::ingest::layer_policy(config),
-        kvdb::store::DEFAULT_BLOCK_SIZE,
-    )?;
-    manifest.indexes = vec!["saap8,l2".into(), "hip:k16,bq1,bk4".into()];
-    let mut batch = store.batch();
-    batch.put_manifest(&manifest)?;
-    store.commit(batch)?;
-    ingest(
-        &store,
-        "c",
-        loaded.as_ref(),
-        &read_documents(&docs)?,
-        &mut |_| {},
-    )?;
+    // A corpus that lists `specs` before anything is stored, as one created over HTTP does.
+    let listing = |name: &str, specs: &[&str]| -> Result<()> {
+        let mut manifest = store.create_corpus(
+            name,
+            loaded.record.clone(),
+            kvdb::ingest::layer_policy(loaded.model.config()),
+            kvdb::store::DEFAULT_BLOCK_SIZE,
+        )?;
+        manifest.indexes = specs.iter().map(|s| s.to_string()).collect();
+        let mut batch = store.batch();
+        batch.put_manifest(&manifest)?;
+        store.commit(batch)?;
+        ingest(
+            &store,
+            name,
+            loaded.as_ref(),
+            &read_documents(&docs)?,
+            &mut |_| {},
+        )?;
+        Ok(())
+    };
+    listing("c", &["saap8,l2", "hip:k16,bq1,bk4"])?;
     let err = update_indexes(&store, "c", loaded.as_ref(), &[], None, &mut |_| {})
         .expect_err("saap without an artifact");
     assert!(
@@ -910,23 +922,7 @@ fn a_listed_spec_that_fails_to_build_is_dropped() -> Result<()> {
     assert_eq!(infos.len(), 1);
     assert!(infos[0].parts > 0 && infos[0].keys == store.manifest("c")?.tokens);
     // A corpus whose only spec is dropped falls back to `flat`, a new corpus's default.
-    manifest = store.create_corpus(
-        "d",
-        loaded.record.clone(),
-        kvdb::ingest::layer_policy(config),
-        kvdb::store::DEFAULT_BLOCK_SIZE,
-    )?;
-    manifest.indexes = vec!["saap8,l2".into()];
-    let mut batch = store.batch();
-    batch.put_manifest(&manifest)?;
-    store.commit(batch)?;
-    ingest(
-        &store,
-        "d",
-        loaded.as_ref(),
-        &read_documents(&docs)?,
-        &mut |_| {},
-    )?;
+    listing("d", &["saap8,l2"])?;
     assert!(update_indexes(&store, "d", loaded.as_ref(), &[], None, &mut |_| {}).is_err());
     assert_eq!(store.manifest("d")?.indexes, ["flat"]);
     update_indexes(&store, "d", loaded.as_ref(), &[], None, &mut |_| {})?;
@@ -937,29 +933,22 @@ fn a_listed_spec_that_fails_to_build_is_dropped() -> Result<()> {
 /// them; an unknown spec and a corpus's only index are clear errors.
 #[test]
 fn index_remove_keeps_the_other_indexes_as_they_were() -> Result<()> {
-    let (model, _loaded) = tiny()?;
-    let dir = tempfile::tempdir()?;
-    let docs = write_documents(&dir.path().join("docs"), 1, 900, 13)?;
-    let store = dir.path().join("s");
-    let (s, m) = (path_str(&store), path_str(model.path()));
-    let out = run(&[
-        "ingest",
-        "--store",
+    let cli = CliCorpus::new(1, 900, 13)?;
+    let (docs, store) = (&cli.docs, &cli.store);
+    let (s, m) = (path_str(store), path_str(cli.model.path()));
+    let out = ingest_cli(
         s,
-        "--corpus",
-        "c",
-        "--model",
         m,
-        "--progress",
-        "none",
-        "--index",
-        "hip:k16,bq1,bk4",
-        "--index",
-        "lsh:L=8,K=6,min=1",
-        "--index",
-        "hnsw8,ef32",
-        path_str(&docs[0]),
-    ]);
+        &docs[0],
+        &[
+            "--index",
+            "hip:k16,bq1,bk4",
+            "--index",
+            "lsh:L=8,K=6,min=1",
+            "--index",
+            "hnsw8,ef32",
+        ],
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let saved = |spec: &str| -> Result<Vec<Vec<u8>>> {
         let store = Store::open(&store, Access::Read)?;

@@ -1000,7 +1000,10 @@ async fn unbuildable_specs_are_refused_before_anything_is_saved() -> Result<()> 
     ] {
         let body = json!({"name": "c", "model": MODEL, "indexes": ["flat", spec]});
         let m = s.post_error("/v1/corpora", &body, status, code).await?;
-        assert!(m.contains("no SAAP artifact") || m.contains("at `"), "{spec}: {m}");
+        assert!(
+            m.contains("no SAAP artifact") || m.contains("at `"),
+            "{spec}: {m}"
+        );
         assert!(corpus_names(&s).await?.is_empty(), "{spec}");
     }
     create(&s, "c", &["flat"]).await?;
