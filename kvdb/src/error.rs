@@ -164,6 +164,26 @@ pub enum Error {
     /// Query options that cannot work.
     #[error("{0}")]
     Query(String),
+    /// A write-ahead log file of the store is damaged, so that opening the store would drop
+    /// committed data; the store was left as it was.
+    #[error(
+        "the store's write-ahead log is damaged at {file}: {damage}. Nothing was changed: kvdb \
+         refused to open the store {store} because recovering it would drop committed data. \
+         To recover, restore the folder {store} from a backup or copy made before the damage \
+         (kvdb has no snapshot command yet), or ingest the documents again into a new store"
+    )]
+    WalDamaged {
+        /// The store.
+        store: PathBuf,
+        /// The damaged log file (the store's folder when no file could be singled out).
+        file: PathBuf,
+        /// What is wrong, and where.
+        damage: String,
+        /// RocksDB's error, when its recovery found the damage (a last record lost whole
+        /// passes RocksDB's recovery and is caught by kvdb's commit note instead).
+        #[source]
+        source: Option<rocksdb::Error>,
+    },
     /// Stored data that does not decode (a damaged store or a bug).
     #[error("the store is damaged: {0}")]
     Corrupt(String),
