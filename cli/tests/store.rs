@@ -779,7 +779,7 @@ fn index_commands_build_list_and_query() -> Result<()> {
     // A later ingest catches every index up with the new tokens.
     let out = ingest(&docs[1], &[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    let manifest = Store::open(&store, Access::Read)?.manifest("c")?;
+    let manifest = Store::open(store, Access::Read)?.manifest("c")?;
     let listed = list(&[])?;
     let keys = manifest.tokens.to_string();
     assert_eq!(
@@ -846,7 +846,7 @@ fn a_spec_that_cannot_be_built_is_refused_before_anything_is_saved() -> Result<(
     assert!(out.status.success(), "{}", text(&out.stderr));
     let listed = || text(&run(&["index", "list", "--store", s, "--corpus", "c"]).stdout);
     let before = listed();
-    let tokens = m_final_tokens(&store)?;
+    let tokens = m_final_tokens(store)?;
     for (spec, token) in [
         ("hnsw1,ef1", "hnsw1"),
         ("ihip:99999999999999999k", "99999999999999999k"),
@@ -869,12 +869,12 @@ fn a_spec_that_cannot_be_built_is_refused_before_anything_is_saved() -> Result<(
         !out.status.success() && err.contains("no SAAP artifact"),
         "{err}"
     );
-    assert_eq!(m_final_tokens(&store)?, tokens);
+    assert_eq!(m_final_tokens(store)?, tokens);
     assert_eq!(listed(), before);
     // The corpus is not stuck: the next ingest and index add work.
     let out = ingest(&docs[1], &[]);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(m_final_tokens(&store)? > tokens);
+    assert!(m_final_tokens(store)? > tokens);
     let out = index_add_cli(s, m, "hnsw2,ef8");
     assert!(out.status.success(), "{}", text(&out.stderr));
     Ok(())
@@ -951,7 +951,7 @@ fn index_remove_keeps_the_other_indexes_as_they_were() -> Result<()> {
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let saved = |spec: &str| -> Result<Vec<Vec<u8>>> {
-        let store = Store::open(&store, Access::Read)?;
+        let store = Store::open(store, Access::Read)?;
         let manifest = store.manifest("c")?;
         let number = manifest.indexes.iter().position(|s| s == spec).expect(spec);
         let mut parts = Vec::new();
@@ -974,12 +974,12 @@ fn index_remove_keeps_the_other_indexes_as_they_were() -> Result<()> {
     // Any spelling of the spec names it.
     let out = remove("lsh:K=6,L=8,min=1");
     assert!(out.status.success(), "{}", text(&out.stderr));
-    let manifest = Store::open(&store, Access::Read)?.manifest("c")?;
+    let manifest = Store::open(store, Access::Read)?.manifest("c")?;
     assert_eq!(manifest.indexes, ["hip:k16,bq1,bk4", "hnsw8,ef32,efc200"]);
     assert_eq!(saved("hnsw8,ef32,efc200")?, hnsw, "moved up unchanged");
     assert_eq!(saved("hip:k16,bq1,bk4")?, hip);
     {
-        let store = Store::open(&store, Access::Read)?;
+        let store = Store::open(store, Access::Read)?;
         let key = kvdb::store::IndexKey {
             corpus: manifest.id,
             index: 2,

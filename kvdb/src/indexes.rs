@@ -235,6 +235,8 @@ pub fn update_indexes_until(
         batch.put_manifest(&manifest)?;
         store.commit(batch)?;
     }
+    // Indexes are large: write the memtables out so the write-ahead log does not keep them.
+    store.flush()?;
     list_indexes(store, &manifest)
 }
 
