@@ -4,6 +4,8 @@
 //! are concurrent and read through a RAM tier, and bad input is a clear error that writes
 //! nothing.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
@@ -13,27 +15,16 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use anyhow::Result;
+use common::{dump, tiny, write_documents};
 use kvdb::documents::read_documents;
 use kvdb::indexes::update_indexes;
 use kvdb::ingest::{ingest, ingest_until, IngestEvent};
-use kvdb::models::{load, LoadedModel};
+use kvdb::models::LoadedModel;
 use kvdb::session::{AskOptions, AttentionMode, Corpus};
-use kvdb::store::{Access, Kv, Store};
+use kvdb::store::{Access, Store};
 use kvdb_attention::DensePolicy;
-use kvdb_model::LoadOptions;
 use kvdb_tests::{TinyFile, TinyModel};
 use rand::{Rng, SeedableRng};
-
-/// A tiny gemma3 with room for a few thousand tokens of context.
-fn tiny() -> Result<(TinyFile, LoadedModel)> {
-    let file = TinyModel {
-        context_length: 32768,
-        ..TinyModel::gemma3()
-    }
-    .write_temp()?;
-    let loaded = load(Some(file.path()), &LoadOptions::default())?;
-    Ok((file, loaded))
-}
 
 /// A tiny model and a store holding corpus `c` of generated documents (the temporary
 /// files live as long as it does).
@@ -70,78 +61,6 @@ fn retrieval(k: usize) -> AskOptions {
         mode: AttentionMode::top_k(k, DensePolicy { sink: 2, window: 8 }),
         ..AskOptions::default()
     }
-}
-
-/// Writes `count` documents of varied text, each about `chars` long, into `dir`.
-fn write_documents(dir: &Path, count: usize, chars: usize, seed: u64) -> Result<Vec<PathBuf>> {
-    let words = [
-        "the",
-        "store",
-        "keeps",
-        "every",
-        "key",
-        "and",
-        "value",
-        "of",
-        "a",
-        "corpus",
-        "so",
-        "queries",
-        "never",
-        "prefill",
-        "it",
-        "again",
-        "attention",
-        "retrieval",
-        "block",
-        "layer",
-    ];
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    std::fs::create_dir_all(dir)?;
-    let mut paths = Vec::new();
-    for i in 0..count {
-        let mut text = format!("Document {i}.\n");
-        while text.len() < chars {
-            text.push_str(words[rng.random_range(0..words.len())]);
-            text.push(if rng.random_range(0..12) == 0 {
-                '\n'
-            } else {
-                ' '
-            });
-        }
-        let path = dir.join(format!("doc{i:02}.txt"));
-        std::fs::write(&path, text)?;
-        paths.push(path);
-    }
-    Ok(paths)
-}
-
-/// Everything a corpus stored, decoded: manifest counts, documents, tokens, and every
-/// stored key/value row of every layer and KV head.
-fn dump(store: &Store, name: &str) -> Result<(String, Vec<u32>, Vec<Vec<u32>>)> {
-    let m = store.manifest(name)?;
-    let docs = store.documents(&m)?;
-    let header = format!(
-        "tokens {} documents {} pending {:?} docs {:?}",
-        m.tokens,
-        m.documents,
-        m.pending,
-        docs.iter()
-            .map(|d| (d.number, d.sha256.clone(), d.tokens.clone()))
-            .collect::<Vec<_>>()
-    );
-    let tokens = store.tokens(&m, 0..m.tokens)?;
-    let mut rows = Vec::new();
-    for layer in 0..m.layers.len() {
-        for head in 0..m.model.n_kv_heads {
-            for kv in [Kv::Keys, Kv::Values] {
-                let range = m.stored_range(layer, m.tokens);
-                let r = store.rows(&m, kv, layer, head, range)?;
-                rows.push(r.iter().map(|x| x.to_bits()).collect());
-            }
-        }
-    }
-    Ok((header, tokens, rows))
 }
 
 fn m_final_tokens(store: &Path) -> Result<u64> {

@@ -7,85 +7,20 @@
 //! The first ingest of each damage test stops right after its last commit, so that its data
 //! is in the log only (a finished ingest flushes it to SST files).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use anyhow::{ensure, Context, Result};
+use common::{dump, tiny, write_documents};
 use kvdb::documents::{read_documents, SourceDocument};
 use kvdb::ingest::{ingest, ingest_until, IngestEvent};
-use kvdb::models::{load, LoadedModel};
+use kvdb::models::LoadedModel;
 use kvdb::store::{Access, BlockKey, Kv, Store, MAX_TOTAL_WAL_SIZE};
-use kvdb_model::LoadOptions;
-use kvdb_tests::{TinyFile, TinyModel};
 use rand::{Rng, SeedableRng};
-
-/// A tiny gemma3 with room for a few thousand tokens of context.
-fn tiny() -> Result<(TinyFile, LoadedModel)> {
-    let file = TinyModel {
-        context_length: 32768,
-        ..TinyModel::gemma3()
-    }
-    .write_temp()?;
-    let loaded = load(Some(file.path()), &LoadOptions::default())?;
-    Ok((file, loaded))
-}
-
-/// Writes `count` documents of varied text, each about `chars` long (about as many tokens:
-/// the tiny tokenizer is mostly bytes), into `dir`.
-fn write_documents(dir: &Path, count: usize, chars: usize, seed: u64) -> Result<Vec<PathBuf>> {
-    let words = [
-        "the", "store", "keeps", "every", "key", "and", "value", "of", "a", "corpus", "log",
-        "write", "ahead", "commit", "chunk", "block", "layer",
-    ];
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    std::fs::create_dir_all(dir)?;
-    let mut paths = Vec::new();
-    for i in 0..count {
-        let mut text = format!("Document {i}.\n");
-        while text.len() < chars {
-            text.push_str(words[rng.random_range(0..words.len())]);
-            text.push(if rng.random_range(0..12) == 0 {
-                '\n'
-            } else {
-                ' '
-            });
-        }
-        let path = dir.join(format!("doc{i:02}.txt"));
-        std::fs::write(&path, text)?;
-        paths.push(path);
-    }
-    Ok(paths)
-}
-
-/// Everything corpus `c` stored, decoded: manifest counts, documents, tokens and every stored
-/// key/value row (as bits).
-fn dump(store: &Store) -> Result<(String, Vec<u32>, Vec<Vec<u32>>)> {
-    let m = store.manifest("c")?;
-    let docs = store.documents(&m)?;
-    let header = format!(
-        "tokens {} documents {} pending {:?} docs {:?}",
-        m.tokens,
-        m.documents,
-        m.pending,
-        docs.iter()
-            .map(|d| (d.number, d.sha256.clone(), d.tokens.clone()))
-            .collect::<Vec<_>>()
-    );
-    let tokens = store.tokens(&m, 0..m.tokens)?;
-    let mut rows = Vec::new();
-    for layer in 0..m.layers.len() {
-        for head in 0..m.model.n_kv_heads {
-            for kv in [Kv::Keys, Kv::Values] {
-                let range = m.stored_range(layer, m.tokens);
-                let r = store.rows(&m, kv, layer, head, range)?;
-                rows.push(r.iter().map(|x| x.to_bits()).collect());
-            }
-        }
-    }
-    Ok((header, tokens, rows))
-}
 
 /// Ingests `docs` into corpus `c` and stops right after the commit that `stop_after` picks
 /// (given the commit's number, from 1, and whether it completes a document), before the
@@ -390,7 +325,7 @@ fn a_torn_last_record_is_forgiven_and_the_ingest_resumes() -> Result<()> {
         ingest(&store, "c", loaded.as_ref(), &docs, &mut |_| {})?;
     }
     let resumed = Store::open(&store_path, Access::Read)?;
-    let (expected, got) = (dump(&reference)?, dump(&resumed)?);
+    let (expected, got) = (dump(&reference, "c")?, dump(&resumed, "c")?);
     assert_eq!(expected.0, got.0, "manifest and documents differ");
     assert_eq!(expected.1, got.1, "tokens differ");
     assert!(expected.2 == got.2, "stored keys/values differ");
@@ -426,7 +361,7 @@ fn an_ingest_leaves_almost_no_log() -> Result<()> {
     assert_eq!(m.documents, 5);
     assert_eq!(store.documents(&m)?.len(), 5);
     assert_eq!(store.tokens(&m, 0..m.tokens)?.len(), m.tokens);
-    let (header, _, rows) = dump(&store)?;
+    let (header, _, rows) = dump(&store, "c")?;
     assert!(header.contains("documents 5"));
     assert_eq!(rows.len(), m.layers.len() * m.model.n_kv_heads * 2);
     Ok(())
