@@ -1,6 +1,7 @@
 //! `kvdb serve`: the HTTP API (kvdb-server) on a store until SIGTERM or Ctrl-C.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use kvdb::ram_tier::parse_bytes;
@@ -33,6 +34,16 @@ pub(crate) struct ServeArgs {
     /// Bytes of keys and values each open corpus holds in memory (e.g. 512M, 2G).
     #[arg(long, default_value = "1G", value_parser = parse_bytes)]
     ram_budget: usize,
+    /// Seconds a client may take to send a request's headers (and an idle keep-alive
+    /// connection stays open).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    header_timeout: u64,
+    /// Seconds a request body may pause before the request fails with 408.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    body_timeout: u64,
+    /// Seconds a shutdown gives requests in flight before it closes their connections.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    shutdown_grace: u64,
 }
 
 pub(crate) fn serve(args: ServeArgs) -> Result<()> {
@@ -46,6 +57,9 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
     config.max_queue = args.max_queue;
     config.max_tokens = args.max_tokens;
     config.ram_budget = args.ram_budget;
+    config.header_read_timeout = Duration::from_secs(args.header_timeout);
+    config.body_read_timeout = Duration::from_secs(args.body_timeout);
+    config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
     // The server logs what it does not tell clients (internal errors, job events).
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
