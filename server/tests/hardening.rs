@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use futures::{Stream, StreamExt};
+use futures::StreamExt;
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 use support::{documents, expect_error, json_of, parse_sse, TestServer, MODEL};
@@ -268,23 +268,6 @@ async fn write_routes_need_the_token_whatever_the_corpus_is_called() -> Result<(
     Ok(())
 }
 
-/// Posts `body` to `path` as a stream and reads until its first piece of text.
-async fn hold_stream(
-    s: &TestServer,
-    path: &str,
-    body: Value,
-) -> Result<impl Stream<Item = reqwest::Result<impl AsRef<[u8]>>>> {
-    let response = s.post(path, &body).send().await?;
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut stream = response.bytes_stream();
-    let mut seen = String::new();
-    while !seen.contains("data:") {
-        let chunk = stream.next().await.context("the stream ended")??;
-        seen.push_str(&String::from_utf8_lossy(&chunk));
-    }
-    Ok(stream)
-}
-
 /// Waits until no query runs.
 async fn wait_idle(s: &TestServer) -> Result<()> {
     let started = Instant::now();
@@ -307,7 +290,7 @@ async fn deleting_under_running_queries_answers_409() -> Result<()> {
     create(&s, "c", &["flat", "hnsw16,ef64"]).await?;
     s.ingest("c", &documents(2, 1500)).await?;
     let long = json!({"question": "Tell me everything.", "max_tokens": 8192, "stream": true});
-    let stream = hold_stream(&s, "/v1/corpora/c/query", long).await?;
+    let (stream, _) = s.open_stream("/v1/corpora/c/query", &long, "data:").await?;
     let m = expect_error(
         s.delete("/v1/corpora/c").send().await?,
         StatusCode::CONFLICT,
@@ -328,7 +311,9 @@ async fn deleting_under_running_queries_answers_409() -> Result<()> {
     // Two at once are counted.
     let chat = json!({"model": "c", "messages": [{"role": "user", "content": "Go on."}],
         "max_tokens": 8192, "stream": true});
-    let chat_stream = hold_stream(&s, "/v1/chat/completions", chat).await?;
+    let (chat_stream, _) = s
+        .open_stream("/v1/chat/completions", &chat, "data:")
+        .await?;
     let m = expect_error(
         s.delete("/v1/corpora/c").send().await?,
         StatusCode::CONFLICT,
@@ -545,18 +530,11 @@ async fn a_shutdown_waits_for_no_half_sent_request() -> Result<()> {
     let mut s = TestServer::start(|c| c.shutdown_grace = Duration::from_secs(30)).await?;
     s.corpus("c", &documents(1, 800)).await?;
     let body = json!({"question": "Go on.", "max_tokens": 48, "stream": true});
-    let response = s.post("/v1/corpora/c/query", &body).send().await?;
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut stream = response.bytes_stream();
-    let mut text = String::new();
-    while !text.contains("data:") {
-        let chunk = stream.next().await.context("the stream ended")??;
-        text.push_str(&String::from_utf8_lossy(&chunk));
-    }
+    let (mut stream, mut text) = s.open_stream("/v1/corpora/c/query", &body, "data:").await?;
     let started = Instant::now();
     let stopping = tokio::spawn(async move { s.stop().await });
     while let Some(chunk) = stream.next().await {
-        text.push_str(&String::from_utf8_lossy(&chunk?));
+        text.push_str(&String::from_utf8_lossy(chunk?.as_ref()));
     }
     let events = parse_sse(&text);
     assert_eq!(events.last().map(|e| e.0.as_str()), Some("done"), "{text}");

@@ -9,7 +9,6 @@ mod support;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use futures::StreamExt;
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 use support::{
@@ -595,14 +594,9 @@ async fn a_full_queue_answers_429_and_a_gone_client_stops_its_generation() -> Re
     .await?;
     // Hold the only worker with a long stream, read until its first token.
     let long = json!({"question": "Tell me everything.", "max_tokens": 8192, "stream": true});
-    let response = s.post("/v1/corpora/c/query", &long).send().await?;
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut body = response.bytes_stream();
-    let mut seen = String::new();
-    while !seen.contains("event: token") {
-        let chunk = body.next().await.context("the stream ended")??;
-        seen.push_str(&String::from_utf8_lossy(&chunk));
-    }
+    let (body, _) = s
+        .open_stream("/v1/corpora/c/query", &long, "event: token")
+        .await?;
     let started = Instant::now();
     let m = s
         .post_error(

@@ -119,6 +119,31 @@ impl TestServer {
     }
 
     /// POSTs `body` to `path` and asserts the error answer (see [`expect_error`]).
+    /// Posts `body` to `path` as a stream, checks it is answered 200 and reads until the text
+    /// so far contains `marker`: the stream (kept open by the caller) and that text.
+    pub async fn open_stream(
+        &self,
+        path: &str,
+        body: &Value,
+        marker: &str,
+    ) -> Result<(
+        impl futures::Stream<Item = reqwest::Result<impl AsRef<[u8]>>> + Unpin,
+        String,
+    )> {
+        use futures::StreamExt;
+        let response = self.post(path, body).send().await?;
+        if response.status() != StatusCode::OK {
+            bail!("{path}: {}", response.status());
+        }
+        let mut stream = Box::pin(response.bytes_stream());
+        let mut seen = String::new();
+        while !seen.contains(marker) {
+            let chunk = stream.next().await.context("the stream ended")??;
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        Ok((stream, seen))
+    }
+
     pub async fn post_error(
         &self,
         path: &str,
