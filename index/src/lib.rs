@@ -203,7 +203,7 @@ pub fn load(bytes: &[u8], context: &BuildContext<'_>, keys: &[f32]) -> Result<Bo
         #[cfg(feature = "faiss")]
         IndexSpec::Ivf(s) => Box::new(IvfIndex::load(s, context, stats, body, old)?),
         #[cfg(not(feature = "faiss"))]
-        IndexSpec::Ivf(_) => return Err(no_faiss(spec)),
+        IndexSpec::Ivf(_) => return Err(no_faiss(&spec)),
         IndexSpec::Hnsw(s) => Box::new(HnswIndex::load(s, context, stats, body, old)?),
         IndexSpec::Lsh(s) => Box::new(LshIndex::load(s, context, stats, body, old)?),
         IndexSpec::Saap(s) => Box::new(SaapIndex::load(s, context, stats, body, old)?),

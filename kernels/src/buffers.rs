@@ -4,7 +4,7 @@
 use cudarc::driver::CudaSlice;
 
 use crate::error::{driver, length, KernelError, Result};
-use crate::gpu::{Gpu, KvElement};
+use crate::gpu::{Float, Gpu, KvElement};
 
 /// Keys and values of one layer on the GPU, `[kv_heads, tokens, head_dim]` each: token `i`
 /// of KV head `h` is row `h * tokens + i`. Keys are stored as attended, i.e. already rotated
@@ -58,6 +58,29 @@ impl<T: KvElement> KvCache<T> {
             values: gpu.upload(values)?,
             kv_heads,
             tokens,
+            head_dim,
+        })
+    }
+}
+
+impl<T: Float> KvCache<T> {
+    /// A buffer of `capacity` zero rows per KV head, which the model's prefill fills in
+    /// place (`crate::ops::append_kv` writes token positions to rows, wrapping around as a
+    /// ring when a sliding-window layer's capacity is smaller than the sequence).
+    pub fn zeros(gpu: &Gpu, kv_heads: usize, capacity: usize, head_dim: usize) -> Result<Self> {
+        let len = kv_heads
+            .checked_mul(capacity)
+            .and_then(|n| n.checked_mul(head_dim))
+            .filter(|_| u32::try_from(capacity).is_ok())
+            .ok_or(KernelError::TooLarge {
+                what: "KV buffer rows",
+                value: capacity,
+            })?;
+        Ok(Self {
+            keys: gpu.zeros(len)?,
+            values: gpu.zeros(len)?,
+            kv_heads,
+            tokens: capacity,
             head_dim,
         })
     }

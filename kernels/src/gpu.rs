@@ -39,20 +39,44 @@ mod sealed {
     impl Sealed for half::bf16 {}
 }
 
-/// A 16-bit float the kernels read: [`half::f16`] or [`half::bf16`]. Accumulation is f32.
-pub trait KvElement:
-    DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + Unpin + 'static + sealed::Sealed
-{
+/// A 16-bit float the attention kernels read: [`half::f16`] or [`half::bf16`]. Accumulation
+/// is f32.
+pub trait KvElement: Float + sealed::Sealed {
     /// Which of the two.
     const DTYPE: KvDtype;
+}
+
+impl KvElement for half::f16 {
+    const DTYPE: KvDtype = KvDtype::F16;
+}
+
+impl KvElement for half::bf16 {
+    const DTYPE: KvDtype = KvDtype::Bf16;
+}
+
+/// An element type the model's kernels read or write: f32, f16 or bf16. Kernels are compiled
+/// once per type with `-DT=<NAME>` (or another macro name) and convert through `float`.
+pub trait Float: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + Unpin + 'static {
+    /// The CUDA C type: `float`, `__half` or `__nv_bfloat16`.
+    const NAME: &'static str;
     /// Rounds an f32 to this type (nearest even).
     fn from_f32(x: f32) -> Self;
     /// The exact f32 value.
     fn to_f32(self) -> f32;
 }
 
-impl KvElement for half::f16 {
-    const DTYPE: KvDtype = KvDtype::F16;
+impl Float for f32 {
+    const NAME: &'static str = "float";
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Float for half::f16 {
+    const NAME: &'static str = "__half";
     fn from_f32(x: f32) -> Self {
         half::f16::from_f32(x)
     }
@@ -61,8 +85,8 @@ impl KvElement for half::f16 {
     }
 }
 
-impl KvElement for half::bf16 {
-    const DTYPE: KvDtype = KvDtype::Bf16;
+impl Float for half::bf16 {
+    const NAME: &'static str = "__nv_bfloat16";
     fn from_f32(x: f32) -> Self {
         half::bf16::from_f32(x)
     }
@@ -106,6 +130,8 @@ pub struct Gpu {
     multiprocessors: u32,
     attend: Mutex<HashMap<Variant, AttendKernel>>,
     fill: Mutex<Option<CudaFunction>>,
+    /// The model's kernels (ops, prefill), by entry point and defines.
+    compiled: Mutex<HashMap<String, CudaFunction>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -160,6 +186,7 @@ impl Gpu {
             multiprocessors: multiprocessors.max(1) as u32,
             attend: Mutex::new(HashMap::new()),
             fill: Mutex::new(None),
+            compiled: Mutex::new(HashMap::new()),
         })
     }
 
@@ -261,6 +288,27 @@ impl Gpu {
         Ok(function)
     }
 
+    /// Kernel `entry` of `source` compiled with `defines` (e.g. `("T", "float")`), once per
+    /// distinct (entry, defines) on first use. Defines are passed as `-DNAME=VALUE`.
+    pub(crate) fn kernel(
+        &self,
+        source: &'static str,
+        entry: &'static str,
+        defines: &[(&str, String)],
+    ) -> Result<CudaFunction> {
+        let key = defines
+            .iter()
+            .fold(entry.to_string(), |k, (n, v)| format!("{k} {n}={v}"));
+        let mut compiled = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(function) = compiled.get(&key) {
+            return Ok(function.clone());
+        }
+        let options: Vec<String> = defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect();
+        let function = self.compile_with(&key, source, options, entry)?;
+        compiled.insert(key, function.clone());
+        Ok(function)
+    }
+
     fn compile(
         &self,
         name: &str,
@@ -268,7 +316,17 @@ impl Gpu {
         defines: &[(&str, u32)],
         entry: &str,
     ) -> Result<CudaFunction> {
-        let mut options: Vec<String> = defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect();
+        let options = defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect();
+        self.compile_with(name, source, options, entry)
+    }
+
+    fn compile_with(
+        &self,
+        name: &str,
+        source: &str,
+        mut options: Vec<String>,
+        entry: &str,
+    ) -> Result<CudaFunction> {
         options.push(format!("--gpu-architecture={}", self.arch));
         // exp2 as one hardware instruction; its error (~1e-7) is far under the tests' bound.
         options.push("--use_fast_math".into());

@@ -57,4 +57,4 @@ pub use cudarc;
 #[cfg(feature = "cuda")]
 pub use error::{KernelError, Result};
 #[cfg(feature = "cuda")]
-pub use gpu::{Gpu, KvDtype, KvElement};
+pub use gpu::{Float, Gpu, KvDtype, KvElement};
