@@ -86,6 +86,41 @@ impl<T: Float> KvCache<T> {
     }
 }
 
+impl<T: Float> KvCache<T> {
+    /// Grows the buffer to `capacity` rows per KV head, keeping rows `0..kept` of every head
+    /// (a buffer whose rows are token positions, not a ring). Queued on the stream.
+    pub fn grow(&mut self, gpu: &Gpu, capacity: usize, kept: usize) -> Result<()> {
+        if capacity <= self.tokens {
+            return Ok(());
+        }
+        if kept > self.tokens {
+            return Err(KernelError::OutOfRange {
+                what: "rows kept when growing",
+                index: kept as u64,
+                len: self.tokens as u64,
+            });
+        }
+        let mut grown = Self::zeros(gpu, self.kv_heads, capacity, self.head_dim)?;
+        let d = self.head_dim;
+        for h in 0..self.kv_heads {
+            let (from, to) = (h * self.tokens * d, h * capacity * d);
+            for (old, new) in [
+                (&self.keys, &mut grown.keys),
+                (&self.values, &mut grown.values),
+            ] {
+                gpu.stream()
+                    .memcpy_dtod(
+                        &old.slice(from..from + kept * d),
+                        &mut new.slice_mut(to..to + kept * d),
+                    )
+                    .map_err(driver("copying a KV buffer"))?;
+            }
+        }
+        *self = grown;
+        Ok(())
+    }
+}
+
 impl<T> KvCache<T> {
     /// Number of KV heads.
     pub fn kv_heads(&self) -> usize {

@@ -1,5 +1,6 @@
 //! The crate's error type.
 
+use cudarc::cublaslt::result::CublasError;
 use cudarc::driver::DriverError;
 
 /// What can go wrong on the GPU path.
@@ -11,6 +12,19 @@ pub enum KernelError {
     /// libnvrtc could not be loaded, so no kernel can be compiled.
     #[error("no NVRTC: libnvrtc could not be loaded (install CUDA's NVRTC or add it to LD_LIBRARY_PATH)")]
     NoNvrtc,
+    /// libcublasLt could not be loaded (or lacks a function cudarc binds), so no matrix
+    /// product can run.
+    #[error("no cuBLASLt: libcublasLt could not be loaded (install CUDA's cuBLAS or add it to LD_LIBRARY_PATH)")]
+    NoCublas,
+    /// A cuBLASLt call failed.
+    #[error("cuBLASLt, {op}: {source}")]
+    Cublas {
+        /// What was being done.
+        op: &'static str,
+        /// cuBLASLt's status.
+        #[source]
+        source: CublasError,
+    },
     /// A driver call failed.
     #[error("CUDA driver, {op}: {source}")]
     Driver {
@@ -82,6 +96,37 @@ pub enum KernelError {
         /// Its value.
         value: usize,
     },
+    /// Query heads that are not a positive multiple of the KV heads (GQA groups).
+    #[error("{heads} query heads do not split into groups over {kv_heads} KV heads")]
+    Heads {
+        /// Query heads.
+        heads: usize,
+        /// KV heads of the buffer.
+        kv_heads: usize,
+    },
+    /// An attention scale that is not finite and positive.
+    #[error("attention scale {scale} must be finite and positive")]
+    Scale {
+        /// The scale given.
+        scale: f32,
+    },
+    /// A chunk needs keys that its K/V buffer (a ring) no longer holds.
+    #[error("the chunk needs {needed} key positions per KV head, the buffer holds {capacity}")]
+    Evicted {
+        /// Positions the chunk's queries need: the prefix up to the last query, or window +
+        /// tokens - 1 in a sliding window.
+        needed: usize,
+        /// Rows per KV head of the buffer.
+        capacity: usize,
+    },
+    /// A device view that does not start on the boundary a kernel's vector loads need.
+    #[error("{what} must start on a {bytes}-byte boundary")]
+    Misaligned {
+        /// Which argument.
+        what: &'static str,
+        /// The alignment needed.
+        bytes: usize,
+    },
     /// One step selects more distinct blocks than the GPU block cache holds.
     #[error("block cache of {slots} blocks cannot hold the {needed} blocks one step selects")]
     CacheTooSmall {
@@ -98,6 +143,11 @@ pub type Result<T> = std::result::Result<T, KernelError>;
 /// Maps a driver error to [`KernelError::Driver`] with what was being done.
 pub(crate) fn driver(op: &'static str) -> impl FnOnce(DriverError) -> KernelError {
     move |source| KernelError::Driver { op, source }
+}
+
+/// Maps a cuBLASLt error to [`KernelError::Cublas`] with what was being done.
+pub(crate) fn cublas(op: &'static str) -> impl FnOnce(CublasError) -> KernelError {
+    move |source| KernelError::Cublas { op, source }
 }
 
 /// An error unless `found == expected`.

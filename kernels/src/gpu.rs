@@ -56,7 +56,9 @@ impl KvElement for half::bf16 {
 
 /// An element type the model's kernels read or write: f32, f16 or bf16. Kernels are compiled
 /// once per type with `-DT=<NAME>` (or another macro name) and convert through `float`.
-pub trait Float: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + Unpin + 'static {
+pub trait Float:
+    DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + Unpin + 'static
+{
     /// The CUDA C type: `float`, `__half` or `__nv_bfloat16`.
     const NAME: &'static str;
     /// Rounds an f32 to this type (nearest even).

@@ -7,7 +7,7 @@
 //! | feature | what it adds |
 //! |---|---|
 //! | (none, the default) | nothing: an empty library, so CPU builds and CI need no CUDA |
-//! | `cuda` | everything below; running it needs an NVIDIA driver and NVRTC (CUDA 13) |
+//! | `gpu` | everything below; running it needs an NVIDIA driver and NVRTC (CUDA 13) |
 //!
 //! | item | job |
 //! |---|---|
@@ -17,6 +17,7 @@
 //! | `retrieval_attention` | dense part (sinks + window) plus each KV head's selected ids, merged in one launch |
 //! | `bucket_attention` | dense part plus every key of each head's visited buckets, one block per bucket |
 //! | `HostKv`, `BlockCache` | keys and values in pinned host memory behind an LRU GPU cache of blocks |
+//! | `prefill_attention`, `Causal` | causal (sliding-window) attention of a chunk of queries `[tokens, heads, head_dim]` over a `KvCache` ring: flash attention on the tensor cores for f16/bf16, a plain kernel for f32 |
 //!
 //! All three launchers are one launch of one kernel (`cuda/attend.cu`): blocks attend to
 //! work items (a slice of the dense rows, a slice of a selection or one bucket) for all query
@@ -33,28 +34,38 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 mod attention;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 mod buffers;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 mod cache;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 mod error;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
+mod gemm;
+#[cfg(feature = "gpu")]
 mod gpu;
+#[cfg(feature = "gpu")]
+pub mod ops;
+#[cfg(feature = "gpu")]
+mod prefill;
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 pub use attention::{
     bucket_attention, flash_decode, retrieval_attention, Dense, Query, Selected, Workspace,
 };
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 pub use buffers::{Csr, KvCache};
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 pub use cache::{BlockCache, CacheStats, HostKv};
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 pub use cudarc;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 pub use error::{KernelError, Result};
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
+pub use gemm::Gemm;
+#[cfg(feature = "gpu")]
 pub use gpu::{Float, Gpu, KvDtype, KvElement};
+#[cfg(feature = "gpu")]
+pub use prefill::{prefill_attention, Causal};

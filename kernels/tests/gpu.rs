@@ -1,6 +1,6 @@
 //! The GPU kernels against `kvdb-attention`'s exact f64 reference, on fresh random inputs.
 //!
-//! Every test needs a GPU: on a machine without one (CI), or built without feature `cuda`,
+//! Every test needs a GPU: on a machine without one (CI), or built without feature `gpu`,
 //! each says on stderr that it skipped, and passes.
 
 use std::io::Write;
@@ -10,13 +10,13 @@ fn skip(test: &str, reason: &str) {
     let _ = writeln!(std::io::stderr().lock(), "SKIPPED {test}: {reason}");
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "gpu"))]
 #[test]
 fn gpu_tests() {
-    skip("gpu_tests", "built without feature `cuda`");
+    skip("gpu_tests", "built without feature `gpu`");
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "gpu")]
 mod on_gpu {
     use std::ops::Range;
 

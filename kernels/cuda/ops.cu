@@ -1,0 +1,279 @@
+// The element-wise kernels of the model's forward pass: embedding lookup, RMSNorm (alone and
+// fused with the residual add), the fused Q/K/V post-processing of attention's inputs
+// (bias, per-head norms, f16 rounding, the store's copy, RoPE, the KV buffer write), the
+// gated activation of the MLP, type conversion and a bias add.
+//
+// Compiled by NVRTC, once per entry point and element types, with these defines:
+//   TABLE_T, IN_T, OUT_T, KV_T  element types (float, __half or __nv_bfloat16): the embedding
+//                  table, convert's input, an output, attention's queries and KV buffer
+//   NORMED          ops_add_rms_norm: 1 to normalise y before adding it, 0 to add it as is
+//
+// Layouts are row-major and every row is contiguous. The residual stream, projection outputs
+// and norm weights are float. Arithmetic is float, in the CPU's order where it matters:
+// `--use_fast_math` is on, so division and square root use the `__fdiv_rn`/`__fsqrt_rn`
+// intrinsics (IEEE round-to-nearest whatever the flags) and RoPE's products `__fmul_rn`
+// (never contracted into an FMA), as the CPU computes them. `exp` is `__expf` (a few ulp).
+
+// No headers: NVRTC 13.0 has no built-in cuda_fp16.h / cuda_bf16.h and `Gpu` passes no
+// include path, so the two 16-bit types (named as `Float::NAME` names them) and their
+// conversions are written here, as in attend.cu.
+struct __half {
+    unsigned short bits;
+};
+struct __nv_bfloat16 {
+    unsigned short bits;
+};
+
+// Element types an entry point does not use still need a definition: the whole file is
+// compiled for each entry.
+#ifndef TABLE_T
+#define TABLE_T float
+#endif
+#ifndef OUT_T
+#define OUT_T float
+#endif
+#ifndef IN_T
+#define IN_T float
+#endif
+#ifndef KV_T
+#define KV_T float
+#endif
+#ifndef NORMED
+#define NORMED 0
+#endif
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Threads of the row kernels: 8 warps.
+#define ROW_THREADS 256
+#define WARPS (ROW_THREADS / 32)
+// The longest head ops_attention_inputs handles (its per-warp buffer in shared memory).
+#define MAX_HEAD_DIM 512
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+    return __uint_as_float((u32)x.bits << 16);
+}
+
+// Rounds to the element type (nearest even).
+template <typename X> __device__ __forceinline__ X from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) {
+    __half h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+    return h;
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    __nv_bfloat16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+    return h;
+}
+
+// Sum over a warp; every lane gets the same bits (each butterfly step adds the same two
+// numbers on both lanes, a + b == b + a).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block (ROW_THREADS threads), in the same order on every run: no atomics.
+// Every thread gets the total. `scratch` holds WARPS floats.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    v = warp_sum(v);
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < WARPS ? scratch[lane] : 0.0f;
+    v = warp_sum(v);
+    // Before anyone writes scratch again.
+    __syncthreads();
+    return v;
+}
+
+// RMSNorm's divisor, as candle's CPU kernel computes it: sqrt(sum(x²) / n + eps).
+__device__ __forceinline__ float rms(float sum_squares, u32 n, float eps) {
+    return __fsqrt_rn(__fdiv_rn(sum_squares, (float)n) + eps);
+}
+
+// One element of a norm: x / rms * (weight + offset), the CPU's order.
+__device__ __forceinline__ float normed(float x, float rms, float weight, float offset) {
+    return __fmul_rn(__fdiv_rn(x, rms), weight + offset);
+}
+
+// out [rows, hidden] (float) = table[ids[row]] * scale; a row of zeros for an id >= vocab.
+// Grid: one block per row.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+    ops_embed(const TABLE_T* __restrict__ table, u32 vocab, u32 hidden, const u32* __restrict__ ids,
+              float scale, float* __restrict__ out) {
+    const u32 id = ids[blockIdx.x];
+    float* dst = out + (u64)blockIdx.x * hidden;
+    if (id >= vocab) {
+        for (u32 j = threadIdx.x; j < hidden; j += blockDim.x) dst[j] = 0.0f;
+        return;
+    }
+    const TABLE_T* src = table + (u64)id * hidden;
+    for (u32 j = threadIdx.x; j < hidden; j += blockDim.x) dst[j] = to_float(src[j]) * scale;
+}
+
+// out [rows, width] (OUT_T) = RMSNorm(x [rows, width]) with weight [width]. Grid: one block per row.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+    ops_rms_norm(const float* __restrict__ x, u32 width, const float* __restrict__ weight,
+                 float eps, float offset, OUT_T* __restrict__ out) {
+    __shared__ float scratch[WARPS];
+    const float* row = x + (u64)blockIdx.x * width;
+    float ss = 0.0f;
+    for (u32 j = threadIdx.x; j < width; j += blockDim.x) ss += row[j] * row[j];
+    const float r = rms(block_sum(ss, scratch), width, eps);
+    OUT_T* dst = out + (u64)blockIdx.x * width;
+    for (u32 j = threadIdx.x; j < width; j += blockDim.x)
+        dst[j] = from_float<OUT_T>(normed(row[j], r, weight[j], offset));
+}
+
+// residual [rows, width] += RMSNorm(y) (NORMED 1) or y (NORMED 0). Grid: one block per row.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+    ops_add_rms_norm(float* __restrict__ residual, const float* __restrict__ y, u32 width,
+                     const float* __restrict__ weight, float eps, float offset) {
+    const float* row = y + (u64)blockIdx.x * width;
+    float* dst = residual + (u64)blockIdx.x * width;
+#if NORMED
+    __shared__ float scratch[WARPS];
+    float ss = 0.0f;
+    for (u32 j = threadIdx.x; j < width; j += blockDim.x) ss += row[j] * row[j];
+    const float r = rms(block_sum(ss, scratch), width, eps);
+    for (u32 j = threadIdx.x; j < width; j += blockDim.x)
+        dst[j] = __fadd_rn(dst[j], normed(row[j], r, weight[j], offset));
+#else
+    for (u32 j = threadIdx.x; j < width; j += blockDim.x) dst[j] = __fadd_rn(dst[j], row[j]);
+#endif
+}
+
+// RoPE of one pair, as the CPU computes it: products rounded separately, then the sum.
+__device__ __forceinline__ float2 rotate(float x0, float x1, float c, float s) {
+    return make_float2(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)),
+                       __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+}
+
+// Attention's inputs of one chunk of tokens, from the fused projection's output
+// qkv [tokens, heads + 2 * kv_heads, head_dim] (float): per head, in order,
+//   1. + bias [(heads + 2 * kv_heads) * head_dim] (if bias != 0);
+//   2. RMSNorm over head_dim: query heads by q_weight, key heads by k_weight (if != 0);
+//   3. keys and values rounded to f16 and back (if round_kv);
+//   4. keys and values copied to store_keys/store_values [tokens, kv_heads, head_dim] as
+//      f16 (if != 0): the store keeps keys before RoPE;
+//   5. queries and keys rotated at position first_position + token: angle in double,
+//      cos/sin rounded to float, pairs (i, i + d/2) or (2i, 2i + 1) if interleaved;
+//   6. queries written to queries [tokens, heads, head_dim] (KV_T), keys and values to row
+//      kv_head * capacity + position % capacity of keys/values (KV_T).
+// Grid: one block per token, each warp one head at a time, the head in shared memory.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs(
+    const float* __restrict__ qkv, const float* __restrict__ bias, u32 heads, u32 kv_heads,
+    u32 head_dim, const float* __restrict__ q_weight, float q_eps, float q_offset,
+    const float* __restrict__ k_weight, float k_eps, float k_offset,
+    const double* __restrict__ inv_freq, u32 interleaved, u64 first_position, u32 round_kv,
+    __half* __restrict__ store_keys, __half* __restrict__ store_values, KV_T* __restrict__ queries,
+    KV_T* __restrict__ keys, KV_T* __restrict__ values, u32 capacity) {
+    __shared__ float cos_t[MAX_HEAD_DIM / 2], sin_t[MAX_HEAD_DIM / 2];
+    __shared__ float buffer[WARPS][MAX_HEAD_DIM];
+    const u32 token = blockIdx.x, half_dim = head_dim / 2;
+    const u64 position = first_position + token;
+    for (u32 i = threadIdx.x; i < half_dim; i += blockDim.x) {
+        double s, c;
+        sincos((double)position * inv_freq[i], &s, &c);
+        cos_t[i] = (float)c;
+        sin_t[i] = (float)s;
+    }
+    __syncthreads();
+
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32 all_heads = heads + 2 * kv_heads;
+    const u64 slot = position % capacity;
+    float* x = buffer[warp];
+    // The loop bounds are the same on all lanes of a warp, so __syncwarp is safe.
+    for (u32 h = warp; h < all_heads; h += WARPS) {
+        const bool is_query = h < heads, is_value = h >= heads + kv_heads;
+        const u32 kv_head = is_query ? 0 : (is_value ? h - heads - kv_heads : h - heads);
+        const float* src = qkv + ((u64)token * all_heads + h) * head_dim;
+        float ss = 0.0f;
+        for (u32 j = lane; j < head_dim; j += 32) {
+            float v = src[j];
+            if (bias) v = __fadd_rn(v, bias[(u64)h * head_dim + j]);
+            x[j] = v;
+            ss += v * v;
+        }
+        const float* weight = is_query ? q_weight : (is_value ? nullptr : k_weight);
+        if (weight) {
+            const float r = rms(warp_sum(ss), head_dim, is_query ? q_eps : k_eps);
+            const float offset = is_query ? q_offset : k_offset;
+            for (u32 j = lane; j < head_dim; j += 32) x[j] = normed(x[j], r, weight[j], offset);
+        }
+        if (!is_query) {
+            const u64 store_row = ((u64)token * kv_heads + kv_head) * head_dim;
+            __half* store = is_value ? store_values : store_keys;
+            for (u32 j = lane; j < head_dim; j += 32) {
+                const __half rounded = from_float<__half>(x[j]);
+                if (round_kv) x[j] = to_float(rounded);
+                if (store) store[store_row + j] = rounded;
+            }
+        }
+        if (is_value) {
+            KV_T* dst = values + ((u64)kv_head * capacity + slot) * head_dim;
+            for (u32 j = lane; j < head_dim; j += 32) dst[j] = from_float<KV_T>(x[j]);
+        } else {
+            KV_T* dst = is_query ? queries + ((u64)token * heads + h) * head_dim
+                              : keys + ((u64)kv_head * capacity + slot) * head_dim;
+            // Pairs mix lanes: everything this warp wrote to x first.
+            __syncwarp();
+            for (u32 i = lane; i < half_dim; i += 32) {
+                const u32 a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half_dim;
+                const float2 y = rotate(x[a], x[b], cos_t[i], sin_t[i]);
+                dst[a] = from_float<KV_T>(y.x);
+                dst[b] = from_float<KV_T>(y.y);
+            }
+        }
+        // Before the next head overwrites x.
+        __syncwarp();
+    }
+}
+
+// out [rows, width] (OUT_T) = act(gate) * up, each row of gate_up [rows, 2 * width] being
+// [gate, up]. act 0: GELU-tanh x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x³);
+// act 1: SiLU x / (1 + exp(-x)). Grid-stride over the n = rows * width outputs.
+extern "C" __global__ void ops_gated_activation(const float* __restrict__ gate_up, u32 width,
+                                                u64 n, u32 act, OUT_T* __restrict__ out) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x) {
+        const u64 row = i / width, col = i % width;
+        const float g = gate_up[2 * row * width + col], u = gate_up[(2 * row + 1) * width + col];
+        // The exponent clamped as the CPU's fast_exp clamps it (and so never inf).
+        float e;
+        if (act == 0) {
+            const float inner = 0.7978846f * (g + 0.044715f * g * g * g);
+            e = __expf(fminf(fmaxf(-2.0f * inner, -87.0f), 88.0f));
+        } else {
+            e = __expf(fminf(fmaxf(-g, -87.0f), 88.0f));
+        }
+        out[i] = from_float<OUT_T>(__fmul_rn(__fdiv_rn(g, 1.0f + e), u));
+    }
+}
+
+// out[i] = x[i] converted from IN_T to OUT_T (through float). Grid-stride.
+extern "C" __global__ void ops_convert(const IN_T* __restrict__ x, u64 n, OUT_T* __restrict__ out) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x)
+        out[i] = from_float<OUT_T>(to_float(x[i]));
+}
+
+// out [rows, n] += bias [n] (float). Grid-stride over the rows * n elements.
+extern "C" __global__ void ops_add_bias(float* __restrict__ out, const float* __restrict__ bias,
+                                        u32 n, u64 len) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;
+         i += (u64)gridDim.x * blockDim.x)
+        out[i] = __fadd_rn(out[i], bias[i % n]);
+}

@@ -1,0 +1,580 @@
+//! The element-wise kernels of the model's forward pass on the GPU (`cuda/ops.cu`): the
+//! embedding lookup, RMSNorm (alone and fused with the residual add), attention's inputs
+//! (bias, per-head norms, the store's copy, RoPE and the KV buffer write, in one launch), the
+//! MLP's gated activation and type conversion. The matrix products are [`crate::Gemm`]'s.
+//!
+//! Layouts are row-major with contiguous rows: the residual stream `[tokens, hidden]` (f32),
+//! the fused Q/K/V projection `[tokens, heads + 2 * kv_heads, head_dim]` (f32), queries
+//! `[tokens, heads, head_dim]`, a layer's KV buffer `[kv_heads, capacity, head_dim]`
+//! ([`KvCache`]). Inputs are views, so a caller can pass rows of a larger buffer
+//! (`slice.slice(a..b)`). Every launch goes on [`Gpu::stream`] and returns before the
+//! kernel runs; every length is checked on the host first.
+//!
+//! Arithmetic is f32 in the CPU's order where the CPU's numbers are the reference: RMSNorm
+//! is candle's `x / sqrt(mean(x²) + eps) * w` with correctly rounded division and square
+//! root, RoPE takes angles in f64 and rounds cos and sin to f32 as `kvdb_model::Rope` does.
+
+use cudarc::driver::{
+    CudaFunction, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+
+use crate::buffers::KvCache;
+use crate::error::{driver, length, KernelError, Result};
+use crate::gpu::{Float, Gpu};
+
+const SOURCE: &str = include_str!("../cuda/ops.cu");
+
+/// Threads of the row kernels (`ROW_THREADS` in `ops.cu`).
+const ROW_THREADS: u32 = 256;
+/// Threads of the grid-stride kernels.
+const FLAT_THREADS: u32 = 256;
+/// The longest head [`attention_inputs`] handles (`MAX_HEAD_DIM` in `ops.cu`).
+pub const MAX_HEAD_DIM: usize = 512;
+
+/// How RoPE pairs a head's dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RopePairs {
+    /// Dimensions `(i, i + d/2)`: neox style, Gemma and Qwen2.
+    Halves,
+    /// Dimensions `(2i, 2i + 1)`: llama GGUF files (whose Q/K rows are permuted for it).
+    Interleaved,
+}
+
+/// The gate's activation in [`gated_activation`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GateActivation {
+    /// GELU, tanh approximation, as `x / (1 + exp(-2u))`, `u = sqrt(2/π)(x + 0.044715x³)`.
+    GeluTanh,
+    /// SiLU: `x / (1 + exp(-x))`.
+    Silu,
+}
+
+/// RMSNorm's learned scale: `y = x / sqrt(mean(x²) + eps) * (weight + offset)`. `offset` is
+/// 0.0 for the usual form and 1.0 for Gemma's `1 + w` form (GGUF files store Gemma's weights
+/// with the 1 added already, so a GGUF model passes 0.0).
+#[derive(Debug, Clone, Copy)]
+pub struct Norm<'a> {
+    /// The weight, one per normalised element.
+    pub weight: &'a CudaView<'a, f32>,
+    /// Added to the mean square.
+    pub eps: f32,
+    /// Added to every weight.
+    pub offset: f32,
+}
+
+/// A layer's rotary embedding: inverse frequencies `[head_dim / 2]` in f64 (as
+/// `kvdb_model::Rope` computes them) and the pairing.
+#[derive(Debug, Clone, Copy)]
+pub struct Rotary<'a> {
+    /// `inv_freq[i]`: the angle of pair `i` at position `p` is `p * inv_freq[i]`.
+    pub inv_freq: &'a CudaView<'a, f64>,
+    /// Which dimensions form a pair.
+    pub pairs: RopePairs,
+}
+
+/// Shapes of one chunk's fused Q/K/V projection output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QkvShape {
+    /// Tokens of the chunk.
+    pub tokens: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key (and value) heads.
+    pub kv_heads: usize,
+    /// Length of every head.
+    pub head_dim: usize,
+}
+
+impl QkvShape {
+    /// Elements of one token's row: `(heads + 2 * kv_heads) * head_dim`.
+    pub fn row(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+}
+
+/// Where [`attention_inputs`] writes the store's copy: keys before RoPE and values, rounded to
+/// f16, `[tokens, kv_heads, head_dim]` each.
+#[derive(Debug)]
+pub struct StoreRows<'a, 'b> {
+    /// Pre-RoPE keys.
+    pub keys: &'a mut CudaViewMut<'b, half::f16>,
+    /// Values.
+    pub values: &'a mut CudaViewMut<'b, half::f16>,
+}
+
+/// `out` row `i` (f32, `[ids, hidden]`) = row `ids[i]` of `table` (`[vocab, hidden]`) times
+/// `scale` (Gemma scales by `sqrt(hidden)`, others by 1). The caller checks the ids; for an id
+/// `>= vocab` the kernel writes a row of zeros rather than read out of bounds.
+pub fn embed<W: Float>(
+    gpu: &Gpu,
+    table: &CudaView<'_, W>,
+    hidden: usize,
+    ids: &CudaView<'_, u32>,
+    scale: f32,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    let vocab = whole_rows("embedding table [vocab, hidden]", table.len(), hidden)?;
+    length("embed out [ids, hidden]", ids.len() * hidden, out.len())?;
+    let (vocab, hidden) = (to_u32("vocabulary", vocab)?, to_u32("hidden size", hidden)?);
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let kernel = gpu.kernel(SOURCE, "ops_embed", &[("TABLE_T", W::NAME.to_string())])?;
+    let mut builder = gpu.stream().launch_builder(&kernel);
+    builder
+        .arg(table)
+        .arg(&vocab)
+        .arg(&hidden)
+        .arg(ids)
+        .arg(&scale)
+        .arg(out);
+    // Safety: the arguments match `ops_embed` in order and type; `out` holds `ids` rows of
+    // `hidden` and the kernel reads only rows `< vocab` of `table`.
+    unsafe { builder.launch(rows_config(ids.len())?) }.map_err(driver("launching ops_embed"))?;
+    Ok(())
+}
+
+/// `out = RMSNorm(x)` row by row, rows of `width` (`x.len() / width` rows), in f32 with the
+/// output rounded to `O`.
+pub fn rms_norm<O: Float>(
+    gpu: &Gpu,
+    x: &CudaView<'_, f32>,
+    width: usize,
+    norm: &Norm<'_>,
+    out: &mut CudaViewMut<'_, O>,
+) -> Result<()> {
+    let rows = whole_rows("rms_norm x [rows, width]", x.len(), width)?;
+    length("rms_norm weight [width]", width, norm.weight.len())?;
+    length("rms_norm out [rows, width]", x.len(), out.len())?;
+    let width = to_u32("rms_norm width", width)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let kernel = gpu.kernel(SOURCE, "ops_rms_norm", &[("OUT_T", O::NAME.to_string())])?;
+    let mut builder = gpu.stream().launch_builder(&kernel);
+    builder
+        .arg(x)
+        .arg(&width)
+        .arg(norm.weight)
+        .arg(&norm.eps)
+        .arg(&norm.offset)
+        .arg(out);
+    // Safety: the arguments match `ops_rms_norm`; x and out hold `rows` rows of `width`, the
+    // weight `width` elements.
+    unsafe { builder.launch(rows_config(rows)?) }.map_err(driver("launching ops_rms_norm"))?;
+    Ok(())
+}
+
+/// `residual += RMSNorm(y)` (or `residual += y` without a norm), rows of `width`: the
+/// residual add after a sublayer, with Gemma's post-norm fused.
+pub fn add_rms_norm(
+    gpu: &Gpu,
+    residual: &mut CudaViewMut<'_, f32>,
+    y: &CudaView<'_, f32>,
+    width: usize,
+    norm: Option<&Norm<'_>>,
+) -> Result<()> {
+    let rows = whole_rows("add_rms_norm y [rows, width]", y.len(), width)?;
+    length(
+        "add_rms_norm residual [rows, width]",
+        y.len(),
+        residual.len(),
+    )?;
+    if let Some(norm) = norm {
+        length("add_rms_norm weight [width]", width, norm.weight.len())?;
+    }
+    let width = to_u32("add_rms_norm width", width)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let normed = u32::from(norm.is_some()).to_string();
+    let kernel = gpu.kernel(SOURCE, "ops_add_rms_norm", &[("NORMED", normed)])?;
+    // Without a norm the kernel reads no weight: any address will do.
+    let (weight, eps, offset) = match norm {
+        Some(norm) => (address(gpu, norm.weight), norm.eps, norm.offset),
+        None => (0u64, 0.0f32, 0.0f32),
+    };
+    let mut builder = gpu.stream().launch_builder(&kernel);
+    builder
+        .arg(residual)
+        .arg(y)
+        .arg(&width)
+        .arg(&weight)
+        .arg(&eps)
+        .arg(&offset);
+    // Safety: the arguments match `ops_add_rms_norm`; residual and y hold `rows` rows of
+    // `width`, the weight (read only with NORMED=1) `width` elements.
+    unsafe { builder.launch(rows_config(rows)?) }.map_err(driver("launching ops_add_rms_norm"))?;
+    Ok(())
+}
+
+/// Attention's inputs for one chunk of tokens, in one launch, from the fused projection's
+/// output `qkv` (`[tokens, (heads + 2 * kv_heads) * head_dim]`: per row all query heads, then
+/// all key heads, then all value heads). Per head:
+///
+/// 1. `bias` (`[(heads + 2 * kv_heads) * head_dim]`, Qwen2) is added;
+/// 2. query heads are RMS-normed over `head_dim` by `q_norm`, key heads by `k_norm` (Gemma 3);
+/// 3. with `round_kv_to_f16`, keys and values are rounded to f16 (and back), so that the
+///    GPU attends to exactly what the store keeps;
+/// 4. `store`, if given, receives those keys (before RoPE) and values as f16,
+///    `[tokens, kv_heads, head_dim]`;
+/// 5. queries and keys of token `i` are rotated at position `p = first_position + i`;
+/// 6. queries go to `queries` (`[tokens, heads, head_dim]`), keys and values to `kv` at slot
+///    `p % kv.tokens()` (row `h * kv.tokens() + slot`: a buffer smaller than the sequence
+///    is a ring, as a sliding-window layer's).
+///
+/// The chunk must fit in `kv` (`tokens <= kv.tokens()`), so that no two tokens of one launch
+/// share a slot.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_inputs<A: Float>(
+    gpu: &Gpu,
+    qkv: &CudaView<'_, f32>,
+    shape: &QkvShape,
+    bias: Option<&CudaView<'_, f32>>,
+    q_norm: Option<&Norm<'_>>,
+    k_norm: Option<&Norm<'_>>,
+    rotary: &Rotary<'_>,
+    first_position: usize,
+    round_kv_to_f16: bool,
+    queries: &mut CudaViewMut<'_, A>,
+    kv: &mut KvCache<A>,
+    store: Option<StoreRows<'_, '_>>,
+) -> Result<()> {
+    let QkvShape {
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+    } = *shape;
+    check_attention_shape(shape, kv)?;
+    length(
+        "attention_inputs qkv [tokens, (heads + 2 kv_heads) head_dim]",
+        tokens * shape.row(),
+        qkv.len(),
+    )?;
+    if let Some(bias) = bias {
+        length(
+            "attention_inputs bias [(heads + 2 kv_heads) head_dim]",
+            shape.row(),
+            bias.len(),
+        )?;
+    }
+    for norm in [q_norm, k_norm].into_iter().flatten() {
+        length(
+            "attention_inputs q/k norm weight [head_dim]",
+            head_dim,
+            norm.weight.len(),
+        )?;
+    }
+    length(
+        "attention_inputs inv_freq [head_dim / 2]",
+        head_dim / 2,
+        rotary.inv_freq.len(),
+    )?;
+    length(
+        "attention_inputs queries [tokens, heads, head_dim]",
+        tokens * heads * head_dim,
+        queries.len(),
+    )?;
+    let store_len = tokens * kv_heads * head_dim;
+    let store = match store {
+        Some(rows) => {
+            length(
+                "attention_inputs store keys [tokens, kv_heads, head_dim]",
+                store_len,
+                rows.keys.len(),
+            )?;
+            length(
+                "attention_inputs store values [tokens, kv_heads, head_dim]",
+                store_len,
+                rows.values.len(),
+            )?;
+            Some((address_mut(gpu, rows.keys), address_mut(gpu, rows.values)))
+        }
+        None => None,
+    };
+    if first_position.checked_add(tokens).is_none() {
+        return Err(KernelError::TooLarge {
+            what: "attention_inputs first position",
+            value: first_position,
+        });
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let kernel = gpu.kernel(
+        SOURCE,
+        "ops_attention_inputs",
+        &[("KV_T", A::NAME.to_string())],
+    )?;
+    let args = AttentionArgs {
+        heads: heads as u32,
+        kv_heads: kv_heads as u32,
+        head_dim: head_dim as u32,
+        bias: bias.map_or(0, |b| address(gpu, b)),
+        q_norm: norm_args(gpu, q_norm),
+        k_norm: norm_args(gpu, k_norm),
+        interleaved: u32::from(rotary.pairs == RopePairs::Interleaved),
+        first_position: first_position as u64,
+        round_kv: u32::from(round_kv_to_f16),
+        store: store.unwrap_or((0, 0)),
+        capacity: kv.tokens() as u32,
+    };
+    launch_attention(gpu, &kernel, qkv, rotary, &args, queries, kv, tokens)
+}
+
+/// `attention_inputs`' checks of the shape against the KV buffer.
+fn check_attention_shape<A>(shape: &QkvShape, kv: &KvCache<A>) -> Result<()> {
+    let QkvShape {
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+    } = *shape;
+    if head_dim == 0 || head_dim % 2 == 1 || head_dim > MAX_HEAD_DIM {
+        return Err(KernelError::Unsupported {
+            what: "attention_inputs head dimension",
+            value: head_dim,
+            supported: "even, 2 to 512",
+        });
+    }
+    if heads == 0 || kv_heads == 0 {
+        return Err(KernelError::Unsupported {
+            what: "attention_inputs heads (query or KV)",
+            value: heads.min(kv_heads),
+            supported: "at least 1 of each",
+        });
+    }
+    to_u32("attention_inputs heads", heads + 2 * kv_heads)?;
+    length("attention_inputs KV buffer heads", kv_heads, kv.kv_heads())?;
+    length(
+        "attention_inputs KV buffer head_dim",
+        head_dim,
+        kv.head_dim(),
+    )?;
+    if tokens > kv.tokens() {
+        return Err(KernelError::OutOfRange {
+            what: "attention_inputs tokens in one chunk (at most the KV buffer's capacity)",
+            index: tokens as u64,
+            len: kv.tokens() as u64,
+        });
+    }
+    Ok(())
+}
+
+/// `ops_attention_inputs`' scalar arguments and optional pointers (0 for none).
+struct AttentionArgs {
+    heads: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    bias: u64,
+    q_norm: (u64, f32, f32),
+    k_norm: (u64, f32, f32),
+    interleaved: u32,
+    first_position: u64,
+    round_kv: u32,
+    store: (u64, u64),
+    capacity: u32,
+}
+
+/// A norm's weight address (0 for none), eps and offset.
+fn norm_args(gpu: &Gpu, norm: Option<&Norm<'_>>) -> (u64, f32, f32) {
+    norm.map_or((0, 0.0, 0.0), |n| (address(gpu, n.weight), n.eps, n.offset))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_attention<A: Float>(
+    gpu: &Gpu,
+    kernel: &CudaFunction,
+    qkv: &CudaView<'_, f32>,
+    rotary: &Rotary<'_>,
+    args: &AttentionArgs,
+    queries: &mut CudaViewMut<'_, A>,
+    kv: &mut KvCache<A>,
+    tokens: usize,
+) -> Result<()> {
+    let mut builder = gpu.stream().launch_builder(kernel);
+    builder
+        .arg(qkv)
+        .arg(&args.bias)
+        .arg(&args.heads)
+        .arg(&args.kv_heads)
+        .arg(&args.head_dim)
+        .arg(&args.q_norm.0)
+        .arg(&args.q_norm.1)
+        .arg(&args.q_norm.2)
+        .arg(&args.k_norm.0)
+        .arg(&args.k_norm.1)
+        .arg(&args.k_norm.2)
+        .arg(rotary.inv_freq)
+        .arg(&args.interleaved)
+        .arg(&args.first_position)
+        .arg(&args.round_kv)
+        .arg(&args.store.0)
+        .arg(&args.store.1)
+        .arg(queries)
+        .arg(&mut kv.keys)
+        .arg(&mut kv.values)
+        .arg(&args.capacity);
+    // Safety: the arguments match `ops_attention_inputs` in order and type; every buffer's
+    // length was checked against the shape (qkv, bias, norm weights, inv_freq, queries, store
+    // rows), the KV buffer has `kv_heads` heads of `capacity >= tokens` rows of `head_dim`,
+    // and head_dim is even and at most MAX_HEAD_DIM.
+    unsafe { builder.launch(rows_config(tokens)?) }
+        .map_err(driver("launching ops_attention_inputs"))?;
+    Ok(())
+}
+
+/// `out = act(gate) * up` (rounded to `O`), each row of `gate_up` (`[rows, 2 * width]`) being
+/// `[gate (width), up (width)]` and each row of `out` `width` long.
+pub fn gated_activation<O: Float>(
+    gpu: &Gpu,
+    gate_up: &CudaView<'_, f32>,
+    width: usize,
+    activation: GateActivation,
+    out: &mut CudaViewMut<'_, O>,
+) -> Result<()> {
+    let rows = whole_rows(
+        "gated_activation gate_up [rows, 2 width]",
+        gate_up.len(),
+        2 * width,
+    )?;
+    length(
+        "gated_activation out [rows, width]",
+        rows * width,
+        out.len(),
+    )?;
+    let width = to_u32("gated_activation width", width)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let act: u32 = match activation {
+        GateActivation::GeluTanh => 0,
+        GateActivation::Silu => 1,
+    };
+    let n = out.len() as u64;
+    let config = flat_config(gpu, out.len());
+    let kernel = gpu.kernel(
+        SOURCE,
+        "ops_gated_activation",
+        &[("OUT_T", O::NAME.to_string())],
+    )?;
+    let mut builder = gpu.stream().launch_builder(&kernel);
+    builder.arg(gate_up).arg(&width).arg(&n).arg(&act).arg(out);
+    // Safety: the arguments match `ops_gated_activation`; gate_up holds `2 n` elements, out
+    // `n`, and the grid strides over `n`.
+    unsafe { builder.launch(config) }.map_err(driver("launching ops_gated_activation"))?;
+    Ok(())
+}
+
+/// `out[i] = x[i]` converted from `I` to `O` through f32 (rounding to nearest even).
+pub fn convert<I: Float, O: Float>(
+    gpu: &Gpu,
+    x: &CudaView<'_, I>,
+    out: &mut CudaViewMut<'_, O>,
+) -> Result<()> {
+    length("convert out", x.len(), out.len())?;
+    if x.is_empty() {
+        return Ok(());
+    }
+    let n = x.len() as u64;
+    let defines = [
+        ("IN_T", I::NAME.to_string()),
+        ("OUT_T", O::NAME.to_string()),
+    ];
+    let config = flat_config(gpu, x.len());
+    let kernel = gpu.kernel(SOURCE, "ops_convert", &defines)?;
+    let mut builder = gpu.stream().launch_builder(&kernel);
+    builder.arg(x).arg(&n).arg(out);
+    // Safety: the arguments match `ops_convert`; x and out hold `n` elements.
+    unsafe { builder.launch(config) }.map_err(driver("launching ops_convert"))?;
+    Ok(())
+}
+
+/// The keys and values of a [`KvCache`] (`[kv_heads, capacity, head_dim]` each), as views:
+/// to copy them back, or to hand them to a kernel this crate does not wrap.
+pub fn kv_views<T>(kv: &KvCache<T>) -> (CudaView<'_, T>, CudaView<'_, T>) {
+    (kv.keys.as_view(), kv.values.as_view())
+}
+
+/// `out [rows, n] += bias [n]` (f32): [`crate::Gemm`]'s bias when cuBLASLt's epilogue does
+/// not add it.
+pub(crate) fn add_bias(
+    gpu: &Gpu,
+    out: &mut CudaViewMut<'_, f32>,
+    bias: &CudaView<'_, f32>,
+) -> Result<()> {
+    whole_rows("bias out [rows, n]", out.len(), bias.len())?;
+    let n = to_u32("bias length", bias.len())?;
+    if out.is_empty() {
+        return Ok(());
+    }
+    let len = out.len() as u64;
+    let config = flat_config(gpu, out.len());
+    let kernel = gpu.kernel(SOURCE, "ops_add_bias", &[])?;
+    let mut builder = gpu.stream().launch_builder(&kernel);
+    builder.arg(out).arg(bias).arg(&n).arg(&len);
+    // Safety: the arguments match `ops_add_bias`; out holds whole rows of `n`, bias `n`.
+    unsafe { builder.launch(config) }.map_err(driver("launching ops_add_bias"))?;
+    Ok(())
+}
+
+/// The number of rows of `width` in `len` elements: an error unless `width > 0` divides `len`.
+fn whole_rows(what: &'static str, len: usize, width: usize) -> Result<usize> {
+    if width == 0 {
+        return Err(KernelError::Unsupported {
+            what,
+            value: 0,
+            supported: "a row width of at least 1",
+        });
+    }
+    if !len.is_multiple_of(width) {
+        return Err(KernelError::Length {
+            what,
+            expected: len.next_multiple_of(width),
+            found: len,
+        });
+    }
+    Ok(len / width)
+}
+
+fn to_u32(what: &'static str, value: usize) -> Result<u32> {
+    u32::try_from(value).map_err(|_| KernelError::TooLarge { what, value })
+}
+
+/// One block of [`ROW_THREADS`] per row.
+fn rows_config(rows: usize) -> Result<LaunchConfig> {
+    let blocks = u32::try_from(rows)
+        .ok()
+        .filter(|&r| r <= i32::MAX as u32)
+        .ok_or(KernelError::TooLarge {
+            what: "rows (one block each)",
+            value: rows,
+        })?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (ROW_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// A grid-stride launch over `n` elements: enough blocks to fill the GPU, no more.
+fn flat_config(gpu: &Gpu, n: usize) -> LaunchConfig {
+    let most = gpu.multiprocessors() as usize * 16;
+    let blocks = n.div_ceil(FLAT_THREADS as usize).clamp(1, most);
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (FLAT_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The device address of a view (for optional kernel arguments, 0 meaning none).
+fn address<T>(gpu: &Gpu, view: &CudaView<'_, T>) -> u64 {
+    view.device_ptr(gpu.stream()).0
+}
+
+/// The device address of a view the kernel writes.
+fn address_mut<T>(gpu: &Gpu, view: &mut CudaViewMut<'_, T>) -> u64 {
+    view.device_ptr_mut(gpu.stream()).0
+}
