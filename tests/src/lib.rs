@@ -58,7 +58,9 @@ impl TinyArch {
 }
 
 /// A tiny random-weight model. Start from [`TinyModel::llama`], [`TinyModel::qwen2`] or
-/// [`TinyModel::gemma3`] and override fields with struct update syntax.
+/// [`TinyModel::gemma3`] and override fields with struct update syntax. The presets
+/// [`TinyModel::gemma3_270m`], [`TinyModel::llama3_8b`] and [`TinyModel::qwen2_0_5b`] have the
+/// real models' shapes, for speed tests (the `random_model` binary writes them).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TinyModel {
     /// The architecture.
@@ -164,8 +166,101 @@ impl TinyModel {
         }
     }
 
-    /// The metadata and tensors of the file, for tests that edit them before writing.
-    pub fn gguf(&self) -> Result<TinyGguf> {
+    /// The shapes of Gemma 3 270M (`google/gemma-3-270m`) with random weights, stored as BF16:
+    /// 18 layers of width 640 (MLP 2048), 4 query heads over 1 KV head of 256 dims, a
+    /// 262144-token vocabulary, 32768 tokens of context, sliding windows of 512 tokens on five
+    /// layers of six, RoPE base 1e6 (global) and 1e4 (local), tied output.
+    ///
+    /// The metadata keys are those of the real GGUF file (llama.cpp's conversion): it has no
+    /// `rope.local_freq_base`, `attention.sliding_window_pattern` or attention-scale key, and
+    /// readers (kvdb-model, llama.cpp) supply the local base 1e4, the pattern 6 and the scale
+    /// `1/sqrt(head_dim)` themselves; `1/sqrt(256)` is the model's `query_pre_attn_scalar` of
+    /// 256.
+    pub fn gemma3_270m() -> Self {
+        Self {
+            arch: TinyArch::Gemma3,
+            layers: 18,
+            hidden: 640,
+            intermediate: 2048,
+            heads: 4,
+            kv_heads: 1,
+            head_dim: 256,
+            vocab: 262_144,
+            context_length: 32_768,
+            rope_base: 1_000_000.0,
+            rope_local_base: None,
+            sliding_window: Some(512),
+            sliding_window_pattern: None,
+            qkv_bias: false,
+            tied_output: true,
+            dtype: GgmlDType::BF16,
+            norm_eps: 1e-6,
+            seed: 270,
+        }
+    }
+
+    /// The shapes of Llama 3 8B with random weights, stored as BF16: 32 layers of width 4096
+    /// (MLP 14336), 32 query heads over 8 KV heads of 128 dims, a 128256-token vocabulary,
+    /// 131072 tokens of context (Llama 3.1's, without its `rope_freqs.weight` scaling), RoPE
+    /// base 500000, separate output weights. The tokenizer is [`TinyModel`]'s SentencePiece
+    /// one padded to the vocabulary, not Llama 3's BPE.
+    pub fn llama3_8b() -> Self {
+        Self {
+            arch: TinyArch::Llama,
+            layers: 32,
+            hidden: 4096,
+            intermediate: 14_336,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            vocab: 128_256,
+            context_length: 131_072,
+            rope_base: 500_000.0,
+            rope_local_base: None,
+            sliding_window: None,
+            sliding_window_pattern: None,
+            qkv_bias: false,
+            tied_output: false,
+            dtype: GgmlDType::BF16,
+            norm_eps: 1e-5,
+            seed: 8,
+        }
+    }
+
+    /// The shapes of Qwen2 0.5B with random weights, stored as BF16: 24 layers of width 896
+    /// (MLP 4864), 14 query heads over 2 KV heads of 64 dims with Q/K/V biases, a
+    /// 151936-token vocabulary, 32768 tokens of context, RoPE base 1e6, tied output.
+    pub fn qwen2_0_5b() -> Self {
+        Self {
+            arch: TinyArch::Qwen2,
+            layers: 24,
+            hidden: 896,
+            intermediate: 4864,
+            heads: 14,
+            kv_heads: 2,
+            head_dim: 64,
+            vocab: 151_936,
+            context_length: 32_768,
+            rope_base: 1_000_000.0,
+            rope_local_base: None,
+            sliding_window: None,
+            sliding_window_pattern: None,
+            qkv_bias: true,
+            tied_output: true,
+            dtype: GgmlDType::BF16,
+            norm_eps: 1e-6,
+            seed: 5,
+        }
+    }
+
+    /// Weights in the file (embedding and output included), from the shapes alone.
+    pub fn parameter_count(&self) -> usize {
+        self.tensors().iter().map(TinyTensor::elem_count).sum()
+    }
+
+    /// Checks that the sizes make a model and a tokenizer (what [`TinyModel::gguf`] checks
+    /// before drawing anything).
+    pub fn check(&self) -> Result<()> {
         if self.vocab < FIRST_PIECE as usize {
             bail!(
                 "a tiny model needs a vocabulary of at least {FIRST_PIECE} tokens, got {}",
@@ -179,6 +274,12 @@ impl TinyModel {
                 self.kv_heads
             );
         }
+        Ok(())
+    }
+
+    /// The metadata and tensors of the file, for tests that edit them before writing.
+    pub fn gguf(&self) -> Result<TinyGguf> {
+        self.check()?;
         let mut gguf = TinyGguf {
             metadata: self.metadata(),
             tensors: Vec::new(),
@@ -197,7 +298,8 @@ impl TinyModel {
         self.gguf()?.write_temp()
     }
 
-    fn metadata(&self) -> Vec<(String, Value)> {
+    /// The metadata entries of the file, in file order (the tokenizer's included).
+    pub fn metadata(&self) -> Vec<(String, Value)> {
         let arch = self.arch.gguf_name();
         let u32v = |v: usize| Value::U32(v as u32);
         let mut md = vec![
@@ -244,117 +346,119 @@ impl TinyModel {
     }
 
     fn add_tensors(&self, gguf: &mut TinyGguf) -> Result<()> {
+        for tensor in self.tensors() {
+            let values = tensor.generate()?;
+            gguf.tensors.push((tensor.name, values));
+        }
+        Ok(())
+    }
+
+    /// The tensors of the file in file order, before their values are drawn: what
+    /// [`TinyModel::gguf`] generates, for writers that draw them piece by piece.
+    pub fn tensors(&self) -> Vec<TinyTensor> {
         let (h, q_dim, kv_dim, ff) = (
             self.hidden,
             self.heads * self.head_dim,
             self.kv_heads * self.head_dim,
             self.intermediate,
         );
-        let weight = |name: &str, rows: usize, cols: usize, std: f32| -> Result<QTensor> {
-            let values = Normal::new(self.seed, name).take(rows * cols, 0.0, std);
-            let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu)?;
-            QTensor::quantize(&t, self.dtype).with_context(|| {
-                format!("quantizing `{name}` [{rows}, {cols}] to {:?}", self.dtype)
-            })
-        };
-        let vector = |name: &str, len: usize, mean: f32, std: f32| -> Result<QTensor> {
-            let values = Normal::new(self.seed, name).take(len, mean, std);
-            Ok(QTensor::quantize(
-                &Tensor::from_vec(values, len, &Device::Cpu)?,
-                GgmlDType::F32,
-            )?)
-        };
         let fan_in = |n: usize| 1.0 / (n as f32).sqrt();
-        let mut add = |name: String, t: QTensor| gguf.tensors.push((name, t));
-
-        add(
-            "token_embd.weight".into(),
-            weight("token_embd.weight", self.vocab, h, fan_in(h))?,
-        );
-        add(
-            "output_norm.weight".into(),
-            vector("output_norm.weight", h, 1.0, 0.1)?,
-        );
+        let vector = |name: String, len: usize, mean: f32, std: f32| TinyTensor {
+            name,
+            shape: vec![len],
+            dtype: GgmlDType::F32,
+            mean,
+            std,
+            seed: self.seed,
+        };
+        let weight = |name: String, rows: usize, cols: usize, std: f32| TinyTensor {
+            name,
+            shape: vec![rows, cols],
+            dtype: self.dtype,
+            mean: 0.0,
+            std,
+            seed: self.seed,
+        };
+        let mut plan = Vec::new();
+        let mut add = |t: TinyTensor| plan.push(t);
+        add(weight("token_embd.weight".into(), self.vocab, h, fan_in(h)));
+        add(vector("output_norm.weight".into(), h, 1.0, 0.1));
         if !self.tied_output {
-            add(
-                "output.weight".into(),
-                weight("output.weight", self.vocab, h, fan_in(h))?,
-            );
+            add(weight("output.weight".into(), self.vocab, h, fan_in(h)));
         }
         for i in 0..self.layers {
             let n = |suffix: &str| format!("blk.{i}.{suffix}");
-            add(
-                n("attn_norm.weight"),
-                vector(&n("attn_norm.weight"), h, 1.0, 0.1)?,
-            );
+            add(vector(n("attn_norm.weight"), h, 1.0, 0.1));
             // Queries and keys a little larger than unit scale, so that attention is peaked.
-            add(
-                n("attn_q.weight"),
-                weight(&n("attn_q.weight"), q_dim, h, 1.5 * fan_in(h))?,
-            );
-            add(
-                n("attn_k.weight"),
-                weight(&n("attn_k.weight"), kv_dim, h, 1.5 * fan_in(h))?,
-            );
-            add(
-                n("attn_v.weight"),
-                weight(&n("attn_v.weight"), kv_dim, h, fan_in(h))?,
-            );
+            add(weight(n("attn_q.weight"), q_dim, h, 1.5 * fan_in(h)));
+            add(weight(n("attn_k.weight"), kv_dim, h, 1.5 * fan_in(h)));
+            add(weight(n("attn_v.weight"), kv_dim, h, fan_in(h)));
             if self.qkv_bias {
-                add(
-                    n("attn_q.bias"),
-                    vector(&n("attn_q.bias"), q_dim, 0.0, 0.5)?,
-                );
-                add(
-                    n("attn_k.bias"),
-                    vector(&n("attn_k.bias"), kv_dim, 0.0, 0.5)?,
-                );
-                add(
-                    n("attn_v.bias"),
-                    vector(&n("attn_v.bias"), kv_dim, 0.0, 0.5)?,
-                );
+                add(vector(n("attn_q.bias"), q_dim, 0.0, 0.5));
+                add(vector(n("attn_k.bias"), kv_dim, 0.0, 0.5));
+                add(vector(n("attn_v.bias"), kv_dim, 0.0, 0.5));
             }
-            add(
-                n("attn_output.weight"),
-                weight(&n("attn_output.weight"), h, q_dim, fan_in(q_dim))?,
-            );
+            add(weight(n("attn_output.weight"), h, q_dim, fan_in(q_dim)));
             if self.arch == TinyArch::Gemma3 {
                 let d = self.head_dim;
-                add(
-                    n("attn_q_norm.weight"),
-                    vector(&n("attn_q_norm.weight"), d, 1.0, 0.1)?,
-                );
-                add(
-                    n("attn_k_norm.weight"),
-                    vector(&n("attn_k_norm.weight"), d, 1.0, 0.1)?,
-                );
-                add(
-                    n("post_attention_norm.weight"),
-                    vector(&n("post_attention_norm.weight"), h, 1.0, 0.1)?,
-                );
-                add(
-                    n("post_ffw_norm.weight"),
-                    vector(&n("post_ffw_norm.weight"), h, 1.0, 0.1)?,
-                );
+                add(vector(n("attn_q_norm.weight"), d, 1.0, 0.1));
+                add(vector(n("attn_k_norm.weight"), d, 1.0, 0.1));
+                add(vector(n("post_attention_norm.weight"), h, 1.0, 0.1));
+                add(vector(n("post_ffw_norm.weight"), h, 1.0, 0.1));
             }
-            add(
-                n("ffn_norm.weight"),
-                vector(&n("ffn_norm.weight"), h, 1.0, 0.1)?,
-            );
-            add(
-                n("ffn_gate.weight"),
-                weight(&n("ffn_gate.weight"), ff, h, fan_in(h))?,
-            );
-            add(
-                n("ffn_up.weight"),
-                weight(&n("ffn_up.weight"), ff, h, fan_in(h))?,
-            );
-            add(
-                n("ffn_down.weight"),
-                weight(&n("ffn_down.weight"), h, ff, fan_in(ff))?,
-            );
+            add(vector(n("ffn_norm.weight"), h, 1.0, 0.1));
+            add(weight(n("ffn_gate.weight"), ff, h, fan_in(h)));
+            add(weight(n("ffn_up.weight"), ff, h, fan_in(h)));
+            add(weight(n("ffn_down.weight"), h, ff, fan_in(ff)));
         }
-        Ok(())
+        plan
+    }
+}
+
+/// One tensor of a [`TinyModel`] before its values are drawn: name, shape, storage type and
+/// the normal distribution of its values. Any range of the values can be drawn on its own
+/// ([`TinyTensor::fill`]), so a writer can draw a large tensor in parallel pieces and stream
+/// it; the pieces equal what [`TinyTensor::generate`] (and so [`TinyModel::gguf`]) draws.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TinyTensor {
+    /// The GGUF tensor name.
+    pub name: String,
+    /// The candle shape (`[out, in]` for a projection).
+    pub shape: Vec<usize>,
+    /// The storage type.
+    pub dtype: GgmlDType,
+    /// Mean of the values.
+    pub mean: f32,
+    /// Standard deviation of the values.
+    pub std: f32,
+    /// The model's seed (the stream is seeded by it and the name).
+    seed: u64,
+}
+
+impl TinyTensor {
+    /// Number of values.
+    pub fn elem_count(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Values `offset..offset + out.len()` in row-major order into `out`.
+    pub fn fill(&self, offset: usize, out: &mut [f32]) {
+        let mut rng = Normal::new(self.seed, &self.name);
+        rng.skip(2 * offset as u64);
+        rng.fill(out, self.mean, self.std);
+    }
+
+    /// All values, stored as [`TinyTensor::dtype`].
+    pub fn generate(&self) -> Result<QTensor> {
+        let values =
+            Normal::new(self.seed, &self.name).take(self.elem_count(), self.mean, self.std);
+        let t = Tensor::from_vec(values, self.shape.as_slice(), &Device::Cpu)?;
+        QTensor::quantize(&t, self.dtype).with_context(|| {
+            format!(
+                "quantizing `{}` {:?} to {:?}",
+                self.name, self.shape, self.dtype
+            )
+        })
     }
 }
 
@@ -535,14 +639,29 @@ impl Normal {
         ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
     }
 
+    /// Moves the stream `n` draws of [`Normal::next_u64`] ahead: splitmix64's state after `n`
+    /// draws is the state plus `n` increments, so any point of the stream is reached at once.
+    fn skip(&mut self, n: u64) {
+        self.state = self
+            .state
+            .wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    }
+
+    /// One normal sample (two uniforms).
+    fn sample(&mut self, mean: f32, std: f32) -> f32 {
+        let (u1, u2) = (self.uniform(), self.uniform());
+        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        mean + std * z as f32
+    }
+
     fn take(&mut self, n: usize, mean: f32, std: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let (u1, u2) = (self.uniform(), self.uniform());
-                let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
-                mean + std * z as f32
-            })
-            .collect()
+        (0..n).map(|_| self.sample(mean, std)).collect()
+    }
+
+    fn fill(&mut self, out: &mut [f32], mean: f32, std: f32) {
+        for v in out {
+            *v = self.sample(mean, std);
+        }
     }
 }
 
