@@ -105,6 +105,10 @@ pub enum ModelError {
     /// Fetching the default model failed.
     #[error("{0}")]
     Fetch(String),
+    /// The GPU failed: no driver or device, a kernel or cuBLAS error, out of memory.
+    #[cfg(feature = "gpu")]
+    #[error("GPU: {0}")]
+    Gpu(#[from] kvdb_kernels::KernelError),
     /// A tensor operation failed (a bug or an out-of-memory condition, not bad input).
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -27,7 +27,10 @@ mod backend;
 mod config;
 mod error;
 pub mod fetch;
+mod forward;
 mod gguf;
+#[cfg(feature = "gpu")]
+mod gpu;
 mod model;
 mod ops;
 mod rope;
@@ -40,7 +43,12 @@ pub use config::{
     Activation, Architecture, LayerKind, LayerSpec, ModelConfig, RopeConfig, RopeScaling, RopeStyle,
 };
 pub use error::{ModelError, Result};
+pub use forward::{BackendSequence, CpuSequence, Forward, SequenceOptions, CPU_PREFILL_CHUNK};
 pub use gguf::GgufFile;
+#[cfg(feature = "gpu")]
+pub use gpu::{GpuModel, Precision, MAX_CHUNK as GPU_MAX_CHUNK};
+#[cfg(feature = "gpu")]
+pub use kvdb_kernels::{Gpu, KernelError};
 pub use model::{LoadOptions, Logits, Model, WeightMode, DENSE_MIN_ROWS};
 pub use rope::Rope;
 pub use tokenizer::{EncodeOptions, StreamDecoder, Tokenizer, TokenizerKind};

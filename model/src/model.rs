@@ -12,6 +12,7 @@ use candle_core::{DType, Device, IndexOp, Module, Tensor};
 use crate::backend::{AttentionBackend, AttentionInput};
 use crate::config::{Activation, ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
+use crate::forward::{check_call, CpuSequence, SequenceOptions};
 use crate::gguf::GgufFile;
 use crate::ops::{gated_activation, matmul, small_matmul};
 use crate::rope::Rope;
@@ -60,10 +61,10 @@ pub enum Logits {
 
 /// A projection `y = x Wᵀ (+ b)`.
 #[derive(Debug, Clone)]
-struct Linear {
-    dense: Option<Tensor>,
-    quantized: Option<QMatMul>,
-    bias: Option<Tensor>,
+pub(crate) struct Linear {
+    pub(crate) dense: Option<Tensor>,
+    pub(crate) quantized: Option<QMatMul>,
+    pub(crate) bias: Option<Tensor>,
 }
 
 /// Storage types whose quantized products candle vectorises on x86 (AVX2) and ARM; others
@@ -122,9 +123,9 @@ impl Linear {
 /// weights for prefill chunks (fewer, larger products pack the input once), and part by part
 /// for decode (quantized kernels or small products).
 #[derive(Debug, Clone)]
-struct Fused {
-    stacked: Option<Tensor>,
-    parts: Vec<Linear>,
+pub(crate) struct Fused {
+    pub(crate) stacked: Option<Tensor>,
+    pub(crate) parts: Vec<Linear>,
 }
 
 impl Fused {
@@ -174,9 +175,9 @@ impl Fused {
 
 /// RMS norm with a learned scale (GGUF stores Gemma's scale with its +1 already added).
 #[derive(Debug, Clone)]
-struct RmsNorm {
-    weight: Tensor,
-    eps: f32,
+pub(crate) struct RmsNorm {
+    pub(crate) weight: Tensor,
+    pub(crate) eps: f32,
 }
 
 impl RmsNorm {
@@ -190,32 +191,35 @@ impl RmsNorm {
 }
 
 #[derive(Debug, Clone)]
-struct Layer {
-    attn_norm: RmsNorm,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: RmsNorm,
     /// Q, K and V.
-    qkv: Fused,
-    wo: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
-    post_attn_norm: Option<RmsNorm>,
-    ffn_norm: RmsNorm,
+    pub(crate) qkv: Fused,
+    pub(crate) wo: Linear,
+    pub(crate) q_norm: Option<RmsNorm>,
+    pub(crate) k_norm: Option<RmsNorm>,
+    pub(crate) post_attn_norm: Option<RmsNorm>,
+    pub(crate) ffn_norm: RmsNorm,
     /// The MLP's gate and up projections.
-    gate_up: Fused,
-    down: Linear,
-    post_ffn_norm: Option<RmsNorm>,
-    rope: Rope,
+    pub(crate) gate_up: Fused,
+    pub(crate) down: Linear,
+    pub(crate) post_ffn_norm: Option<RmsNorm>,
+    pub(crate) rope: Rope,
 }
 
 /// A loaded model: configuration and weights.
 #[derive(Debug, Clone)]
 pub struct Model {
-    config: ModelConfig,
-    embedding: Arc<QTensor>,
-    layers: Vec<Layer>,
-    output_norm: RmsNorm,
-    output: Linear,
-    activation: Activation,
-    device: Device,
+    pub(crate) config: ModelConfig,
+    pub(crate) embedding: Arc<QTensor>,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) output_norm: RmsNorm,
+    pub(crate) output: Linear,
+    pub(crate) activation: Activation,
+    /// The output projection is the embedding (no `output.weight` in the file).
+    #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
+    pub(crate) output_tied: bool,
+    pub(crate) device: Device,
 }
 
 impl Model {
@@ -335,7 +339,8 @@ impl Model {
         }
         let output_norm = norm(file, "output_norm.weight", hidden)?;
         // Models without `output.weight` tie the output projection to the embedding.
-        let output_name = if file.has_tensor("output.weight") {
+        let output_tied = !file.has_tensor("output.weight");
+        let output_name = if !output_tied {
             "output.weight"
         } else {
             "token_embd.weight"
@@ -352,6 +357,7 @@ impl Model {
             layers,
             output_norm,
             output,
+            output_tied,
             device: device.clone(),
         })
     }
@@ -364,6 +370,12 @@ impl Model {
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// A fresh sequence state of this model on the CPU (exact attention with its own KV
+    /// cache), as the device-neutral [`crate::Forward`].
+    pub fn sequence(&self, options: &SequenceOptions) -> Result<CpuSequence<'_>> {
+        Ok(CpuSequence::new(self, options))
     }
 
     /// The RoPE of layer `layer` (what its backend receives as `AttentionInput::rope`), or
@@ -387,23 +399,7 @@ impl Model {
         if t == 0 {
             return Ok(None);
         }
-        if start + t > cfg.context_length {
-            return Err(ModelError::ContextOverflow {
-                tokens: start + t,
-                context: cfg.context_length,
-            });
-        }
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= cfg.vocab_size) {
-            return Err(ModelError::TokenOutOfRange {
-                id,
-                vocab: cfg.vocab_size,
-            });
-        }
-        if let Logits::Rows(rows) = logits {
-            if let Some(&row) = rows.iter().find(|&&r| r >= t) {
-                return Err(ModelError::LogitRow { row, tokens: t });
-            }
-        }
+        check_call(cfg, tokens, start, logits)?;
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = self.embedding.embedding(&ids)?;
         if let Some(scale) = cfg.embedding_scale {

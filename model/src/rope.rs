@@ -61,6 +61,11 @@ impl Rope {
         }
     }
 
+    /// The inverse frequencies, one per pair of dimensions (`head_dim / 2`).
+    pub fn inv_freq(&self) -> &[f64] {
+        &self.inv_freq
+    }
+
     /// The pairing of dimensions.
     pub fn style(&self) -> RopeStyle {
         self.style

@@ -1,0 +1,265 @@
+//! The device seam: a model together with its sequence state, which prefills chunks and
+//! decodes steps whatever device it runs on. Generation and ingest are written against
+//! [`Forward`]; [`Model::sequence`] makes the CPU's, and `GpuModel::sequence` (feature
+//! `gpu`) the GPU's.
+
+use std::ops::Range;
+
+use candle_core::{DType, Tensor};
+
+use crate::backend::{AttentionBackend, AttentionInput, FullAttention};
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::model::{Logits, Model};
+
+/// A model with its sequence state (its KV cache), on some device.
+///
+/// ```no_run
+/// use kvdb_model::{Forward, GgufFile, LoadOptions, Logits, Model, SequenceOptions};
+/// # fn main() -> kvdb_model::Result<()> {
+/// let model = Model::load("gemma-3-270m-q4_k_m.gguf", &LoadOptions::default(), &candle_core::Device::Cpu)?;
+/// let mut sequence = model.sequence(&SequenceOptions::default())?;
+/// sequence.forward(&[2, 651], &Logits::None)?;
+/// let logits = sequence.forward(&[6037], &Logits::Last)?; // [1, vocab] on the host
+/// # Ok(()) }
+/// ```
+pub trait Forward {
+    /// The model's configuration.
+    fn config(&self) -> &ModelConfig;
+
+    /// Tokens the state holds: the position of the next token.
+    fn position(&self) -> usize;
+
+    /// Tokens per forward call that prefill works best with on this device (longer calls
+    /// are still taken).
+    fn prefill_chunk(&self) -> usize {
+        CPU_PREFILL_CHUNK
+    }
+
+    /// Runs `tokens` at positions `position()..` and keeps them in the state. Returns the
+    /// logits `[rows, vocab]` (f32, on the host) asked for (`None` for [`Logits::None`]).
+    fn forward(&mut self, tokens: &[u32], logits: &Logits) -> Result<Option<Tensor>>;
+
+    /// Takes earlier tokens' pre-RoPE keys and values (`[tokens, n_kv_heads, head_dim]`
+    /// each, f32) at `positions` into the state of `layer` without attending: a stored
+    /// corpus that later calls continue. Every layer must be given the same end; a
+    /// sliding-window layer needs at least its last `window - 1` tokens.
+    fn preload(
+        &mut self,
+        layer: usize,
+        keys: &[f32],
+        values: &[f32],
+        positions: Range<usize>,
+    ) -> Result<()>;
+
+    /// The pre-RoPE keys and values the last [`Forward::forward`] call produced for `layer`,
+    /// rounded to f16 as the store keeps them (`[tokens, n_kv_heads, head_dim]` each, as
+    /// f32), taken out of the state. `None` unless the state was made with
+    /// [`SequenceOptions::store_kv`].
+    fn take_stored(&mut self, layer: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>>;
+}
+
+/// Tokens per CPU forward call in prefill: bounds the memory of attention scores.
+pub const CPU_PREFILL_CHUNK: usize = 512;
+
+/// How a sequence state is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SequenceOptions {
+    /// Round every layer's keys and values to f16 before attending, as the store holds
+    /// them, and keep each call's for [`Forward::take_stored`] (ingest).
+    pub store_kv: bool,
+}
+
+/// Checks a forward call's arguments: the chunk fits the context, its ids the vocabulary,
+/// and the rows asked for exist. Shared by every device.
+pub(crate) fn check_call(
+    config: &ModelConfig,
+    tokens: &[u32],
+    start: usize,
+    logits: &Logits,
+) -> Result<()> {
+    let t = tokens.len();
+    if start + t > config.context_length {
+        return Err(ModelError::ContextOverflow {
+            tokens: start + t,
+            context: config.context_length,
+        });
+    }
+    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= config.vocab_size) {
+        return Err(ModelError::TokenOutOfRange {
+            id,
+            vocab: config.vocab_size,
+        });
+    }
+    if let Logits::Rows(rows) = logits {
+        if let Some(&row) = rows.iter().find(|&&r| r >= t) {
+            return Err(ModelError::LogitRow { row, tokens: t });
+        }
+    }
+    Ok(())
+}
+
+/// The CPU's [`Forward`]: the model's forward pass with exact attention
+/// ([`FullAttention`]), optionally over f16-rounded keys and values kept for the store.
+#[derive(Debug)]
+pub struct CpuSequence<'m> {
+    model: &'m Model,
+    attention: FullAttention,
+    /// Per layer, the last call's rounded keys and values; `None` when not storing.
+    stored: Option<Vec<Option<(Tensor, Tensor)>>>,
+}
+
+impl<'m> CpuSequence<'m> {
+    pub(crate) fn new(model: &'m Model, options: &SequenceOptions) -> Self {
+        let layers = model.config().n_layers();
+        Self {
+            model,
+            attention: FullAttention::new(model.config()),
+            stored: options.store_kv.then(|| vec![None; layers]),
+        }
+    }
+}
+
+/// Exact attention that rounds keys and values to f16 first and keeps them per layer.
+struct Rounding<'a> {
+    attention: &'a mut FullAttention,
+    stored: &'a mut [Option<(Tensor, Tensor)>],
+}
+
+impl AttentionBackend for Rounding<'_> {
+    fn attend(&mut self, input: &AttentionInput<'_>) -> Result<Tensor> {
+        let round = |t: &Tensor| t.to_dtype(DType::F16)?.to_dtype(DType::F32);
+        let keys = round(input.keys)?;
+        let values = round(input.values)?;
+        let out = self.attention.attend(&AttentionInput {
+            keys: &keys,
+            values: &values,
+            ..input.clone()
+        })?;
+        if let Some(slot) = self.stored.get_mut(input.layer.index) {
+            *slot = Some((keys, values));
+        }
+        Ok(out)
+    }
+}
+
+impl Forward for CpuSequence<'_> {
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn position(&self) -> usize {
+        self.attention.position()
+    }
+
+    fn forward(&mut self, tokens: &[u32], logits: &Logits) -> Result<Option<Tensor>> {
+        let start = self.attention.position();
+        match &mut self.stored {
+            None => self
+                .model
+                .forward(tokens, start, &mut self.attention, logits),
+            Some(stored) => {
+                let mut backend = Rounding {
+                    attention: &mut self.attention,
+                    stored,
+                };
+                self.model.forward(tokens, start, &mut backend, logits)
+            }
+        }
+    }
+
+    fn preload(
+        &mut self,
+        layer: usize,
+        keys: &[f32],
+        values: &[f32],
+        positions: Range<usize>,
+    ) -> Result<()> {
+        let config = self.model.config();
+        let (spec, rope) = match (config.layers.get(layer), self.model.rope(layer)) {
+            (Some(spec), Some(rope)) => (spec, rope),
+            _ => {
+                return Err(ModelError::Backend {
+                    layer,
+                    reason: format!("the model has {} layers", config.n_layers()),
+                })
+            }
+        };
+        let shape = (positions.len(), config.n_kv_heads, config.head_dim);
+        let device = self.model.device();
+        let keys = Tensor::from_slice(keys, shape, device)?;
+        let values = Tensor::from_slice(values, shape, device)?;
+        self.attention
+            .preload(spec, rope, &keys, &values, positions)
+    }
+
+    fn take_stored(&mut self, layer: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        let taken = self
+            .stored
+            .as_mut()
+            .and_then(|stored| stored.get_mut(layer))
+            .and_then(Option::take);
+        let Some((keys, values)) = taken else {
+            return Ok(None);
+        };
+        let flat = |t: Tensor| t.flatten_all()?.to_vec1::<f32>();
+        Ok(Some((flat(keys)?, flat(values)?)))
+    }
+}
+
+/// The CPU forward pass through any [`AttentionBackend`] that already holds the sequence up to
+/// `position` (e.g. a retrieval session over a stored corpus), as a [`Forward`]. It keeps no
+/// state of its own: preloading goes through the backend itself.
+pub struct BackendSequence<'a> {
+    model: &'a Model,
+    backend: &'a mut dyn AttentionBackend,
+    position: usize,
+}
+
+impl std::fmt::Debug for BackendSequence<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BackendSequence")
+            .field("position", &self.position)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> BackendSequence<'a> {
+    /// The model over `backend`, whose state ends at `position`.
+    pub fn new(model: &'a Model, backend: &'a mut dyn AttentionBackend, position: usize) -> Self {
+        Self {
+            model,
+            backend,
+            position,
+        }
+    }
+}
+
+impl Forward for BackendSequence<'_> {
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn position(&self) -> usize {
+        self.position
+    }
+
+    fn forward(&mut self, tokens: &[u32], logits: &Logits) -> Result<Option<Tensor>> {
+        let out = self
+            .model
+            .forward(tokens, self.position, self.backend, logits)?;
+        self.position += tokens.len();
+        Ok(out)
+    }
+
+    fn preload(&mut self, layer: usize, _: &[f32], _: &[f32], _: Range<usize>) -> Result<()> {
+        Err(ModelError::Backend {
+            layer,
+            reason: "a backend sequence is preloaded through its backend".into(),
+        })
+    }
+
+    fn take_stored(&mut self, _: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        Ok(None)
+    }
+}

@@ -1,0 +1,956 @@
+//! The forward pass on an NVIDIA GPU (feature `gpu`): the same transformer as
+//! [`Model::forward`], written on kvdb-kernels (NVRTC kernels and cuBLASLt GEMMs loaded at run
+//! time), so that every machine builds it without a CUDA toolkit.
+//!
+//! Weights are taken from a CPU [`Model`] loaded with dequantized weights (the same numbers
+//! the CPU computes with), converted once to the precision's GEMM type and uploaded. The
+//! residual stream and every projection's output are f32; GEMM inputs are bf16
+//! ([`Precision::Bf16`]) or f32 ([`Precision::F32`], the exact mode the tests compare with
+//! the CPU); each layer's rotated keys and values live in a [`KvCache`] of f16 (or f32),
+//! a ring of `window + chunk` rows for sliding-window layers.
+
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use half::{bf16, f16};
+use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use kvdb_kernels::ops::{self, GateActivation, Norm, QkvShape, RopePairs, Rotary, StoreRows};
+use kvdb_kernels::{
+    flash_decode, prefill_attention, Causal, Float, Gemm, Gpu, KernelError, KvCache, Query,
+    Workspace,
+};
+use rayon::prelude::*;
+
+use crate::config::{Activation, LayerKind, ModelConfig, RopeStyle};
+use crate::error::{ModelError, Result};
+use crate::forward::{check_call, Forward, SequenceOptions};
+use crate::model::{Linear, Logits, Model, RmsNorm};
+
+/// Rows one launch sequence processes at most: longer calls run in chunks of this many
+/// tokens, which bounds the activations' memory; sliding-window rings hold this many rows
+/// beyond the window.
+pub const MAX_CHUNK: usize = 4096;
+
+/// The arithmetic of the GPU forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// bf16 weights and GEMM inputs, f16 keys, values and queries, f32 accumulation and
+    /// residual stream: the fast mode.
+    #[default]
+    Bf16,
+    /// f32 everywhere (GEMMs without TF32): the CPU's numbers to rounding, for tests.
+    F32,
+}
+
+/// A model's weights on the GPU.
+pub struct GpuModel {
+    weights: Weights,
+}
+
+enum Weights {
+    Bf16(Inner<bf16, f16>),
+    F32(Inner<f32, f32>),
+}
+
+impl std::fmt::Debug for GpuModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (config, precision, gpu) = match &self.weights {
+            Weights::Bf16(m) => (&m.config, Precision::Bf16, &m.gpu),
+            Weights::F32(m) => (&m.config, Precision::F32, &m.gpu),
+        };
+        f.debug_struct("GpuModel")
+            .field("architecture", &config.architecture)
+            .field("precision", &precision)
+            .field("gpu", gpu)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuModel {
+    /// Uploads `model`'s weights (it must have been loaded with
+    /// [`crate::WeightMode::Dequantized`], so that every projection has f32 weights).
+    pub fn new(model: &Model, gpu: Arc<Gpu>, precision: Precision) -> Result<Self> {
+        let weights = match precision {
+            Precision::Bf16 => Weights::Bf16(Inner::new(model, gpu)?),
+            Precision::F32 => Weights::F32(Inner::new(model, gpu)?),
+        };
+        Ok(Self { weights })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        match &self.weights {
+            Weights::Bf16(m) => &m.config,
+            Weights::F32(m) => &m.config,
+        }
+    }
+
+    /// The device.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        match &self.weights {
+            Weights::Bf16(m) => &m.gpu,
+            Weights::F32(m) => &m.gpu,
+        }
+    }
+
+    /// A fresh sequence state on the GPU.
+    pub fn sequence(&self, options: &SequenceOptions) -> Result<Box<dyn Forward + '_>> {
+        Ok(match &self.weights {
+            Weights::Bf16(m) => Box::new(Sequence::new(m, options)?),
+            Weights::F32(m) => Box::new(Sequence::new(m, options)?),
+        })
+    }
+}
+
+/// An attention element type: f16 attends decode steps of global layers with the
+/// flash-decoding kernel, which splits the sequence over blocks; f32 (the exact mode) with
+/// the prefill kernel.
+trait AttentionType: Float {
+    /// Whether [`AttentionType::flash_decode`] exists for this type.
+    const FLASH_DECODE: bool;
+
+    /// Runs one decode step's attention over `kv`'s first `len` rows with flash decoding.
+    fn flash_decode(
+        gpu: &Gpu,
+        workspace: &mut Workspace,
+        query: &CudaSlice<Self>,
+        scale: f32,
+        kv: &KvCache<Self>,
+        len: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()>;
+}
+
+impl AttentionType for f16 {
+    const FLASH_DECODE: bool = true;
+
+    fn flash_decode(
+        gpu: &Gpu,
+        workspace: &mut Workspace,
+        query: &CudaSlice<Self>,
+        scale: f32,
+        kv: &KvCache<Self>,
+        len: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let query = Query {
+            heads: query,
+            scale,
+        };
+        Ok(flash_decode(gpu, workspace, query, kv, len, out)?)
+    }
+}
+
+impl AttentionType for f32 {
+    const FLASH_DECODE: bool = false;
+
+    fn flash_decode(
+        _: &Gpu,
+        _: &mut Workspace,
+        _: &CudaSlice<Self>,
+        _: f32,
+        _: &KvCache<Self>,
+        _: usize,
+        _: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        Err(ModelError::Backend {
+            layer: 0,
+            reason: "no flash decoding for f32 keys".into(),
+        })
+    }
+}
+
+/// An RMS norm's scale on the GPU.
+struct GpuNorm {
+    weight: CudaSlice<f32>,
+    eps: f32,
+}
+
+/// One transformer layer's weights. Projections are `[out, in]` in `T`.
+struct GpuLayer<T> {
+    attn_norm: GpuNorm,
+    /// Q, K and V stacked, `[(heads + 2 kv_heads) · head_dim, hidden]`.
+    qkv: CudaSlice<T>,
+    qkv_bias: Option<CudaSlice<f32>>,
+    wo: CudaSlice<T>,
+    q_norm: Option<GpuNorm>,
+    k_norm: Option<GpuNorm>,
+    post_attn_norm: Option<GpuNorm>,
+    ffn_norm: GpuNorm,
+    /// Gate and up stacked, `[2 · intermediate, hidden]`.
+    gate_up: CudaSlice<T>,
+    down: CudaSlice<T>,
+    post_ffn_norm: Option<GpuNorm>,
+    inv_freq: CudaSlice<f64>,
+    pairs: RopePairs,
+    window: Option<usize>,
+}
+
+/// The weights of one precision: `T` the GEMM type, `A` the attention type.
+struct Inner<T, A> {
+    gpu: Arc<Gpu>,
+    gemm: Gemm,
+    config: ModelConfig,
+    activation: GateActivation,
+    /// `[vocab, hidden]`, also the output projection when the model ties them.
+    embedding: CudaSlice<T>,
+    embedding_scale: f32,
+    layers: Vec<GpuLayer<T>>,
+    output_norm: GpuNorm,
+    /// `[vocab, hidden]`; `None` when tied to the embedding.
+    output: Option<CudaSlice<T>>,
+    _attention: PhantomData<A>,
+}
+
+/// f32 values of a CPU tensor, row-major.
+fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+}
+
+fn upload_as<T: Float>(gpu: &Gpu, values: &[f32]) -> Result<CudaSlice<T>> {
+    let converted: Vec<T> = values.par_iter().map(|&x| T::from_f32(x)).collect();
+    Ok(gpu.upload(&converted)?)
+}
+
+fn upload_norm(gpu: &Gpu, norm: &RmsNorm) -> Result<GpuNorm> {
+    Ok(GpuNorm {
+        weight: gpu.upload(&host_f32(&norm.weight)?)?,
+        eps: norm.eps,
+    })
+}
+
+/// The f32 weights of projections computed together, stacked by rows, and their biases
+/// (zeros for a part without one) when any part has one.
+fn stacked(parts: &[&Linear]) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+    let mut weights = Vec::new();
+    let mut widths = Vec::new();
+    for part in parts {
+        let w = part.dense.as_ref().ok_or_else(|| ModelError::Tensor {
+            name: "projection".into(),
+            reason: "the GPU model needs dequantized weights (WeightMode::Dequantized)".into(),
+        })?;
+        widths.push(w.dim(0)?);
+        weights.extend(host_f32(w)?);
+    }
+    let bias = if parts.iter().any(|p| p.bias.is_some()) {
+        let mut bias = Vec::new();
+        for (part, width) in parts.iter().zip(&widths) {
+            match &part.bias {
+                Some(b) => bias.extend(host_f32(b)?),
+                None => bias.extend(std::iter::repeat_n(0.0, *width)),
+            }
+        }
+        Some(bias)
+    } else {
+        None
+    };
+    Ok((weights, bias))
+}
+
+impl<T: Float, A: AttentionType> Inner<T, A> {
+    fn new(model: &Model, gpu: Arc<Gpu>) -> Result<Self> {
+        let gemm = Gemm::new(&gpu)?;
+        let config = model.config().clone();
+        let g = &*gpu;
+        let mut layers = Vec::with_capacity(config.n_layers());
+        for (layer, spec) in model.layers.iter().zip(&config.layers) {
+            let (qkv, qkv_bias) = stacked(&layer.qkv.parts.iter().collect::<Vec<_>>())?;
+            let (gate_up, _) = stacked(&layer.gate_up.parts.iter().collect::<Vec<_>>())?;
+            let (wo, _) = stacked(&[&layer.wo])?;
+            let (down, _) = stacked(&[&layer.down])?;
+            let optional = |n: &Option<RmsNorm>| n.as_ref().map(|n| upload_norm(g, n)).transpose();
+            let inv_freq: Vec<f64> = layer.rope.inv_freq().to_vec();
+            layers.push(GpuLayer {
+                attn_norm: upload_norm(g, &layer.attn_norm)?,
+                qkv: upload_as(g, &qkv)?,
+                qkv_bias: qkv_bias.map(|b| g.upload(&b)).transpose()?,
+                wo: upload_as(g, &wo)?,
+                q_norm: optional(&layer.q_norm)?,
+                k_norm: optional(&layer.k_norm)?,
+                post_attn_norm: optional(&layer.post_attn_norm)?,
+                ffn_norm: upload_norm(g, &layer.ffn_norm)?,
+                gate_up: upload_as(g, &gate_up)?,
+                down: upload_as(g, &down)?,
+                post_ffn_norm: optional(&layer.post_ffn_norm)?,
+                inv_freq: g.upload(&inv_freq)?,
+                pairs: match spec.rope.style {
+                    RopeStyle::Halves => RopePairs::Halves,
+                    RopeStyle::Interleaved => RopePairs::Interleaved,
+                },
+                window: match spec.kind {
+                    LayerKind::Global => None,
+                    LayerKind::SlidingWindow { window } => Some(window),
+                },
+            });
+        }
+        let embedding = host_f32(&model.embedding.dequantize(&candle_core::Device::Cpu)?)?;
+        let output = match &model.output.dense {
+            Some(w) if !model.output_tied => Some(upload_as(g, &host_f32(w)?)?),
+            Some(_) => None,
+            None => {
+                return Err(ModelError::Tensor {
+                    name: "output.weight".into(),
+                    reason: "the GPU model needs dequantized weights (WeightMode::Dequantized)"
+                        .into(),
+                })
+            }
+        };
+        Ok(Self {
+            gemm,
+            activation: match model.activation {
+                Activation::GeluTanh => GateActivation::GeluTanh,
+                Activation::Silu => GateActivation::Silu,
+            },
+            embedding: upload_as(g, &embedding)?,
+            embedding_scale: config.embedding_scale.unwrap_or(1.0),
+            layers,
+            output_norm: upload_norm(g, &model.output_norm)?,
+            output,
+            config,
+            gpu,
+            _attention: PhantomData,
+        })
+    }
+}
+
+/// Activations of one chunk, grown to the longest chunk seen.
+struct Scratch<T, A> {
+    rows: usize,
+    ids: CudaSlice<u32>,
+    /// Residual stream `[rows, hidden]`.
+    x: CudaSlice<f32>,
+    /// Normed input of a projection `[rows, max(hidden, ...)]`.
+    h: CudaSlice<T>,
+    qkv: CudaSlice<f32>,
+    queries: CudaSlice<A>,
+    attention: CudaSlice<T>,
+    /// A projection's output before its post-norm `[rows, hidden]`.
+    projected: CudaSlice<f32>,
+    gate_up: CudaSlice<f32>,
+    gated: CudaSlice<T>,
+}
+
+impl<T: Float, A: Float> Scratch<T, A> {
+    fn new(gpu: &Gpu, c: &ModelConfig, rows: usize) -> Result<Self> {
+        let q_dim = c.n_heads * c.head_dim;
+        let qkv_dim = q_dim + 2 * c.n_kv_heads * c.head_dim;
+        Ok(Self {
+            rows,
+            ids: gpu.zeros(rows)?,
+            x: gpu.zeros(rows * c.hidden_size)?,
+            h: gpu.zeros(rows * c.hidden_size)?,
+            qkv: gpu.zeros(rows * qkv_dim)?,
+            queries: gpu.zeros(rows * q_dim)?,
+            attention: gpu.zeros(rows * q_dim)?,
+            projected: gpu.zeros(rows * c.hidden_size)?,
+            gate_up: gpu.zeros(rows * 2 * c.intermediate_size)?,
+            gated: gpu.zeros(rows * c.intermediate_size)?,
+        })
+    }
+}
+
+/// One decode step's attention buffers for the flash-decoding kernel, which takes whole
+/// buffers of one token's heads.
+struct DecodeBuffers<A> {
+    workspace: Workspace,
+    queries: CudaSlice<A>,
+    out: CudaSlice<f32>,
+}
+
+/// The store's copy of one layer's chunk: pre-RoPE keys and values in f16.
+struct StoredChunk {
+    keys: CudaSlice<f16>,
+    values: CudaSlice<f16>,
+    tokens: usize,
+    taken: bool,
+}
+
+/// The GPU's [`Forward`].
+struct Sequence<'m, T, A> {
+    model: &'m Inner<T, A>,
+    position: usize,
+    kv: Vec<KvCache<A>>,
+    scratch: Option<Scratch<T, A>>,
+    decode: Option<DecodeBuffers<A>>,
+    stored: Option<Vec<StoredChunk>>,
+    /// Logits of the rows asked for, before they are copied to the host.
+    logits: CudaSlice<f32>,
+}
+
+impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
+    fn new(model: &'m Inner<T, A>, options: &SequenceOptions) -> Result<Self> {
+        let c = &model.config;
+        let gpu = &*model.gpu;
+        let kv = model
+            .layers
+            .iter()
+            .map(|l| {
+                let capacity = match l.window {
+                    Some(w) => w + MAX_CHUNK,
+                    None => MAX_CHUNK.min(c.context_length),
+                };
+                KvCache::zeros(gpu, c.n_kv_heads, capacity, c.head_dim)
+            })
+            .collect::<kvdb_kernels::Result<Vec<_>>>()?;
+        let stored = options
+            .store_kv
+            .then(|| {
+                (0..c.n_layers())
+                    .map(|_| {
+                        Ok(StoredChunk {
+                            keys: gpu.zeros(1)?,
+                            values: gpu.zeros(1)?,
+                            tokens: 0,
+                            taken: true,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .transpose()?;
+        Ok(Self {
+            model,
+            position: 0,
+            kv,
+            scratch: None,
+            decode: None,
+            stored,
+            logits: gpu.zeros(c.vocab_size)?,
+        })
+    }
+
+    /// Makes sure global layers' buffers hold positions up to `end`.
+    fn reserve(&mut self, end: usize) -> Result<()> {
+        let gpu = &*self.model.gpu;
+        let context = self.model.config.context_length;
+        for (kv, layer) in self.kv.iter_mut().zip(&self.model.layers) {
+            if layer.window.is_none() && kv.tokens() < end {
+                let capacity = end.max(2 * kv.tokens()).min(context).max(end);
+                kv.grow(gpu, capacity, self.position)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One chunk of at most [`MAX_CHUNK`] tokens; returns the logits of `rows` (chunk
+    /// indices), `[rows, vocab]` row-major.
+    fn chunk(&mut self, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>> {
+        let model = self.model;
+        let (gpu, c) = (&*model.gpu, &model.config);
+        let t = tokens.len();
+        let start = self.position;
+        self.reserve(start + t)?;
+        if self.scratch.as_ref().is_none_or(|s| s.rows < t) {
+            self.scratch = Some(Scratch::new(gpu, c, t.next_power_of_two().min(MAX_CHUNK))?);
+        }
+        if t == 1 && A::FLASH_DECODE && self.decode.is_none() {
+            let q_dim = c.n_heads * c.head_dim;
+            self.decode = Some(DecodeBuffers {
+                workspace: Workspace::new(gpu)?,
+                queries: gpu.zeros(q_dim)?,
+                out: gpu.zeros(q_dim)?,
+            });
+        }
+        let store = self.stored.is_some();
+        if let Some(stored) = self.stored.as_mut() {
+            let kv_rows = t * c.n_kv_heads * c.head_dim;
+            for chunk in stored.iter_mut() {
+                if chunk.keys.len() < kv_rows {
+                    chunk.keys = gpu.zeros(kv_rows)?;
+                    chunk.values = gpu.zeros(kv_rows)?;
+                }
+                chunk.tokens = t;
+                chunk.taken = false;
+            }
+        }
+        let s = self.scratch.as_mut().expect("scratch was made above");
+        let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+        let (heads, kv_heads, d) = (c.n_heads, c.n_kv_heads, c.head_dim);
+        let (q_dim, qkv_dim) = (heads * d, (heads + 2 * kv_heads) * d);
+
+        gpu.stream()
+            .memcpy_htod(tokens, &mut s.ids.slice_mut(..t))
+            .map_err(|e| KernelError::Driver {
+                op: "copying token ids",
+                source: e,
+            })?;
+        ops::embed(
+            gpu,
+            &model.embedding.as_view(),
+            hidden,
+            &s.ids.slice(..t),
+            model.embedding_scale,
+            &mut s.x.slice_mut(..t * hidden),
+        )?;
+        for (i, layer) in model.layers.iter().enumerate() {
+            // Attention.
+            norm_into(gpu, &s.x, t, hidden, &layer.attn_norm, &mut s.h)?;
+            model.gemm.linear(
+                gpu,
+                &s.h.slice(..t * hidden),
+                &layer.qkv.as_view(),
+                hidden,
+                None,
+                false,
+                &mut s.qkv.slice_mut(..t * qkv_dim),
+            )?;
+            let shape = QkvShape {
+                tokens: t,
+                heads,
+                kv_heads,
+                head_dim: d,
+            };
+            let bias = layer.qkv_bias.as_ref().map(|b| b.as_view());
+            let (q_norm, k_norm) = (
+                layer.q_norm.as_ref().map(|n| (n.weight.as_view(), n.eps)),
+                layer.k_norm.as_ref().map(|n| (n.weight.as_view(), n.eps)),
+            );
+            let q_norm = q_norm.as_ref().map(|(w, eps)| Norm {
+                weight: w,
+                eps: *eps,
+                offset: 0.0,
+            });
+            let k_norm = k_norm.as_ref().map(|(w, eps)| Norm {
+                weight: w,
+                eps: *eps,
+                offset: 0.0,
+            });
+            let inv_freq = layer.inv_freq.as_view();
+            let rotary = Rotary {
+                inv_freq: &inv_freq,
+                pairs: layer.pairs,
+            };
+            let decode = self.decode.as_mut().filter(|_| t == 1);
+            let mut store_views = self.stored.as_mut().map(|stored| {
+                let chunk = &mut stored[i];
+                let n = t * kv_heads * d;
+                (chunk.keys.slice_mut(..n), chunk.values.slice_mut(..n))
+            });
+            let store_rows = store_views
+                .as_mut()
+                .map(|(k, v)| StoreRows { keys: k, values: v });
+            let kv = &mut self.kv[i];
+            let flash = decode.filter(|_| layer.window.is_none());
+            match flash {
+                Some(buffers) => {
+                    ops::attention_inputs(
+                        gpu,
+                        &s.qkv.slice(..qkv_dim),
+                        &shape,
+                        bias.as_ref(),
+                        q_norm.as_ref(),
+                        k_norm.as_ref(),
+                        &rotary,
+                        start,
+                        store,
+                        &mut buffers.queries.as_view_mut(),
+                        kv,
+                        store_rows,
+                    )?;
+                    A::flash_decode(
+                        gpu,
+                        &mut buffers.workspace,
+                        &buffers.queries,
+                        c.attention_scale,
+                        kv,
+                        start + 1,
+                        &mut buffers.out,
+                    )?;
+                    ops::convert(
+                        gpu,
+                        &buffers.out.as_view(),
+                        &mut s.attention.slice_mut(..q_dim),
+                    )?;
+                }
+                None => {
+                    ops::attention_inputs(
+                        gpu,
+                        &s.qkv.slice(..t * qkv_dim),
+                        &shape,
+                        bias.as_ref(),
+                        q_norm.as_ref(),
+                        k_norm.as_ref(),
+                        &rotary,
+                        start,
+                        store,
+                        &mut s.queries.slice_mut(..t * q_dim),
+                        kv,
+                        store_rows,
+                    )?;
+                    prefill(gpu, s, kv, layer, start, t, heads, c.attention_scale)?;
+                }
+            }
+            project_residual(
+                gpu,
+                &model.gemm,
+                &s.attention.slice(..t * q_dim),
+                &layer.wo,
+                q_dim,
+                layer.post_attn_norm.as_ref(),
+                &mut s.projected,
+                &mut s.x.slice_mut(..t * hidden),
+                hidden,
+            )?;
+            // MLP.
+            norm_into(gpu, &s.x, t, hidden, &layer.ffn_norm, &mut s.h)?;
+            model.gemm.linear(
+                gpu,
+                &s.h.slice(..t * hidden),
+                &layer.gate_up.as_view(),
+                hidden,
+                None,
+                false,
+                &mut s.gate_up.slice_mut(..t * 2 * inter),
+            )?;
+            ops::gated_activation(
+                gpu,
+                &s.gate_up.slice(..t * 2 * inter),
+                inter,
+                model.activation,
+                &mut s.gated.slice_mut(..t * inter),
+            )?;
+            project_residual(
+                gpu,
+                &model.gemm,
+                &s.gated.slice(..t * inter),
+                &layer.down,
+                inter,
+                layer.post_ffn_norm.as_ref(),
+                &mut s.projected,
+                &mut s.x.slice_mut(..t * hidden),
+                hidden,
+            )?;
+        }
+        self.position += t;
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Logits of the rows asked for, one run of consecutive rows at a time.
+        let vocab = c.vocab_size;
+        let output = model.output.as_ref().unwrap_or(&model.embedding);
+        let mut logits = Vec::with_capacity(rows.len() * vocab);
+        let device_logits = &mut self.logits;
+        let mut i = 0;
+        while i < rows.len() {
+            let mut run = 1;
+            while i + run < rows.len() && rows[i + run] == rows[i] + run {
+                run += 1;
+            }
+            if device_logits.len() < run * vocab {
+                *device_logits = gpu.zeros(run * vocab)?;
+            }
+            let first = rows[i];
+            let norm_weight = model.output_norm.weight.as_view();
+            ops::rms_norm(
+                gpu,
+                &s.x.slice(first * hidden..(first + run) * hidden),
+                hidden,
+                &Norm {
+                    weight: &norm_weight,
+                    eps: model.output_norm.eps,
+                    offset: 0.0,
+                },
+                &mut s.h.slice_mut(..run * hidden),
+            )?;
+            model.gemm.linear(
+                gpu,
+                &s.h.slice(..run * hidden),
+                &output.as_view(),
+                hidden,
+                None,
+                false,
+                &mut device_logits.slice_mut(..run * vocab),
+            )?;
+            let mut host = vec![0f32; run * vocab];
+            gpu.stream()
+                .memcpy_dtoh(&device_logits.slice(..run * vocab), &mut host)
+                .map_err(|e| KernelError::Driver {
+                    op: "copying logits",
+                    source: e,
+                })?;
+            gpu.synchronize()?;
+            logits.extend(host);
+            i += run;
+        }
+        Ok(logits)
+    }
+}
+
+/// `out[..rows]` = RMSNorm of `x[..rows]`.
+fn norm_into<T: Float>(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    rows: usize,
+    width: usize,
+    norm: &GpuNorm,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    let weight = norm.weight.as_view();
+    ops::rms_norm(
+        gpu,
+        &x.slice(..rows * width),
+        width,
+        &Norm {
+            weight: &weight,
+            eps: norm.eps,
+            offset: 0.0,
+        },
+        &mut out.slice_mut(..rows * width),
+    )?;
+    Ok(())
+}
+
+/// The chunk's attention by the prefill kernel, queries from `s.queries`, into `s.attention`.
+#[allow(clippy::too_many_arguments)]
+fn prefill<T: Float, A: Float>(
+    gpu: &Gpu,
+    s: &mut Scratch<T, A>,
+    kv: &KvCache<A>,
+    layer: &GpuLayer<T>,
+    start: usize,
+    t: usize,
+    heads: usize,
+    scale: f32,
+) -> Result<()> {
+    let n = t * heads * kv.head_dim();
+    prefill_attention(
+        gpu,
+        &s.queries.slice(..n),
+        heads,
+        kv,
+        &Causal {
+            first_position: start,
+            window: layer.window,
+        },
+        scale,
+        &mut s.attention.slice_mut(..n),
+    )?;
+    Ok(())
+}
+
+/// `x += post_norm(input · wᵀ)`, or `x += input · wᵀ` accumulated by the GEMM itself when
+/// there is no post-norm.
+#[allow(clippy::too_many_arguments)]
+fn project_residual<T: Float>(
+    gpu: &Gpu,
+    gemm: &Gemm,
+    input: &CudaView<'_, T>,
+    w: &CudaSlice<T>,
+    k: usize,
+    post_norm: Option<&GpuNorm>,
+    projected: &mut CudaSlice<f32>,
+    x: &mut CudaViewMut<'_, f32>,
+    width: usize,
+) -> Result<()> {
+    match post_norm {
+        None => gemm.linear(gpu, input, &w.as_view(), k, None, true, x)?,
+        Some(norm) => {
+            let n = x.len();
+            gemm.linear(
+                gpu,
+                input,
+                &w.as_view(),
+                k,
+                None,
+                false,
+                &mut projected.slice_mut(..n),
+            )?;
+            let weight = norm.weight.as_view();
+            ops::add_rms_norm(
+                gpu,
+                x,
+                &projected.slice(..n),
+                width,
+                Some(&Norm {
+                    weight: &weight,
+                    eps: norm.eps,
+                    offset: 0.0,
+                }),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
+    fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    fn position(&self) -> usize {
+        self.position
+    }
+
+    fn prefill_chunk(&self) -> usize {
+        MAX_CHUNK
+    }
+
+    fn forward(&mut self, tokens: &[u32], logits: &Logits) -> Result<Option<Tensor>> {
+        let t = tokens.len();
+        if t == 0 {
+            return Ok(None);
+        }
+        check_call(&self.model.config, tokens, self.position, logits)?;
+        let rows: Vec<usize> = match logits {
+            Logits::None => Vec::new(),
+            Logits::Last => vec![t - 1],
+            Logits::All => (0..t).collect(),
+            Logits::Rows(rows) => rows.clone(),
+        };
+        let mut out = Vec::with_capacity(rows.len() * self.model.config.vocab_size);
+        let mut order = Vec::with_capacity(rows.len());
+        for (c, chunk) in tokens.chunks(MAX_CHUNK).enumerate() {
+            let first = c * MAX_CHUNK;
+            let mut here: Vec<usize> = rows
+                .iter()
+                .filter(|&&r| (first..first + chunk.len()).contains(&r))
+                .map(|&r| r - first)
+                .collect();
+            here.sort_unstable();
+            here.dedup();
+            let chunk_logits = self.chunk(chunk, &here)?;
+            order.extend(here.iter().map(|&r| r + first));
+            out.extend(chunk_logits);
+        }
+        if matches!(logits, Logits::None) {
+            return Ok(None);
+        }
+        let vocab = self.model.config.vocab_size;
+        // Rows come back in ascending order; put them in the order asked for.
+        let mut result = Vec::with_capacity(rows.len() * vocab);
+        for r in &rows {
+            let at = order
+                .binary_search(r)
+                .map_err(|_| ModelError::LogitRow { row: *r, tokens: t })?;
+            result.extend_from_slice(&out[at * vocab..(at + 1) * vocab]);
+        }
+        Ok(Some(Tensor::from_vec(
+            result,
+            (rows.len(), vocab),
+            &candle_core::Device::Cpu,
+        )?))
+    }
+
+    fn preload(
+        &mut self,
+        layer: usize,
+        keys: &[f32],
+        values: &[f32],
+        positions: Range<usize>,
+    ) -> Result<()> {
+        let model = self.model;
+        let (gpu, c) = (&*model.gpu, &model.config);
+        let (Some(gpu_layer), Some(kv)) = (model.layers.get(layer), self.kv.get_mut(layer)) else {
+            return Err(ModelError::Backend {
+                layer,
+                reason: format!("the model has {} layers", c.n_layers()),
+            });
+        };
+        let (heads, kv_heads, d) = (c.n_heads, c.n_kv_heads, c.head_dim);
+        let row = kv_heads * d;
+        if keys.len() != positions.len() * row || values.len() != keys.len() {
+            return Err(ModelError::Backend {
+                layer,
+                reason: format!(
+                    "preload of {} positions needs {} key and value floats, got {} and {}",
+                    positions.len(),
+                    positions.len() * row,
+                    keys.len(),
+                    values.len()
+                ),
+            });
+        }
+        if gpu_layer.window.is_none() {
+            if positions.start != 0 {
+                return Err(ModelError::Backend {
+                    layer,
+                    reason: "a global layer's preload must start at position 0".into(),
+                });
+            }
+            kv.grow(gpu, positions.end, 0)?;
+        }
+        // A ring keeps its last `capacity` positions.
+        let skip = positions.len().saturating_sub(kv.tokens());
+        // The rows go through the kernel that places a chunk's own keys (no norms: they are
+        // stored normed), so a corpus continued from the store attends to bit for bit the
+        // keys an uninterrupted ingest held.
+        let qkv_dim = (heads + 2 * kv_heads) * d;
+        let mut scratch_q: CudaSlice<A> = gpu.zeros(MAX_CHUNK.min(positions.len()) * heads * d)?;
+        let mut qkv_device: CudaSlice<f32> = gpu.zeros(MAX_CHUNK.min(positions.len()) * qkv_dim)?;
+        let inv_freq = gpu_layer.inv_freq.as_view();
+        let rotary = Rotary {
+            inv_freq: &inv_freq,
+            pairs: gpu_layer.pairs,
+        };
+        let mut i = skip;
+        while i < positions.len() {
+            let t = MAX_CHUNK.min(positions.len() - i);
+            let mut qkv = vec![0f32; t * qkv_dim];
+            for (j, token) in qkv.chunks_exact_mut(qkv_dim).enumerate() {
+                let at = (i + j) * row;
+                token[heads * d..heads * d + row].copy_from_slice(&keys[at..at + row]);
+                token[heads * d + row..].copy_from_slice(&values[at..at + row]);
+            }
+            gpu.stream()
+                .memcpy_htod(&qkv, &mut qkv_device.slice_mut(..t * qkv_dim))
+                .map_err(|e| KernelError::Driver {
+                    op: "copying stored keys and values",
+                    source: e,
+                })?;
+            ops::attention_inputs(
+                gpu,
+                &qkv_device.slice(..t * qkv_dim),
+                &QkvShape {
+                    tokens: t,
+                    heads,
+                    kv_heads,
+                    head_dim: d,
+                },
+                None,
+                None,
+                None,
+                &rotary,
+                positions.start + i,
+                true,
+                &mut scratch_q.slice_mut(..t * heads * d),
+                kv,
+                None,
+            )?;
+            // `qkv` is a temporary the copy reads.
+            gpu.synchronize()?;
+            i += t;
+        }
+        self.position = self.position.max(positions.end);
+        Ok(())
+    }
+
+    fn take_stored(&mut self, layer: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        let gpu = &*self.model.gpu;
+        let c = &self.model.config;
+        let Some(chunk) = self.stored.as_mut().and_then(|s| s.get_mut(layer)) else {
+            return Ok(None);
+        };
+        if chunk.taken {
+            return Ok(None);
+        }
+        chunk.taken = true;
+        let n = chunk.tokens * c.n_kv_heads * c.head_dim;
+        let mut keys = vec![f16::ZERO; n];
+        let mut values = vec![f16::ZERO; n];
+        let copy = |e| KernelError::Driver {
+            op: "copying stored keys and values",
+            source: e,
+        };
+        let stream = gpu.stream();
+        stream
+            .memcpy_dtoh(&chunk.keys.slice(..n), &mut keys)
+            .map_err(copy)?;
+        stream
+            .memcpy_dtoh(&chunk.values.slice(..n), &mut values)
+            .map_err(copy)?;
+        gpu.synchronize()?;
+        let widen = |v: Vec<f16>| v.into_iter().map(f16::to_f32).collect();
+        Ok(Some((widen(keys), widen(values))))
+    }
+}
