@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use anyhow::Result;
 use indicatif::ProgressBar;
-use kvdb::models::load;
+use kvdb::models::{load, ComputeDevice};
 use kvdb_benches::harness::{run, BenchOptions, Preset};
 use kvdb_benches::report::{overall, write_report};
 use kvdb_index::IndexSpec;
@@ -38,7 +38,11 @@ fn flat_is_exact_random_covers_its_share_and_the_report_is_written() -> Result<(
         ..TinyModel::gemma3()
     }
     .write_temp()?;
-    let loaded = load(Some(model.path()), &LoadOptions::default())?;
+    let loaded = load(
+        Some(model.path()),
+        &LoadOptions::default(),
+        ComputeDevice::Cpu,
+    )?;
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("text.txt");
     std::fs::write(&path, text(400, 3))?;

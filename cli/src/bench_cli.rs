@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvdb::models::ComputeDevice;
 use kvdb_benches::harness::{run, BenchOptions, Preset};
 use kvdb_benches::report::write_report;
 use kvdb_index::IndexSpec;
@@ -90,7 +91,11 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         options.sweep.iter().all(|m| m.is_finite() && *m > 0.0),
         "sweep multiples must be positive"
     );
-    let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
+    let loaded = kvdb::models::load(
+        args.model.as_deref(),
+        &LoadOptions::default(),
+        ComputeDevice::Cpu,
+    )?;
     let bar = ProgressBar::new_spinner();
     bar.set_style(ProgressStyle::with_template(
         "{spinner} [{elapsed_precise}] {msg}",

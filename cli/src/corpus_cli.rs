@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
 use kvdb::documents::read_documents;
 use kvdb::ingest::{ingest as run_ingest, IngestEvent};
+use kvdb::models::ComputeDevice;
 use kvdb::ram_tier::parse_bytes;
 use kvdb::session::{AskOptions, AttentionMode, Corpus, Retrieval};
 use kvdb::store::{Access, Store, StoredLayer};
@@ -59,6 +60,10 @@ pub(crate) struct IngestArgs {
     /// The SAAP artifact for `saap` specs (default: the one registered for the model).
     #[arg(long)]
     saap: Option<PathBuf>,
+    /// Where the prefill runs: `cpu`, or `cuda` / `cuda:N` (an NVIDIA GPU; needs a build
+    /// with feature `gpu`).
+    #[arg(long, default_value = "cpu")]
+    device: ComputeDevice,
     /// Files (.txt, .md, .html) or folders of them, appended in this order.
     #[arg(required = true)]
     paths: Vec<PathBuf>,
@@ -140,7 +145,7 @@ pub(crate) fn ingest(args: IngestArgs) -> Result<()> {
     kvdb::store::validate_corpus_name(&args.target.corpus)?;
     // Read and check every input before touching the store: a bad file writes nothing.
     let documents = read_documents(&args.paths)?;
-    let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
+    let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default(), args.device)?;
     // And every index spec: one that cannot be built fails here, before any document is
     // committed, not after.
     check_specs(&args.indexes, &loaded.record.sha256, args.saap.as_deref())?;
@@ -260,7 +265,11 @@ pub(crate) fn ask(args: AskArgs) -> Result<()> {
             );
         }
     }
-    let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
+    let loaded = kvdb::models::load(
+        args.model.as_deref(),
+        &LoadOptions::default(),
+        ComputeDevice::Cpu,
+    )?;
     let corpus = Corpus::open(store, &args.target.corpus, loaded.as_ref(), args.ram_budget)?;
     let options = AskOptions {
         mode: if args.full_attention {

@@ -11,6 +11,7 @@ use kvdb::indexes::{
     list_indexes, remove_index, saap_registry_path, update_indexes, IndexEvent, IndexInfo,
 };
 use kvdb::ingest::{ModelRef, DOCUMENT_SEPARATOR};
+use kvdb::models::ComputeDevice;
 use kvdb::saap_training::{train_artifact, SaapTraining, TrainEvent};
 use kvdb::store::{Access, Store};
 use kvdb_index::saap::{SaapArtifact, TrainOptions};
@@ -173,7 +174,11 @@ pub(crate) fn index(command: IndexCommand) -> Result<()> {
             }
             let store = Store::open(&target.store, Access::Write)?;
             store.manifest(&target.corpus)?;
-            let loaded = kvdb::models::load(model.as_deref(), &LoadOptions::default())?;
+            let loaded = kvdb::models::load(
+                model.as_deref(),
+                &LoadOptions::default(),
+                ComputeDevice::Cpu,
+            )?;
             let infos = update_with_progress(
                 &store,
                 &target.corpus,
@@ -230,7 +235,11 @@ fn print_infos(infos: &[IndexInfo]) {
 pub(crate) fn saap(command: SaapCommand) -> Result<()> {
     let SaapCommand::Train(args) = command;
     let documents = read_documents(&args.text)?;
-    let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default())?;
+    let loaded = kvdb::models::load(
+        args.model.as_deref(),
+        &LoadOptions::default(),
+        ComputeDevice::Cpu,
+    )?;
     let text: String = documents
         .iter()
         .map(|d| format!("{}{DOCUMENT_SEPARATOR}", d.text))

@@ -11,7 +11,10 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kvdb::generate::{generate, GenerateOptions, StopReason};
-use kvdb_model::{GgufFile, LayerKind, LoadOptions, RopeScaling, RopeStyle, WeightMode};
+use kvdb::models::ComputeDevice;
+use kvdb_model::{
+    GgufFile, LayerKind, LoadOptions, RopeScaling, RopeStyle, SequenceOptions, WeightMode,
+};
 
 /// kvdb: an LLM's KV cache as a persistent vector database, queried with attention as
 /// retrieval.
@@ -87,6 +90,10 @@ struct GenerateArgs {
     /// fastest), `exact` (f32 everywhere), `quantized` (least memory).
     #[arg(long, default_value = "hybrid", value_parser = weight_mode)]
     weights: WeightMode,
+    /// Where the model runs: `cpu`, or `cuda` / `cuda:N` (an NVIDIA GPU, bf16 weights; needs
+    /// a build with feature `gpu`). `--weights` applies to the CPU.
+    #[arg(long, default_value = "cpu")]
+    device: ComputeDevice,
 }
 
 /// Sampling options shared by `generate` and `ask`.
@@ -253,14 +260,15 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         weights: args.weights,
         ..LoadOptions::default()
     };
-    let loaded = kvdb::models::load(args.model.as_deref(), &options)?;
+    let loaded = kvdb::models::load(args.model.as_deref(), &options, args.device)?;
+    let mut sequence = loaded.as_ref().sequence(&SequenceOptions::default())?;
     let options = args.sampling.options();
     let mut stdout = std::io::stdout().lock();
     // The prompt is echoed with the first generated piece, not before: a prompt the model
     // cannot take (too long for its context) fails without being printed back.
     let mut echoed = false;
     let generation = generate(
-        &loaded.model,
+        &mut *sequence,
         &loaded.tokenizer,
         &args.prompt,
         &options,

@@ -44,6 +44,10 @@ pub(crate) struct ServeArgs {
     /// Seconds a shutdown gives requests in flight before it closes their connections.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=3600))]
     shutdown_grace: u64,
+    /// Where ingests' prefill runs: `cpu`, or `cuda` / `cuda:N` (an NVIDIA GPU; needs a build
+    /// with feature `gpu`). Queries run on the CPU.
+    #[arg(long, default_value = "cpu")]
+    device: kvdb::models::ComputeDevice,
 }
 
 pub(crate) fn serve(args: ServeArgs) -> Result<()> {
@@ -60,6 +64,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
     config.header_read_timeout = Duration::from_secs(args.header_timeout);
     config.body_read_timeout = Duration::from_secs(args.body_timeout);
     config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
+    config.device = args.device;
     // The server logs what it does not tell clients (internal errors, job events).
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)

@@ -815,6 +815,7 @@ fn a_listed_spec_that_fails_to_build_is_dropped() -> Result<()> {
             loaded.record.clone(),
             kvdb::ingest::layer_policy(loaded.model.config()),
             kvdb::store::DEFAULT_BLOCK_SIZE,
+            kvdb::store::PrefillRecord::default(),
         )?;
         manifest.indexes = specs.iter().map(|s| s.to_string()).collect();
         let mut batch = store.batch();

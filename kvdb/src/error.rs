@@ -55,6 +55,12 @@ pub enum Error {
         /// Version this build reads.
         expected: u32,
     },
+    /// CUDA was asked for in a build without it.
+    #[error(
+        "this kvdb was built without GPU support: rebuild with `--features gpu` \
+         (`cargo build --release --features gpu`) or use `--device cpu`"
+    )]
+    NoGpuSupport,
     /// No corpus of this name.
     #[error("no corpus `{name}` in the store{}", available_list(.available))]
     CorpusMissing {

@@ -3,13 +3,10 @@
 //! it after the corpus, over retrieval attention.
 
 use candle_transformers::generation::{LogitsProcessor, Sampling};
-use kvdb_model::{AttentionBackend, FullAttention, Logits, Model, Tokenizer};
+use kvdb_model::{Forward, Logits, Tokenizer};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-
-/// Tokens prefilled per forward call: bounds the memory of attention scores.
-const PREFILL_CHUNK: usize = 512;
 
 /// Sampling and stopping parameters.
 #[derive(Debug, Clone)]
@@ -127,10 +124,10 @@ pub struct Generation {
     pub decode_seconds: f64,
 }
 
-/// Runs `prompt` through `model` with full attention and samples up to `options.max_tokens`
-/// tokens, calling `on_text` with each newly decoded piece of text.
+/// Runs `prompt` through `sequence` (a model with an empty state, on any device) and samples
+/// up to `options.max_tokens` tokens, calling `on_text` with each newly decoded piece of text.
 pub fn generate(
-    model: &Model,
+    sequence: &mut dyn Forward,
     tokenizer: &Tokenizer,
     prompt: &str,
     options: &GenerateOptions,
@@ -142,31 +139,20 @@ pub fn generate(
             "the prompt is empty and the model adds no BOS token: give it some text".into(),
         ));
     }
-    let mut cache = FullAttention::new(model.config());
-    continue_generation(
-        model,
-        tokenizer,
-        &prompt_ids,
-        0,
-        &mut cache,
-        options,
-        on_text,
-    )
+    continue_generation(sequence, tokenizer, &prompt_ids, options, on_text)
 }
 
-/// Prefills `prompt_ids` at positions `start..` through `backend`, which already holds
-/// everything before `start`, then samples up to `options.max_tokens` tokens, calling
-/// `on_text` with each newly decoded piece of text.
+/// Prefills `prompt_ids` after what `sequence` already holds, then samples up to
+/// `options.max_tokens` tokens, calling `on_text` with each newly decoded piece of text.
 pub fn continue_generation(
-    model: &Model,
+    sequence: &mut dyn Forward,
     tokenizer: &Tokenizer,
     prompt_ids: &[u32],
-    start: usize,
-    backend: &mut dyn AttentionBackend,
     options: &GenerateOptions,
     on_text: &mut dyn FnMut(&str) -> Result<()>,
 ) -> Result<Generation> {
-    let context = model.config().context_length;
+    let context = sequence.config().context_length;
+    let start = sequence.position();
     if prompt_ids.is_empty() {
         return Err(Error::Query(
             "nothing to generate from: the prompt is empty".into(),
@@ -195,10 +181,11 @@ pub fn continue_generation(
 
     let started = std::time::Instant::now();
     let mut logits = None;
-    for (i, chunk) in prompt_ids.chunks(PREFILL_CHUNK).enumerate() {
-        let last = (i + 1) * PREFILL_CHUNK >= prompt_ids.len();
+    let per_call = sequence.prefill_chunk().max(1);
+    for (i, chunk) in prompt_ids.chunks(per_call).enumerate() {
+        let last = (i + 1) * per_call >= prompt_ids.len();
         let want = if last { Logits::Last } else { Logits::None };
-        logits = model.forward(chunk, start + i * PREFILL_CHUNK, backend, &want)?;
+        logits = sequence.forward(chunk, &want)?;
     }
     let prefill_seconds = started.elapsed().as_secs_f64();
 
@@ -233,7 +220,7 @@ pub fn continue_generation(
         if position >= context {
             break StopReason::ContextFull;
         }
-        logits = model.forward(&[next], position, backend, &Logits::Last)?;
+        logits = sequence.forward(&[next], &Logits::Last)?;
         position += 1;
     };
     if stop != StopReason::StopString {

@@ -12,21 +12,21 @@ use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::time::Instant;
 
-use candle_core::{DType, Tensor};
 use kvdb_model::{
-    AttentionBackend, AttentionInput, EncodeOptions, FullAttention, LayerKind, Logits, Model,
-    ModelConfig, Tokenizer,
+    EncodeOptions, Forward, LayerKind, Logits, Model, ModelConfig, SequenceOptions, Tokenizer,
 };
 
 use crate::documents::SourceDocument;
 use crate::error::{Error, Result};
 use crate::store::{
     validate_corpus_name, BlockKey, CorpusManifest, DocumentRecord, Kv, ModelRecord,
-    PendingDocument, Store, StoredLayer, DEFAULT_BLOCK_SIZE,
+    PendingDocument, PrefillRecord, Store, StoredLayer, DEFAULT_BLOCK_SIZE,
 };
 
-/// Tokens prefilled (and committed) per step, counted from each document's first token.
-pub const INGEST_CHUNK: usize = 512;
+/// Tokens prefilled (and committed) per step on the CPU, counted from each document's first
+/// token; a new corpus takes its device's chunk ([`Forward::prefill_chunk`]) and keeps it
+/// (`CorpusManifest::prefill`).
+pub const INGEST_CHUNK: usize = kvdb_model::CPU_PREFILL_CHUNK;
 
 /// Appended after every document so that documents (and the question after the corpus) do
 /// not run together.
@@ -138,10 +138,42 @@ pub fn check_model(manifest: &CorpusManifest, record: &ModelRecord) -> Result<()
 pub struct ModelRef<'a> {
     /// Weights.
     pub model: &'a Model,
+    /// The same weights on a GPU, when loaded there: ingest and generation run on it.
+    #[cfg(feature = "gpu")]
+    pub gpu: Option<&'a kvdb_model::GpuModel>,
     /// Tokenizer.
     pub tokenizer: &'a Tokenizer,
     /// Its manifest record (hash, config).
     pub record: &'a ModelRecord,
+}
+
+impl<'a> ModelRef<'a> {
+    /// A fresh sequence state (the model with an empty KV cache) on the model's device.
+    pub fn sequence(&self, options: &SequenceOptions) -> Result<Box<dyn Forward + 'a>> {
+        #[cfg(feature = "gpu")]
+        if let Some(gpu) = self.gpu {
+            return Ok(gpu.sequence(options)?);
+        }
+        Ok(Box::new(self.model.sequence(options)?))
+    }
+
+    /// Tokens per ingest step on the model's device.
+    pub fn prefill_chunk(&self) -> usize {
+        #[cfg(feature = "gpu")]
+        if self.gpu.is_some() {
+            return kvdb_model::GPU_MAX_CHUNK;
+        }
+        INGEST_CHUNK
+    }
+
+    /// Where the forward pass runs.
+    pub fn device(&self) -> &'static str {
+        #[cfg(feature = "gpu")]
+        if self.gpu.is_some() {
+            return "cuda";
+        }
+        "cpu"
+    }
 }
 
 /// Appends `documents` to corpus `name` (created when absent), calling `on_event` as it goes.
@@ -186,11 +218,16 @@ pub fn ingest_until(
                 tokens: 0,
                 documents: 0,
                 pending: None,
+                prefill: PrefillRecord {
+                    device: model.device().into(),
+                    chunk: model.prefill_chunk(),
+                },
             }
         }
         Err(e) => return Err(e),
     };
     check_model(&manifest, model.record)?;
+    manifest.prefill.device = model.device().into();
     let existing = if manifest.id == 0 {
         Vec::new()
     } else {
@@ -277,7 +314,8 @@ pub fn ingest_until(
     }
 
     let started = Instant::now();
-    let mut writer = Writer::open(store, &mut manifest, model.model)?;
+    let chunk_size = manifest.prefill.chunk.max(1);
+    let mut writer = Writer::open(store, &mut manifest, model)?;
     for (doc, first, tokens) in planned {
         let resumed_at = match &writer.manifest.pending {
             Some(p) if p.sha256 == doc.sha256 => {
@@ -303,7 +341,7 @@ pub fn ingest_until(
         }
         let mut done = resumed_at;
         while done < tokens.len() {
-            let chunk = &tokens[done..(done + INGEST_CHUNK).min(tokens.len())];
+            let chunk = &tokens[done..(done + chunk_size).min(tokens.len())];
             let complete = done + chunk.len() == tokens.len();
             let record = DocumentRecord {
                 number: writer.manifest.documents,
@@ -350,62 +388,47 @@ fn document_tokens(tokenizer: &Tokenizer, text: &str, first: bool) -> Result<Vec
     Ok(tokenizer.encode(&body, options)?)
 }
 
-/// Exact attention over f16-rounded keys and values, keeping each layer's rounded keys and
-/// values of the current chunk for the store.
-struct RoundedAttention {
-    full: FullAttention,
-    chunk: Vec<Option<(Tensor, Tensor)>>,
-}
-
-impl AttentionBackend for RoundedAttention {
-    fn attend(&mut self, input: &AttentionInput<'_>) -> kvdb_model::Result<Tensor> {
-        let keys = round_f16(input.keys)?;
-        let values = round_f16(input.values)?;
-        let out = self.full.attend(&AttentionInput {
-            keys: &keys,
-            values: &values,
-            ..input.clone()
-        })?;
-        if let Some(slot) = self.chunk.get_mut(input.layer.index) {
-            *slot = Some((keys, values));
-        }
-        Ok(out)
-    }
-}
-
-/// Rounds to f16 and back, as the store does.
-fn round_f16(t: &Tensor) -> candle_core::Result<Tensor> {
-    t.to_dtype(DType::F16)?.to_dtype(DType::F32)
-}
-
 /// The rows of the last, incomplete block of each layer/KV head (pre-RoPE keys, values) and of
 /// the tokens, so that a commit can rewrite that block whole.
 struct Writer<'s, 'm> {
     store: &'s Store,
     manifest: &'m mut CorpusManifest,
-    model: &'s Model,
-    attention: RoundedAttention,
+    /// The model with the corpus's keys and values so far, on its device; keys and values
+    /// are rounded to f16 as the store keeps them.
+    sequence: Box<dyn Forward + 's>,
     /// `[layer][head]` (keys, values) rows of the open block.
     open: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
     open_tokens: Vec<u32>,
 }
 
+/// Per-head rows `[heads][tokens, d]` as one `[tokens, heads, d]` array.
+fn interleave_heads(per_head: &[Vec<f32>], d: usize) -> Vec<f32> {
+    let tokens = per_head.first().map_or(0, |h| h.len() / d.max(1));
+    let mut out = Vec::with_capacity(tokens * per_head.len() * d);
+    for i in 0..tokens {
+        for head in per_head {
+            out.extend_from_slice(&head[i * d..(i + 1) * d]);
+        }
+    }
+    out
+}
+
 impl<'s, 'm> Writer<'s, 'm> {
     /// Loads the stored state the next chunk continues: every layer's stored keys and values
-    /// into exact attention, and the open block.
+    /// into the model's sequence state, and the open block.
     fn open(
         store: &'s Store,
         manifest: &'m mut CorpusManifest,
-        model: &'s Model,
+        model: ModelRef<'s>,
     ) -> Result<Writer<'s, 'm>> {
-        let config = model.config();
+        let config = model.model.config();
         let (n, b, d, heads) = (
             manifest.tokens,
             manifest.block_size,
             config.head_dim,
             config.n_kv_heads,
         );
-        let mut full = FullAttention::new(config);
+        let mut sequence = model.sequence(&SequenceOptions { store_kv: true })?;
         let block_start = n - n % b;
         let mut open = Vec::with_capacity(config.n_layers());
         for spec in &config.layers {
@@ -414,25 +437,19 @@ impl<'s, 'm> Writer<'s, 'm> {
             let mut keys = Vec::with_capacity(heads);
             let mut values = Vec::with_capacity(heads);
             for head in 0..heads {
-                let k = store.rows(manifest, Kv::Keys, spec.index, head, range.clone())?;
-                let v = store.rows(manifest, Kv::Values, spec.index, head, range.clone())?;
+                keys.push(store.rows(manifest, Kv::Keys, spec.index, head, range.clone())?);
+                values.push(store.rows(manifest, Kv::Values, spec.index, head, range.clone())?);
                 // The last block is always stored whole, even where a window keeps less.
                 layer_open.push((
                     store.rows(manifest, Kv::Keys, spec.index, head, block_start..n)?,
                     store.rows(manifest, Kv::Values, spec.index, head, block_start..n)?,
                 ));
-                keys.push(Tensor::from_vec(k, (range.len(), 1, d), model.device())?);
-                values.push(Tensor::from_vec(v, (range.len(), 1, d), model.device())?);
             }
             if !range.is_empty() {
-                let rope = model.rope(spec.index).ok_or_else(|| {
-                    Error::Corrupt(format!("the model has no layer {}", spec.index))
-                })?;
-                full.preload(
-                    spec,
-                    rope,
-                    &Tensor::cat(&keys, 1)?,
-                    &Tensor::cat(&values, 1)?,
+                sequence.preload(
+                    spec.index,
+                    &interleave_heads(&keys, d),
+                    &interleave_heads(&values, d),
                     range,
                 )?;
             }
@@ -442,11 +459,7 @@ impl<'s, 'm> Writer<'s, 'm> {
         Ok(Writer {
             store,
             manifest,
-            model,
-            attention: RoundedAttention {
-                full,
-                chunk: vec![None; config.n_layers()],
-            },
+            sequence,
             open,
             open_tokens,
         })
@@ -456,8 +469,13 @@ impl<'s, 'm> Writer<'s, 'm> {
     /// when `complete`.
     fn append(&mut self, chunk: &[u32], record: &DocumentRecord, complete: bool) -> Result<()> {
         let start = self.manifest.tokens;
-        self.model
-            .forward(chunk, start, &mut self.attention, &Logits::None)?;
+        if self.sequence.position() != start {
+            return Err(Error::Corrupt(format!(
+                "the model's state ends at token {} but the corpus at {start}",
+                self.sequence.position()
+            )));
+        }
+        self.sequence.forward(chunk, &Logits::None)?;
         if self.manifest.id == 0 {
             // The corpus's first commit creates it.
             let created = self.store.create_corpus(
@@ -465,6 +483,7 @@ impl<'s, 'm> Writer<'s, 'm> {
                 self.manifest.model.clone(),
                 self.manifest.layers.clone(),
                 self.manifest.block_size,
+                self.manifest.prefill.clone(),
             )?;
             self.manifest.id = created.id;
         }
@@ -473,13 +492,20 @@ impl<'s, 'm> Writer<'s, 'm> {
         let end = start + chunk.len();
         let mut batch = self.store.batch();
         let first_block = start / b;
-        for (layer, captured) in self.attention.chunk.iter_mut().enumerate() {
-            let (keys, values) = captured.take().ok_or_else(|| {
+        let heads = self.manifest.model.n_kv_heads;
+        for layer in 0..self.open.len() {
+            let (keys, values) = self.sequence.take_stored(layer)?.ok_or_else(|| {
                 Error::Corrupt(format!("layer {layer} produced no keys for the chunk"))
             })?;
+            let head_rows = |rows: &[f32], head: usize| -> Vec<f32> {
+                rows.chunks_exact(heads * d)
+                    .flat_map(|token| &token[head * d..(head + 1) * d])
+                    .copied()
+                    .collect()
+            };
             for (head, (open_k, open_v)) in self.open[layer].iter_mut().enumerate() {
-                let k: Vec<f32> = keys.narrow(1, head, 1)?.flatten_all()?.to_vec1()?;
-                let v: Vec<f32> = values.narrow(1, head, 1)?.flatten_all()?.to_vec1()?;
+                let k = head_rows(&keys, head);
+                let v = head_rows(&values, head);
                 let stored = self.manifest.stored_range(layer, end);
                 let key = |block: usize| BlockKey {
                     corpus: id,

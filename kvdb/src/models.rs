@@ -1,10 +1,12 @@
 //! Resolving which model a command uses: `--model PATH`, or the default model, fetched into
 //! the cache when it is absent.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
 use candle_core::Device;
-use kvdb_model::{GgufFile, LoadOptions, Model, ModelError, Tokenizer};
+use kvdb_model::{GgufFile, LoadOptions, Model, ModelError, Tokenizer, WeightMode};
 
 use crate::error::Result;
 use crate::ingest::{model_record, ModelRef};
@@ -29,13 +31,56 @@ pub fn resolve(explicit: Option<&Path>) -> Result<PathBuf> {
     }
 }
 
+/// Where a model's forward pass runs: `cpu` (the default) or `cuda` / `cuda:N` (an NVIDIA
+/// GPU, in a build with feature `gpu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ComputeDevice {
+    /// The CPU.
+    #[default]
+    Cpu,
+    /// CUDA device `ordinal`.
+    Cuda {
+        /// The device number, from 0.
+        ordinal: usize,
+    },
+}
+
+impl FromStr for ComputeDevice {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let bad = || format!("unknown device `{s}`: use cpu, cuda or cuda:N");
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda { ordinal: 0 }),
+            _ => {
+                let ordinal = s.strip_prefix("cuda:").ok_or_else(bad)?;
+                let ordinal = ordinal.parse().map_err(|_| bad())?;
+                Ok(Self::Cuda { ordinal })
+            }
+        }
+    }
+}
+
+impl fmt::Display for ComputeDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
 /// A model with its tokenizer and identity, loaded from one GGUF file.
 #[derive(Debug)]
 pub struct LoadedModel {
     /// The file it came from.
     pub path: PathBuf,
-    /// The weights and configuration.
+    /// The weights and configuration on the CPU (queries' retrieval sessions run here).
     pub model: Model,
+    /// The same weights on the GPU when loaded for `cuda`: generation and ingest run there.
+    #[cfg(feature = "gpu")]
+    pub gpu: Option<kvdb_model::GpuModel>,
     /// The tokenizer from the file's metadata.
     pub tokenizer: Tokenizer,
     /// What a corpus records of it (the file's sha256 and the configuration).
@@ -47,18 +92,50 @@ impl LoadedModel {
     pub fn as_ref(&self) -> ModelRef<'_> {
         ModelRef {
             model: &self.model,
+            #[cfg(feature = "gpu")]
+            gpu: self.gpu.as_ref(),
             tokenizer: &self.tokenizer,
             record: &self.record,
         }
     }
 }
 
-/// Loads the model `explicit` names (or the default model) on the CPU and hashes its file.
-pub fn load(explicit: Option<&Path>, options: &LoadOptions) -> Result<LoadedModel> {
+/// Loads the model `explicit` names (or the default model) and hashes its file; for a CUDA
+/// `device`, also uploads its weights to that GPU (bf16). Asking for CUDA in a build without
+/// feature `gpu`, or on a machine without a driver or device, is an error.
+pub fn load(
+    explicit: Option<&Path>,
+    options: &LoadOptions,
+    device: ComputeDevice,
+) -> Result<LoadedModel> {
     let path = resolve(explicit)?;
     let mut file = GgufFile::open(&path)?;
     let tokenizer = Tokenizer::from_gguf(file.metadata())?;
-    let model = Model::from_gguf(&mut file, options, &Device::Cpu)?;
+    let options = match device {
+        ComputeDevice::Cpu => options.clone(),
+        // The GPU takes the dequantized f32 weights, converted once to bf16.
+        ComputeDevice::Cuda { .. } => LoadOptions {
+            weights: WeightMode::Dequantized,
+            ..options.clone()
+        },
+    };
+    let model = Model::from_gguf(&mut file, &options, &Device::Cpu)?;
+    #[cfg(feature = "gpu")]
+    let gpu = match device {
+        ComputeDevice::Cpu => None,
+        ComputeDevice::Cuda { ordinal } => {
+            let gpu = kvdb_kernels_gpu(ordinal)?;
+            Some(kvdb_model::GpuModel::new(
+                &model,
+                gpu,
+                kvdb_model::Precision::Bf16,
+            )?)
+        }
+    };
+    #[cfg(not(feature = "gpu"))]
+    if let ComputeDevice::Cuda { .. } = device {
+        return Err(crate::error::Error::NoGpuSupport);
+    }
     let sha256 = kvdb_model::fetch::sha256_file(&path)?;
     let file_name = path
         .file_name()
@@ -68,7 +145,16 @@ pub fn load(explicit: Option<&Path>, options: &LoadOptions) -> Result<LoadedMode
     Ok(LoadedModel {
         path,
         model,
+        #[cfg(feature = "gpu")]
+        gpu,
         tokenizer,
         record,
     })
+}
+
+/// Opens CUDA device `ordinal`.
+#[cfg(feature = "gpu")]
+fn kvdb_kernels_gpu(ordinal: usize) -> Result<std::sync::Arc<kvdb_model::Gpu>> {
+    let gpu = kvdb_model::Gpu::new(ordinal).map_err(ModelError::from)?;
+    Ok(std::sync::Arc::new(gpu))
 }

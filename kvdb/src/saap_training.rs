@@ -610,7 +610,11 @@ mod tests {
             ..kvdb_tests::TinyModel::gemma3()
         }
         .write_temp()?;
-        let model = crate::models::load(Some(file.path()), &kvdb_model::LoadOptions::default())?;
+        let model = crate::models::load(
+            Some(file.path()),
+            &kvdb_model::LoadOptions::default(),
+            crate::models::ComputeDevice::Cpu,
+        )?;
         let text = kvdb_tests::gpl_text()?;
         let drills = drills(12, 4);
         let TrainingIds {

@@ -14,7 +14,9 @@ use kvdb_attention::{
     retrieval_attention, DenseKv, DensePolicy, Estimate, KvSource, RetrievalQuery,
 };
 use kvdb_index::{Found, GroupQuery, IndexSpec, SearchParams, Searcher};
-use kvdb_model::{AttentionBackend, AttentionInput, EncodeOptions, FullAttention, Logits};
+use kvdb_model::{
+    AttentionBackend, AttentionInput, BackendSequence, EncodeOptions, FullAttention, Logits,
+};
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -377,11 +379,9 @@ impl Corpus {
             on_text(piece)
         };
         let generation = continue_generation(
-            model.model,
+            &mut BackendSequence::new(model.model, &mut backend, n),
             model.tokenizer,
             &ids,
-            n,
-            &mut backend,
             &options.generate,
             &mut stream,
         )?;

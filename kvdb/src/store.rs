@@ -52,7 +52,12 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 /// The on-disk format this build reads and writes.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The oldest format this kvdb reads. Version 1 manifests have no `prefill` record (they
+/// were all written on the CPU in chunks of 512 tokens, which is what it defaults to); a
+/// writer that opens such a store marks it version 2.
+pub const OLDEST_FORMAT_VERSION: u32 = 1;
 
 /// Tokens per key/value block unless a corpus says otherwise.
 pub const DEFAULT_BLOCK_SIZE: usize = 64;
@@ -166,6 +171,29 @@ pub struct CorpusManifest {
     pub documents: usize,
     /// A document whose ingest was interrupted, if any.
     pub pending: Option<PendingDocument>,
+    /// How ingest prefilled it: later ingests and resumes keep its chunk size, so that a
+    /// corpus is the same however its ingests were interrupted.
+    #[serde(default)]
+    pub prefill: PrefillRecord,
+}
+
+/// How a corpus's ingests prefill.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefillRecord {
+    /// Where the last ingest ran: `cpu` or `cuda`.
+    pub device: String,
+    /// Tokens per prefill step (and commit), counted from each document's first token.
+    pub chunk: usize,
+}
+
+impl Default for PrefillRecord {
+    /// What every corpus of format version 1 was ingested with.
+    fn default() -> Self {
+        Self {
+            device: "cpu".into(),
+            chunk: 512,
+        }
+    }
 }
 
 impl CorpusManifest {
@@ -422,11 +450,22 @@ impl Store {
             noted: Mutex::new(noted.unwrap_or(0)),
         };
         match store.record()? {
-            Some(r) if r.format_version != FORMAT_VERSION => Err(Error::FormatVersion {
-                path: store.path.clone(),
-                found: r.format_version,
-                expected: FORMAT_VERSION,
-            }),
+            Some(r) if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&r.format_version) => {
+                Err(Error::FormatVersion {
+                    path: store.path.clone(),
+                    found: r.format_version,
+                    expected: FORMAT_VERSION,
+                })
+            }
+            Some(r) if r.format_version < FORMAT_VERSION && access == Access::Write => {
+                // Older manifests read as they are (their missing fields default); the
+                // store is marked with the version its next writes have.
+                store.put_record(&StoreRecord {
+                    format_version: FORMAT_VERSION,
+                    ..r
+                })?;
+                Ok(store)
+            }
             Some(_) => Ok(store),
             None if access == Access::Write => {
                 store.put_record(&StoreRecord {
@@ -519,6 +558,7 @@ impl Store {
         model: ModelRecord,
         layers: Vec<StoredLayer>,
         block_size: usize,
+        prefill: PrefillRecord,
     ) -> Result<CorpusManifest> {
         let mut record = self
             .record()?
@@ -534,6 +574,7 @@ impl Store {
             tokens: 0,
             documents: 0,
             pending: None,
+            prefill,
         };
         record.next_corpus_id += 1;
         let mut batch = self.batch();

@@ -9,7 +9,7 @@ use anyhow::Result;
 use candle_core::Tensor;
 use kvdb::documents::SourceDocument;
 use kvdb::ingest::ingest;
-use kvdb::models::{load, LoadedModel};
+use kvdb::models::{load, ComputeDevice, LoadedModel};
 use kvdb::saap_training::{train_artifact, SaapTraining};
 use kvdb::session::{AskOptions, AttentionMode, Corpus};
 use kvdb::store::{Access, Store};
@@ -28,7 +28,7 @@ fn default_model(weights: WeightMode) -> Result<LoadedModel> {
         weights,
         ..LoadOptions::default()
     };
-    Ok(load(Some(&path), &options)?)
+    Ok(load(Some(&path), &options, ComputeDevice::Cpu)?)
 }
 
 fn gpl() -> Result<String> {

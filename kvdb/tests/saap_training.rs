@@ -3,7 +3,7 @@
 //! reported in order, and a clear error when the drills leave no room for the text.
 
 use anyhow::Result;
-use kvdb::models::{load, LoadedModel};
+use kvdb::models::{load, ComputeDevice, LoadedModel};
 use kvdb::saap_training::{train_artifact, SaapTraining, TrainEvent};
 use kvdb_index::saap::{SaapArtifact, TrainOptions};
 use kvdb_model::LoadOptions;
@@ -30,7 +30,11 @@ fn tiny_gemma3() -> Result<(TinyFile, LoadedModel)> {
         ..TinyModel::gemma3()
     }
     .write_temp()?;
-    let model = load(Some(file.path()), &LoadOptions::default())?;
+    let model = load(
+        Some(file.path()),
+        &LoadOptions::default(),
+        ComputeDevice::Cpu,
+    )?;
     Ok((file, model))
 }
 

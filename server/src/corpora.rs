@@ -8,7 +8,9 @@ use axum::Json;
 use kvdb::documents::{document_from_bytes, supported, SourceDocument};
 use kvdb::indexes::{check_specs, list_indexes, remove_index as remove_index_from, IndexInfo};
 use kvdb::ingest::layer_policy;
-use kvdb::store::{validate_corpus_name, CorpusManifest, StoredLayer, DEFAULT_BLOCK_SIZE};
+use kvdb::store::{
+    validate_corpus_name, CorpusManifest, PrefillRecord, StoredLayer, DEFAULT_BLOCK_SIZE,
+};
 use kvdb_index::IndexSpec;
 use kvdb_model::LayerKind;
 use serde::{Deserialize, Serialize};
@@ -230,9 +232,18 @@ pub(crate) async fn create(
                 echo(&body.name)
             )));
         }
-        let mut manifest =
-            s.store
-                .create_corpus(&body.name, model.record.clone(), layers, DEFAULT_BLOCK_SIZE)?;
+        let models = kvdb::models::LoadedModel::as_ref(&model);
+        let prefill = PrefillRecord {
+            device: models.device().into(),
+            chunk: models.prefill_chunk(),
+        };
+        let mut manifest = s.store.create_corpus(
+            &body.name,
+            model.record.clone(),
+            layers,
+            DEFAULT_BLOCK_SIZE,
+            prefill,
+        )?;
         if !specs.is_empty() {
             // Nothing is stored yet, so naming the indexes is all there is to build.
             manifest.indexes.clear();

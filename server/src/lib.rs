@@ -51,6 +51,8 @@ mod state;
 
 use std::future::Future;
 use std::path::PathBuf;
+
+use kvdb::models::ComputeDevice;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -121,6 +123,8 @@ pub struct Config {
     /// How long a shutdown waits for in-flight requests (streams included) before it closes
     /// their connections; idle connections close at once.
     pub shutdown_grace: Duration,
+    /// Where models run ingest's forward passes (`cuda` needs a build with feature `gpu`).
+    pub device: ComputeDevice,
 }
 
 impl Config {
@@ -133,6 +137,7 @@ impl Config {
             store,
             models_dir,
             token: None,
+            device: ComputeDevice::Cpu,
             token_all: false,
             max_concurrent: std::thread::available_parallelism().map_or(1, |n| n.get()),
             max_queue: 16,

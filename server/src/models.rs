@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use kvdb::models::LoadedModel;
+use kvdb::models::{ComputeDevice, LoadedModel};
 use kvdb::store::CorpusManifest;
 use kvdb_model::LoadOptions;
 
@@ -18,6 +18,8 @@ use crate::error::{echo, ApiError, ApiResult};
 #[derive(Debug)]
 pub(crate) struct Models {
     dir: PathBuf,
+    /// Where models run their forward passes (ingest; queries' sessions run on the CPU).
+    device: ComputeDevice,
     /// Loaded models by sha256. Held while loading, so a model loads once however many
     /// requests ask for it at the same time.
     loaded: Mutex<HashMap<String, Arc<LoadedModel>>>,
@@ -26,9 +28,10 @@ pub(crate) struct Models {
 }
 
 impl Models {
-    pub(crate) fn new(dir: PathBuf) -> Self {
+    pub(crate) fn new(dir: PathBuf, device: ComputeDevice) -> Self {
         Self {
             dir,
+            device,
             loaded: Mutex::default(),
             hashes: Mutex::default(),
         }
@@ -96,7 +99,11 @@ impl Models {
         if let Some(m) = loaded.get(sha) {
             return Ok(m.clone());
         }
-        let model = Arc::new(kvdb::models::load(Some(path), &LoadOptions::default())?);
+        let model = Arc::new(kvdb::models::load(
+            Some(path),
+            &LoadOptions::default(),
+            self.device,
+        )?);
         loaded.insert(model.record.sha256.clone(), model.clone());
         Ok(model)
     }

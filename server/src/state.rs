@@ -63,7 +63,7 @@ impl AppState {
     pub(crate) fn new(config: Config, store: Store, jobs: Jobs) -> ApiResult<Self> {
         let metrics = Metrics::new().map_err(ApiError::internal)?;
         Ok(Self {
-            models: Models::new(config.models_dir.clone()),
+            models: Models::new(config.models_dir.clone(), config.device),
             pool: Arc::new(Pool::new(
                 config.max_concurrent,
                 config.max_queue,

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
-use kvdb::models::{load, LoadedModel};
+use kvdb::models::{load, ComputeDevice, LoadedModel};
 use kvdb::store::{Kv, Store};
 use kvdb_model::LoadOptions;
 use kvdb_tests::{TinyFile, TinyModel};
@@ -17,7 +17,11 @@ pub fn tiny() -> Result<(TinyFile, LoadedModel)> {
         ..TinyModel::gemma3()
     }
     .write_temp()?;
-    let loaded = load(Some(file.path()), &LoadOptions::default())?;
+    let loaded = load(
+        Some(file.path()),
+        &LoadOptions::default(),
+        ComputeDevice::Cpu,
+    )?;
     Ok((file, loaded))
 }
 

@@ -1,0 +1,189 @@
+//! Ingest on the GPU (feature `gpu`) writes the store the CPU ingest writes: the same
+//! tokens, documents and manifest, key/value rows within bf16's tolerance; and an ingest
+//! stopped at a commit point (what a killed process leaves: every chunk is one atomic batch)
+//! and run again gives bit for bit the store of an uninterrupted GPU ingest.
+//!
+//! Needs a GPU: on a machine without one (CI) each test prints `SKIPPED` and passes.
+
+use std::io::Write;
+
+/// Says that a test skipped, on stderr itself: libtest captures `eprintln!`, not this.
+fn skip(test: &str, reason: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "SKIPPED {test}: {reason}");
+}
+
+#[cfg(not(feature = "gpu"))]
+#[test]
+fn gpu_ingest_tests() {
+    skip("gpu_ingest_tests", "built without feature `gpu`");
+}
+
+#[cfg(feature = "gpu")]
+mod on_gpu {
+    use std::ops::ControlFlow;
+
+    use anyhow::{ensure, Result};
+    use kvdb::documents::{read_documents, SourceDocument};
+    use kvdb::ingest::{ingest_until, IngestEvent};
+    use kvdb::models::{load, ComputeDevice, LoadedModel};
+    use kvdb::store::{Access, Kv, PrefillRecord, Store};
+    use kvdb::Error;
+    use kvdb_model::LoadOptions;
+    use kvdb_tests::TinyModel;
+
+    use super::skip;
+
+    /// Tokens per chunk of the tests' corpora: small, so that documents span several.
+    const CHUNK: usize = 96;
+
+    /// bf16 weights on the GPU against f32 on the CPU, rows compared as
+    /// `max |gpu - cpu| / max |cpu|` per layer and head: bf16's 2^-9 rounding of every
+    /// product's inputs, carried through the layers below. A wiring bug is of order 1.
+    const ROW_TOLERANCE: f32 = 0.08;
+
+    /// Three documents of a few hundred tokens each.
+    fn documents(dir: &std::path::Path) -> Result<Vec<SourceDocument>> {
+        let words = [
+            "store", "keys", "values", "layer", "query", "block", "corpus", "token", "the", "a",
+            "index", "window",
+        ];
+        let mut paths = Vec::new();
+        for d in 0..3 {
+            let text: Vec<&str> = (0..150).map(|i| words[(i * 7 + d * 5) % 12]).collect();
+            let path = dir.join(format!("doc{d}.txt"));
+            std::fs::write(&path, text.join(" "))?;
+            paths.push(path);
+        }
+        Ok(read_documents(&paths)?)
+    }
+
+    /// What a corpus stored: manifest counts, documents, tokens and every row (as bits).
+    fn dump(store: &Store, name: &str) -> Result<(String, Vec<u32>, Vec<Vec<f32>>)> {
+        let m = store.manifest(name)?;
+        let docs = store.documents(&m)?;
+        let header = format!(
+            "tokens {} documents {} pending {:?} layers {:?} docs {:?}",
+            m.tokens,
+            m.documents,
+            m.pending,
+            m.layers,
+            docs.iter()
+                .map(|d| (d.number, d.sha256.clone(), d.tokens.clone()))
+                .collect::<Vec<_>>()
+        );
+        let tokens = store.tokens(&m, 0..m.tokens)?;
+        let mut rows = Vec::new();
+        for layer in 0..m.layers.len() {
+            for head in 0..m.model.n_kv_heads {
+                for kv in [Kv::Keys, Kv::Values] {
+                    let range = m.stored_range(layer, m.tokens);
+                    rows.push(store.rows(&m, kv, layer, head, range)?);
+                }
+            }
+        }
+        Ok((header, tokens, rows))
+    }
+
+    /// Ingests the documents into a corpus made with chunks of [`CHUNK`] tokens, stopping
+    /// after `stop_after` commits when given (and then running it again to the end).
+    fn ingest(
+        model: &LoadedModel,
+        device: &str,
+        stop_after: Option<usize>,
+    ) -> Result<tempfile::TempDir> {
+        let dir = tempfile::tempdir()?;
+        let store = Store::open(dir.path().join("s"), Access::Write)?;
+        let layers = kvdb::ingest::layer_policy(model.model.config());
+        store.create_corpus(
+            "c",
+            model.record.clone(),
+            layers,
+            kvdb::store::DEFAULT_BLOCK_SIZE,
+            PrefillRecord {
+                device: device.into(),
+                chunk: CHUNK,
+            },
+        )?;
+        let docs = documents(dir.path())?;
+        if let Some(n) = stop_after {
+            let mut commits = 0;
+            let stopped = ingest_until(&store, "c", model.as_ref(), &docs, &mut |event| {
+                if let IngestEvent::Committed { .. } = event {
+                    commits += 1;
+                    if commits == n {
+                        return ControlFlow::Break(());
+                    }
+                }
+                ControlFlow::Continue(())
+            });
+            ensure!(
+                matches!(stopped, Err(Error::Cancelled { .. })),
+                "the ingest did not stop: {stopped:?}"
+            );
+        }
+        ingest_until(&store, "c", model.as_ref(), &docs, &mut |_| {
+            ControlFlow::Continue(())
+        })?;
+        Ok(dir)
+    }
+
+    fn tiny(device: ComputeDevice) -> Result<(kvdb_tests::TinyFile, LoadedModel)> {
+        let file = TinyModel {
+            context_length: 4096,
+            ..TinyModel::gemma3()
+        }
+        .write_temp()?;
+        let loaded = load(Some(file.path()), &LoadOptions::default(), device)?;
+        Ok((file, loaded))
+    }
+
+    #[test]
+    fn gpu_ingest_matches_cpu_and_resumes_bit_for_bit() -> Result<()> {
+        let (_file, gpu_model) = match tiny(ComputeDevice::Cuda { ordinal: 0 }) {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                skip(
+                    "gpu_ingest_matches_cpu_and_resumes_bit_for_bit",
+                    &e.to_string(),
+                );
+                return Ok(());
+            }
+        };
+        let (_cpu_file, cpu_model) = tiny(ComputeDevice::Cpu)?;
+        let whole = ingest(&gpu_model, "cuda", None)?;
+        let store = |dir: &tempfile::TempDir| Store::open(dir.path().join("s"), Access::Read);
+        let gpu = dump(&store(&whole)?, "c")?;
+        let manifest = store(&whole)?.manifest("c")?;
+        ensure!(manifest.prefill.device == "cuda" && manifest.prefill.chunk == CHUNK);
+        for stop_after in [1, 3, 5] {
+            let resumed = dump(&store(&ingest(&gpu_model, "cuda", Some(stop_after))?)?, "c")?;
+            ensure!(
+                resumed.0 == gpu.0 && resumed.1 == gpu.1,
+                "stopped after {stop_after}: records differ"
+            );
+            let same_bits = resumed.2.iter().zip(&gpu.2).all(|(a, b)| {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+            });
+            ensure!(
+                same_bits,
+                "stopped after {stop_after} commits: rows differ from the uninterrupted ingest"
+            );
+            println!("stopped after {stop_after} commits and resumed: the same store bit for bit");
+        }
+        let cpu = dump(&store(&ingest(&cpu_model, "cpu", None)?)?, "c")?;
+        ensure!(
+            cpu.0 == gpu.0 && cpu.1 == gpu.1,
+            "the CPU and GPU stores' records differ"
+        );
+        let mut worst = 0f32;
+        for (a, b) in gpu.2.iter().zip(&cpu.2) {
+            ensure!(a.len() == b.len(), "row counts differ");
+            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+            let e = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+            worst = worst.max(e);
+        }
+        println!("GPU (bf16) against CPU (f32) key/value rows: worst {worst:.3e}");
+        ensure!(worst <= ROW_TOLERANCE, "rows differ by {worst}");
+        Ok(())
+    }
+}
