@@ -1,37 +1,54 @@
 #!/usr/bin/env bash
-# Builds the GPU test and bench binaries of kvdb-kernels (feature `cuda`) into .gpu-bundle/
-# (ignored by git), stripped, for the device tool to carry (`carry: [".gpu-bundle"]`).
-# They link only kvdb-kernels, kvdb-attention (the f64 reference) and small crates: no faiss,
-# RocksDB or BLAS; libcuda and libnvrtc are loaded at run time. See README.md, "GPU".
+# Builds everything the GPU machine runs, with feature `gpu`, into .gpu-bundle/ (ignored by
+# git) as one xz archive small enough for the device tool to carry (`carry:
+# [".gpu-bundle"]`, 64 MiB a call): the `kvdb` binary, the GPU test binaries (kernels' gpu,
+# ops and prefill tests, the model's gpu_model test), the kernels' benches, the random-model
+# writer, and the shared libraries `kvdb` links that the GPU machine's image lacks (OpenBLAS
+# and its Fortran runtime). libcuda, NVRTC and cuBLASLt are loaded there at run time.
+#
+# On the GPU machine: `tar -xJf .gpu-bundle/bundle.tar.xz -C /tmp/kvdb` then
+# `LD_LIBRARY_PATH=/tmp/kvdb/lib /tmp/kvdb/bin/kvdb ...`. See README.md, "GPU".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.gpu-bundle
-target=${CARGO_TARGET_DIR:-target}
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/bin" "$stage/lib"
+features=kvdb-cli/gpu,kvdb-tests/gpu,kvdb-kernels/gpu
 
-# The bundle must not link the heavy native libraries of the other crates.
-if cargo tree -p kvdb-kernels --features cuda -e normal,dev --prefix none |
-    grep -Ei '^(faiss|rocksdb|librocksdb|openblas|blas|lapack|intel-mkl|accelerate)'; then
-    echo "gpu-bundle: kvdb-kernels' dependencies reach faiss, RocksDB or BLAS" >&2
-    exit 1
-fi
-
-cargo build --release -p kvdb-kernels --features cuda --example gpu_bench
-tests=$(cargo test --release -p kvdb-kernels --features cuda --test gpu --no-run --message-format=json |
-    python3 -c 'import json, sys
+# Test executables of one test target, by name, from cargo's JSON messages.
+test_binary() {
+    local package=$1 target=$2
+    cargo test --release --workspace --features "$features" --no-run --message-format=json \
+        -p "$package" --test "$target" |
+        python3 -c 'import json, sys
+name = sys.argv[1]
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
-        print(m["executable"])')
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == name and m.get("executable"):
+        print(m["executable"])' "$target"
+}
+
+cargo build --release --workspace --features "$features" --bins --examples
+target=${CARGO_TARGET_DIR:-target}
+cp "$target/release/kvdb" "$target/release/random_model" "$target/release/gpu_model_bench" "$stage/bin/"
+cp "$target/release/examples/gpu_bench" "$target/release/examples/prefill_bench" "$stage/bin/"
+for t in kvdb-kernels:gpu kvdb-kernels:ops kvdb-kernels:prefill kvdb-tests:gpu_model; do
+    cp "$(test_binary "${t%%:*}" "${t##*:}")" "$stage/bin/test-${t##*:}"
+done
+strip "$stage"/bin/*
+
+# The libraries `kvdb` links beyond glibc, libstdc++ and libgcc (which every image has).
+for lib in $(ldd "$stage/bin/kvdb" | awk '/=>/ {print $3}'); do
+    case "$(basename "$lib")" in
+    libc.so* | libm.so* | libstdc++* | libgcc_s* | ld-linux*) ;;
+    *) cp -L "$lib" "$stage/lib/" ;;
+    esac
+done
+cp scripts/bench_model_torch.py scripts/bench_prefill_sdpa.py scripts/gpu-model-bench.sh "$stage/"
 
 rm -rf "$out"
 mkdir -p "$out"
-cp "$target/release/examples/gpu_bench" "$out/gpu-bench"
-cp "$tests" "$out/gpu-tests"
-strip "$out/gpu-bench" "$out/gpu-tests"
-for binary in "$out"/*; do
-    if ldd "$binary" | grep -Ei 'blas|lapack|rocksdb|faiss|stdc\+\+'; then
-        echo "gpu-bundle: $binary links a library it must not" >&2
-        exit 1
-    fi
-done
-du -sh "$out"/*
+tar -C "$stage" -cf - . | xz -T0 -6 >"$out/bundle.tar.xz"
+ls -la "$stage/bin" "$stage/lib"
+du -sh "$out/bundle.tar.xz"
