@@ -33,7 +33,7 @@ cargo build --release --workspace --features "$features" --bins --examples
 target=${CARGO_TARGET_DIR:-target}
 cp "$target/release/kvdb" "$target/release/random_model" "$target/release/gpu_model_bench" "$stage/bin/"
 cp "$target/release/examples/gpu_bench" "$target/release/examples/prefill_bench" "$stage/bin/"
-for t in kvdb-kernels:gpu kvdb-kernels:ops kvdb-kernels:prefill kvdb-tests:gpu_model; do
+for t in kvdb-kernels:gpu kvdb-kernels:ops kvdb-kernels:prefill kvdb-tests:gpu_model kvdb:gpu_ingest; do
     cp "$(test_binary "${t%%:*}" "${t##*:}")" "$stage/bin/test-${t##*:}"
 done
 strip "$stage"/bin/*
@@ -45,7 +45,7 @@ for lib in $(ldd "$stage/bin/kvdb" | awk '/=>/ {print $3}'); do
     *) cp -L "$lib" "$stage/lib/" ;;
     esac
 done
-cp scripts/bench_model_torch.py scripts/bench_prefill_sdpa.py scripts/gpu-model-bench.sh "$stage/"
+cp scripts/bench_model_torch.py scripts/bench_prefill_sdpa.py scripts/bench_sdpa.py scripts/gpu-model-bench.sh "$stage/"
 
 rm -rf "$out"
 mkdir -p "$out"

@@ -214,13 +214,15 @@ fn ingest_into(
         args.progress,
     )?;
     eprintln!(
-        "kvdb: corpus `{}`: added {} documents ({} tokens in {:.1}s, {:.0} tokens/s), skipped {}; \
-         it now holds {} tokens",
+        "kvdb: corpus `{}`: added {} documents ({} tokens in {:.1}s, {:.0} tokens/s on {}, {:.0}% \
+         of it in the model, the rest in the store), skipped {}; it now holds {} tokens",
         args.target.corpus,
         report.added.len(),
         report.tokens,
         report.seconds,
         report.tokens as f64 / report.seconds.max(1e-9),
+        args.device,
+        100.0 * report.model_seconds / report.seconds.max(1e-9),
         report.skipped.len(),
         report.corpus_tokens
     );

@@ -85,6 +85,35 @@ fn greedy_generation_is_deterministic_and_honours_stop_strings() {
     );
 }
 
+/// Asking for the GPU where there is none (CI, this machine) is an error that says so, before
+/// any weights are read; it never panics. On a machine with a GPU the command generates.
+#[test]
+fn cuda_without_a_gpu_is_a_clear_error() {
+    let out = kvdb(
+        &[
+            "generate",
+            "--device",
+            "cuda",
+            "--model",
+            "/nonexistent/model.gguf",
+            "--prompt",
+            "hi",
+        ],
+        &[("RUST_BACKTRACE", "0")],
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    // With a GPU the device opens and the missing file is what fails.
+    assert!(
+        err.contains("CUDA") || err.contains("NVRTC") || err.contains("does not exist"),
+        "{err}"
+    );
+    let out = kvdb(&["generate", "--device", "tpu", "--prompt", "hi"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("use cpu, cuda or cuda:N"));
+}
+
 #[test]
 fn missing_model_file_is_a_clear_error() {
     let out = kvdb(

@@ -84,6 +84,9 @@ pub struct IngestReport {
     pub tokens: usize,
     /// Seconds spent prefilling and committing.
     pub seconds: f64,
+    /// Of those, seconds in the model: prefill and the copy of its keys and values to the
+    /// host (the rest is the store: blocks, batches, commits).
+    pub model_seconds: f64,
     /// Tokens in the corpus afterwards.
     pub corpus_tokens: usize,
 }
@@ -372,6 +375,7 @@ pub fn ingest_until(
     // RocksDB delete that log, so a store at rest keeps none to replay or to grow.
     store.flush()?;
     report.seconds = started.elapsed().as_secs_f64();
+    report.model_seconds = writer.model_seconds;
     report.corpus_tokens = writer.manifest.tokens;
     Ok(report)
 }
@@ -399,6 +403,8 @@ struct Writer<'s, 'm> {
     /// `[layer][head]` (keys, values) rows of the open block.
     open: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
     open_tokens: Vec<u32>,
+    /// Seconds in the model so far (prefill and the copy of its keys and values).
+    model_seconds: f64,
 }
 
 /// Per-head rows `[heads][tokens, d]` as one `[tokens, heads, d]` array.
@@ -462,6 +468,7 @@ impl<'s, 'm> Writer<'s, 'm> {
             sequence,
             open,
             open_tokens,
+            model_seconds: 0.0,
         })
     }
 
@@ -475,7 +482,16 @@ impl<'s, 'm> Writer<'s, 'm> {
                 self.sequence.position()
             )));
         }
+        let model_started = Instant::now();
         self.sequence.forward(chunk, &Logits::None)?;
+        let captured = (0..self.open.len())
+            .map(|layer| {
+                self.sequence.take_stored(layer)?.ok_or_else(|| {
+                    Error::Corrupt(format!("layer {layer} produced no keys for the chunk"))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.model_seconds += model_started.elapsed().as_secs_f64();
         if self.manifest.id == 0 {
             // The corpus's first commit creates it.
             let created = self.store.create_corpus(
@@ -493,10 +509,7 @@ impl<'s, 'm> Writer<'s, 'm> {
         let mut batch = self.store.batch();
         let first_block = start / b;
         let heads = self.manifest.model.n_kv_heads;
-        for layer in 0..self.open.len() {
-            let (keys, values) = self.sequence.take_stored(layer)?.ok_or_else(|| {
-                Error::Corrupt(format!("layer {layer} produced no keys for the chunk"))
-            })?;
+        for (layer, (keys, values)) in captured.into_iter().enumerate() {
             let head_rows = |rows: &[f32], head: usize| -> Vec<f32> {
                 rows.chunks_exact(heads * d)
                     .flat_map(|token| &token[head * d..(head + 1) * d])

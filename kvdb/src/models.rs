@@ -108,6 +108,16 @@ pub fn load(
     options: &LoadOptions,
     device: ComputeDevice,
 ) -> Result<LoadedModel> {
+    // The device first: without one, fail before reading gigabytes of weights.
+    #[cfg(feature = "gpu")]
+    let gpu = match device {
+        ComputeDevice::Cpu => None,
+        ComputeDevice::Cuda { ordinal } => Some(kvdb_kernels_gpu(ordinal)?),
+    };
+    #[cfg(not(feature = "gpu"))]
+    if let ComputeDevice::Cuda { .. } = device {
+        return Err(crate::error::Error::NoGpuSupport);
+    }
     let path = resolve(explicit)?;
     let mut file = GgufFile::open(&path)?;
     let tokenizer = Tokenizer::from_gguf(file.metadata())?;
@@ -121,21 +131,9 @@ pub fn load(
     };
     let model = Model::from_gguf(&mut file, &options, &Device::Cpu)?;
     #[cfg(feature = "gpu")]
-    let gpu = match device {
-        ComputeDevice::Cpu => None,
-        ComputeDevice::Cuda { ordinal } => {
-            let gpu = kvdb_kernels_gpu(ordinal)?;
-            Some(kvdb_model::GpuModel::new(
-                &model,
-                gpu,
-                kvdb_model::Precision::Bf16,
-            )?)
-        }
-    };
-    #[cfg(not(feature = "gpu"))]
-    if let ComputeDevice::Cuda { .. } = device {
-        return Err(crate::error::Error::NoGpuSupport);
-    }
+    let gpu = gpu
+        .map(|gpu| kvdb_model::GpuModel::new(&model, gpu, kvdb_model::Precision::Bf16))
+        .transpose()?;
     let sha256 = kvdb_model::fetch::sha256_file(&path)?;
     let file_name = path
         .file_name()

@@ -107,7 +107,7 @@ pub enum ModelError {
     Fetch(String),
     /// The GPU failed: no driver or device, a kernel or cuBLAS error, out of memory.
     #[cfg(feature = "gpu")]
-    #[error("GPU: {0}")]
+    #[error(transparent)]
     Gpu(#[from] kvdb_kernels::KernelError),
     /// A tensor operation failed (a bug or an out-of-memory condition, not bad input).
     #[error(transparent)]
