@@ -319,7 +319,8 @@ pub fn ingest_until(
     let started = Instant::now();
     let chunk_size = manifest.prefill.chunk.max(1);
     let mut writer = Writer::open(store, &mut manifest, model)?;
-    for (doc, first, tokens) in planned {
+    for (index, (doc, first, tokens)) in planned.iter().enumerate() {
+        let (doc, first) = (*doc, *first);
         let resumed_at = match &writer.manifest.pending {
             Some(p) if p.sha256 == doc.sha256 => {
                 let stored = store.tokens(writer.manifest, first..writer.manifest.tokens)?;
@@ -346,6 +347,17 @@ pub fn ingest_until(
         while done < tokens.len() {
             let chunk = &tokens[done..(done + chunk_size).min(tokens.len())];
             let complete = done + chunk.len() == tokens.len();
+            // The chunk after this one (the next document's first when this one ends), which
+            // the model computes while this one is committed. Only the first planned document
+            // can resume in the middle, so the others start at their first token.
+            let next = if complete {
+                planned
+                    .get(index + 1)
+                    .map(|(_, _, t)| &t[..chunk_size.min(t.len())])
+            } else {
+                let from = done + chunk.len();
+                Some(&tokens[from..(from + chunk_size).min(tokens.len())])
+            };
             let record = DocumentRecord {
                 number: writer.manifest.documents,
                 sha256: doc.sha256.clone(),
@@ -354,7 +366,7 @@ pub fn ingest_until(
                 tokens: first..first + tokens.len(),
                 bytes: doc.bytes,
             };
-            writer.append(chunk, &record, complete)?;
+            writer.append(chunk, &record, complete, next)?;
             done += chunk.len();
             report.tokens += chunk.len();
             if on_event(IngestEvent::Committed {
@@ -405,6 +417,8 @@ struct Writer<'s, 'm> {
     open_tokens: Vec<u32>,
     /// Seconds in the model so far (prefill and the copy of its keys and values).
     model_seconds: f64,
+    /// The chunk the model was started on ahead of its append, if any.
+    started: Option<Vec<u32>>,
 }
 
 /// Per-head rows `[heads][tokens, d]` as one `[tokens, heads, d]` array.
@@ -469,28 +483,58 @@ impl<'s, 'm> Writer<'s, 'm> {
             open,
             open_tokens,
             model_seconds: 0.0,
+            started: None,
         })
     }
 
-    /// Prefills `chunk` at the end of the corpus and commits it, with the document's record
-    /// when `complete`.
-    fn append(&mut self, chunk: &[u32], record: &DocumentRecord, complete: bool) -> Result<()> {
+    /// Prefills `chunk` at the end of the corpus (unless the previous call started it) and
+    /// commits it, with the document's record when `complete`. Starts `next` on the model
+    /// before committing, so that a GPU computes it while the store writes this one.
+    fn append(
+        &mut self,
+        chunk: &[u32],
+        record: &DocumentRecord,
+        complete: bool,
+        next: Option<&[u32]>,
+    ) -> Result<()> {
         let start = self.manifest.tokens;
-        if self.sequence.position() != start {
-            return Err(Error::Corrupt(format!(
-                "the model's state ends at token {} but the corpus at {start}",
-                self.sequence.position()
-            )));
-        }
         let model_started = Instant::now();
-        self.sequence.forward(chunk, &Logits::None)?;
+        match self.started.take() {
+            Some(started) if started == chunk => {}
+            Some(_) => {
+                return Err(Error::Corrupt(
+                    "the chunk the model computed ahead is not the one appended".into(),
+                ))
+            }
+            None => {
+                if self.sequence.position() != start {
+                    return Err(Error::Corrupt(format!(
+                        "the model's state ends at token {} but the corpus at {start}",
+                        self.sequence.position()
+                    )));
+                }
+                self.sequence.forward(chunk, &Logits::None)?;
+            }
+        }
+        let (b, end) = (self.manifest.block_size, start + chunk.len());
+        // Rows before the first block the store keeps of a layer (a sliding window's early
+        // rows) are not copied from the model; they count as zeros below and are never written.
         let captured = (0..self.open.len())
             .map(|layer| {
-                self.sequence.take_stored(layer)?.ok_or_else(|| {
+                let keep = self.manifest.stored_range(layer, end).start / b * b;
+                let from = keep.saturating_sub(start).min(chunk.len());
+                let rows = self.sequence.take_stored(layer, from..chunk.len())?;
+                let (keys, values) = rows.ok_or_else(|| {
                     Error::Corrupt(format!("layer {layer} produced no keys for the chunk"))
-                })
+                })?;
+                Ok((from, keys, values))
             })
             .collect::<Result<Vec<_>>>()?;
+        // Only where the model runs ahead: on the CPU this would only delay a stop.
+        if let Some(next) = next.filter(|_| self.sequence.runs_ahead()) {
+            self.sequence.forward(next, &Logits::None)?;
+            self.started = Some(next.to_vec());
+        }
         self.model_seconds += model_started.elapsed().as_secs_f64();
         if self.manifest.id == 0 {
             // The corpus's first commit creates it.
@@ -503,18 +547,19 @@ impl<'s, 'm> Writer<'s, 'm> {
             )?;
             self.manifest.id = created.id;
         }
-        let (b, id) = (self.manifest.block_size, self.manifest.id);
+        let id = self.manifest.id;
         let d = self.manifest.model.head_dim;
-        let end = start + chunk.len();
         let mut batch = self.store.batch();
         let first_block = start / b;
         let heads = self.manifest.model.n_kv_heads;
-        for (layer, (keys, values)) in captured.into_iter().enumerate() {
+        for (layer, (from, keys, values)) in captured.into_iter().enumerate() {
             let head_rows = |rows: &[f32], head: usize| -> Vec<f32> {
-                rows.chunks_exact(heads * d)
-                    .flat_map(|token| &token[head * d..(head + 1) * d])
-                    .copied()
-                    .collect()
+                let mut out = vec![0f32; from * d];
+                out.extend(
+                    rows.chunks_exact(heads * d)
+                        .flat_map(|token| &token[head * d..(head + 1) * d]),
+                );
+                out
             };
             for (head, (open_k, open_v)) in self.open[layer].iter_mut().enumerate() {
                 let k = head_rows(&keys, head);

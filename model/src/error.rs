@@ -83,6 +83,16 @@ pub enum ModelError {
         /// Tokens in the chunk.
         tokens: usize,
     },
+    /// Stored keys and values were asked for rows the last call did not have.
+    #[error("stored keys and values asked for rows {start}..{end} of a {tokens}-token call")]
+    StoredRows {
+        /// First row asked for.
+        start: usize,
+        /// End of the rows asked for.
+        end: usize,
+        /// Tokens in the call.
+        tokens: usize,
+    },
     /// A token id outside the vocabulary.
     #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
     TokenOutOfRange {

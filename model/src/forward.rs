@@ -36,6 +36,12 @@ pub trait Forward {
         CPU_PREFILL_CHUNK
     }
 
+    /// Whether [`Forward::forward`] without logits returns before the device has finished
+    /// (a GPU's queue), so that the caller's own work overlaps the computation.
+    fn runs_ahead(&self) -> bool {
+        false
+    }
+
     /// Runs `tokens` at positions `position()..` and keeps them in the state. Returns the
     /// logits `[rows, vocab]` (f32, on the host) asked for (`None` for [`Logits::None`]).
     fn forward(&mut self, tokens: &[u32], logits: &Logits) -> Result<Option<Tensor>>;
@@ -52,11 +58,16 @@ pub trait Forward {
         positions: Range<usize>,
     ) -> Result<()>;
 
-    /// The pre-RoPE keys and values the last [`Forward::forward`] call produced for `layer`,
-    /// rounded to f16 as the store keeps them (`[tokens, n_kv_heads, head_dim]` each, as
-    /// f32), taken out of the state. `None` unless the state was made with
+    /// The pre-RoPE keys and values the last [`Forward::forward`] call produced for `layer`
+    /// at its token indices `rows` (a sliding-window layer's store needs only its last ones),
+    /// rounded to f16 as the store keeps them (`[rows, n_kv_heads, head_dim]` each, as f32),
+    /// taken out of the state. `None` unless the state was made with
     /// [`SequenceOptions::store_kv`].
-    fn take_stored(&mut self, layer: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>>;
+    fn take_stored(
+        &mut self,
+        layer: usize,
+        rows: Range<usize>,
+    ) -> Result<Option<(Vec<f32>, Vec<f32>)>>;
 }
 
 /// Tokens per CPU forward call in prefill: bounds the memory of attention scores.
@@ -193,7 +204,11 @@ impl Forward for CpuSequence<'_> {
             .preload(spec, rope, &keys, &values, positions)
     }
 
-    fn take_stored(&mut self, layer: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+    fn take_stored(
+        &mut self,
+        layer: usize,
+        rows: Range<usize>,
+    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
         let taken = self
             .stored
             .as_mut()
@@ -202,7 +217,19 @@ impl Forward for CpuSequence<'_> {
         let Some((keys, values)) = taken else {
             return Ok(None);
         };
-        let flat = |t: Tensor| t.flatten_all()?.to_vec1::<f32>();
+        let tokens = keys.dim(0)?;
+        if rows.start > rows.end || rows.end > tokens {
+            return Err(ModelError::StoredRows {
+                start: rows.start,
+                end: rows.end,
+                tokens,
+            });
+        }
+        let flat = |t: Tensor| {
+            t.narrow(0, rows.start, rows.len())?
+                .flatten_all()?
+                .to_vec1::<f32>()
+        };
         Ok(Some((flat(keys)?, flat(values)?)))
     }
 }
@@ -259,7 +286,7 @@ impl Forward for BackendSequence<'_> {
         })
     }
 
-    fn take_stored(&mut self, _: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+    fn take_stored(&mut self, _: usize, _: Range<usize>) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
         Ok(None)
     }
 }

@@ -786,6 +786,10 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
         MAX_CHUNK
     }
 
+    fn runs_ahead(&self) -> bool {
+        true
+    }
+
     fn forward(&mut self, tokens: &[u32], logits: &Logits) -> Result<Option<Tensor>> {
         let t = tokens.len();
         if t == 0 {
@@ -925,7 +929,11 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
         Ok(())
     }
 
-    fn take_stored(&mut self, layer: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+    fn take_stored(
+        &mut self,
+        layer: usize,
+        rows: Range<usize>,
+    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
         let gpu = &*self.model.gpu;
         let c = &self.model.config;
         let Some(chunk) = self.stored.as_mut().and_then(|s| s.get_mut(layer)) else {
@@ -935,7 +943,15 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
             return Ok(None);
         }
         chunk.taken = true;
-        let n = chunk.tokens * c.n_kv_heads * c.head_dim;
+        if rows.start > rows.end || rows.end > chunk.tokens {
+            return Err(ModelError::StoredRows {
+                start: rows.start,
+                end: rows.end,
+                tokens: chunk.tokens,
+            });
+        }
+        let row = c.n_kv_heads * c.head_dim;
+        let (from, n) = (rows.start * row, rows.len() * row);
         let mut keys = vec![f16::ZERO; n];
         let mut values = vec![f16::ZERO; n];
         let copy = |e| KernelError::Driver {
@@ -944,13 +960,13 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
         };
         let stream = gpu.stream();
         stream
-            .memcpy_dtoh(&chunk.keys.slice(..n), &mut keys)
+            .memcpy_dtoh(&chunk.keys.slice(from..from + n), &mut keys)
             .map_err(copy)?;
         stream
-            .memcpy_dtoh(&chunk.values.slice(..n), &mut values)
+            .memcpy_dtoh(&chunk.values.slice(from..from + n), &mut values)
             .map_err(copy)?;
         gpu.synchronize()?;
-        let widen = |v: Vec<f16>| v.into_iter().map(f16::to_f32).collect();
+        let widen = |v: Vec<f16>| v.par_iter().map(|x| x.to_f32()).collect();
         Ok(Some((widen(keys), widen(values))))
     }
 }

@@ -188,8 +188,11 @@ mod on_gpu {
             let mut resumed = gpu_model.sequence(&store)?;
             let config = model.config();
             for layer in 0..config.n_layers() {
-                let (ck, cv) = cpu.take_stored(layer)?.expect("the CPU keeps them");
-                let (gk, gv) = ours.take_stored(layer)?.expect("the GPU keeps them");
+                let all = 0..first.len();
+                let (ck, cv) = cpu
+                    .take_stored(layer, all.clone())?
+                    .expect("the CPU keeps them");
+                let (gk, gv) = ours.take_stored(layer, all)?.expect("the GPU keeps them");
                 for (what, a, b) in [("keys", &gk, &ck), ("values", &gv, &cv)] {
                     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
                     let e = a
