@@ -421,18 +421,6 @@ struct Writer<'s, 'm> {
     started: Option<Vec<u32>>,
 }
 
-/// Per-head rows `[heads][tokens, d]` as one `[tokens, heads, d]` array.
-fn interleave_heads(per_head: &[Vec<f32>], d: usize) -> Vec<f32> {
-    let tokens = per_head.first().map_or(0, |h| h.len() / d.max(1));
-    let mut out = Vec::with_capacity(tokens * per_head.len() * d);
-    for i in 0..tokens {
-        for head in per_head {
-            out.extend_from_slice(&head[i * d..(i + 1) * d]);
-        }
-    }
-    out
-}
-
 impl<'s, 'm> Writer<'s, 'm> {
     /// Loads the stored state the next chunk continues: every layer's stored keys and values
     /// into the model's sequence state, and the open block.
@@ -442,36 +430,24 @@ impl<'s, 'm> Writer<'s, 'm> {
         model: ModelRef<'s>,
     ) -> Result<Writer<'s, 'm>> {
         let config = model.model.config();
-        let (n, b, d, heads) = (
-            manifest.tokens,
-            manifest.block_size,
-            config.head_dim,
-            config.n_kv_heads,
-        );
+        let (n, b, heads) = (manifest.tokens, manifest.block_size, config.n_kv_heads);
         let mut sequence = model.sequence(&SequenceOptions { store_kv: true })?;
         let block_start = n - n % b;
         let mut open = Vec::with_capacity(config.n_layers());
         for spec in &config.layers {
             let range = manifest.stored_range(spec.index, n);
-            let mut layer_open = Vec::with_capacity(heads);
-            let mut keys = Vec::with_capacity(heads);
-            let mut values = Vec::with_capacity(heads);
-            for head in 0..heads {
-                keys.push(store.rows(manifest, Kv::Keys, spec.index, head, range.clone())?);
-                values.push(store.rows(manifest, Kv::Values, spec.index, head, range.clone())?);
-                // The last block is always stored whole, even where a window keeps less.
-                layer_open.push((
-                    store.rows(manifest, Kv::Keys, spec.index, head, block_start..n)?,
-                    store.rows(manifest, Kv::Values, spec.index, head, block_start..n)?,
-                ));
-            }
+            // The last block is always stored whole, even where a window keeps less.
+            let layer_open = (0..heads)
+                .map(|head| {
+                    Ok((
+                        store.rows(manifest, Kv::Keys, spec.index, head, block_start..n)?,
+                        store.rows(manifest, Kv::Values, spec.index, head, block_start..n)?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
             if !range.is_empty() {
-                sequence.preload(
-                    spec.index,
-                    &interleave_heads(&keys, d),
-                    &interleave_heads(&values, d),
-                    range,
-                )?;
+                let (keys, values) = store.layer_kv(manifest, spec.index, range.clone())?;
+                sequence.preload(spec.index, &keys, &values, range)?;
             }
             open.push(layer_open);
         }

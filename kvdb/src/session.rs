@@ -25,7 +25,7 @@ use crate::generate::{continue_generation, GenerateOptions, StopReason};
 use crate::indexes::{load_indexes, IndexSet};
 use crate::ingest::{check_model, ModelRef};
 use crate::ram_tier::{RamTier, TierStats};
-use crate::store::{CorpusManifest, DocumentRecord, Kv, Store, StoredLayer};
+use crate::store::{interleave_heads, CorpusManifest, DocumentRecord, Store, StoredLayer};
 
 /// Tokens per provenance passage (passages are aligned to their document's first token).
 pub const PASSAGE_TOKENS: usize = 32;
@@ -239,23 +239,13 @@ impl Corpus {
             match manifest.layers[spec.index] {
                 StoredLayer::Last { .. } => {
                     let range = manifest.stored_range(spec.index, n);
-                    let mut keys = Vec::with_capacity(heads);
-                    let mut values = Vec::with_capacity(heads);
-                    for head in 0..heads {
-                        for (kv, out) in [(Kv::Keys, &mut keys), (Kv::Values, &mut values)] {
-                            let rows =
-                                store.rows(&manifest, kv, spec.index, head, range.clone())?;
-                            out.push(Tensor::from_vec(
-                                rows,
-                                (range.len(), 1, d),
-                                model.model.device(),
-                            )?);
-                        }
-                    }
+                    let (keys, values) = store.layer_kv(&manifest, spec.index, range.clone())?;
+                    let shape = (range.len(), heads, d);
+                    let device = model.model.device();
                     windows.push((
                         spec.index,
-                        Tensor::cat(&keys, 1)?,
-                        Tensor::cat(&values, 1)?,
+                        Tensor::from_vec(keys, shape, device)?,
+                        Tensor::from_vec(values, shape, device)?,
                         range,
                     ));
                 }
@@ -499,15 +489,16 @@ impl Corpus {
                 for head in 0..config.n_kv_heads {
                     let (mut k, mut v) = (Vec::new(), Vec::new());
                     self.tier.gather(layer, head, &ids, &mut k, &mut v)?;
-                    let dev = model.model.device();
-                    keys.push(Tensor::from_vec(k, (n, 1, config.head_dim), dev)?);
-                    values.push(Tensor::from_vec(v, (n, 1, config.head_dim), dev)?);
+                    keys.push(k);
+                    values.push(v);
                 }
+                let (d, dev) = (config.head_dim, model.model.device());
+                let shape = (n, config.n_kv_heads, d);
                 full.preload(
                     &config.layers[layer],
                     rope(layer)?,
-                    &Tensor::cat(&keys, 1)?,
-                    &Tensor::cat(&values, 1)?,
+                    &Tensor::from_vec(interleave_heads(&keys, d), shape, dev)?,
+                    &Tensor::from_vec(interleave_heads(&values, d), shape, dev)?,
                     0..n,
                 )?;
             }

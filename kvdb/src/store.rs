@@ -177,6 +177,18 @@ pub struct CorpusManifest {
     pub prefill: PrefillRecord,
 }
 
+/// Per-head rows `[heads][tokens, d]` as one `[tokens, heads, d]` array.
+pub fn interleave_heads(per_head: &[Vec<f32>], d: usize) -> Vec<f32> {
+    let tokens = per_head.first().map_or(0, |h| h.len() / d.max(1));
+    let mut out = Vec::with_capacity(tokens * per_head.len() * d);
+    for i in 0..tokens {
+        for head in per_head {
+            out.extend_from_slice(&head[i * d..(i + 1) * d]);
+        }
+    }
+    out
+}
+
 /// How a corpus's ingests prefill.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PrefillRecord {
@@ -661,6 +673,28 @@ impl Store {
             .get_pinned_cf(self.cf(kv.family())?, key.bytes())?
             .map(|b| decode_f16(&b))
             .transpose()
+    }
+
+    /// Rows `range` of one layer's keys and values for every KV head, f32 `[rows, n_kv_heads,
+    /// head_dim]` each (the layout the model hands out), read straight from the store.
+    pub fn layer_kv(
+        &self,
+        manifest: &CorpusManifest,
+        layer: usize,
+        range: Range<usize>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let heads = 0..manifest.model.n_kv_heads;
+        let per_head = |kv: Kv| -> Result<Vec<Vec<f32>>> {
+            heads
+                .clone()
+                .map(|head| self.rows(manifest, kv, layer, head, range.clone()))
+                .collect()
+        };
+        let d = manifest.model.head_dim;
+        Ok((
+            interleave_heads(&per_head(Kv::Keys)?, d),
+            interleave_heads(&per_head(Kv::Values)?, d),
+        ))
     }
 
     /// Rows `range` of one layer's keys or values for one KV head, f32 `[rows, head_dim]`,
