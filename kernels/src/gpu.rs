@@ -2,13 +2,14 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 
 use crate::error::{driver, KernelError, Result};
 
@@ -134,6 +135,8 @@ pub struct Gpu {
     fill: Mutex<Option<CudaFunction>>,
     /// The model's kernels (ops, prefill), by entry point and defines.
     compiled: Mutex<HashMap<String, CudaFunction>>,
+    /// Where compiled PTX is kept between runs, if anywhere.
+    ptx_cache: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -189,7 +192,17 @@ impl Gpu {
             attend: Mutex::new(HashMap::new()),
             fill: Mutex::new(None),
             compiled: Mutex::new(HashMap::new()),
+            ptx_cache: None,
         })
+    }
+
+    /// Keeps the PTX that NVRTC compiles in `dir` (created when absent) and loads it from
+    /// there in later runs, which saves the first use of each kernel its compilation (about a
+    /// second for a model's kernels). Files carry what they were compiled from, so a changed
+    /// kernel or option is compiled again.
+    pub fn with_ptx_cache(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.ptx_cache = Some(dir.into());
+        self
     }
 
     /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
@@ -332,18 +345,48 @@ impl Gpu {
         options.push(format!("--gpu-architecture={}", self.arch));
         // exp2 as one hardware instruction; its error (~1e-7) is far under the tests' bound.
         options.push("--use_fast_math".into());
-        let opts = CompileOptions {
-            options,
-            name: Some(format!("{entry}.cu")),
-            ..Default::default()
+        // What the PTX depends on, stated in the cache file's first line: a file whose line
+        // differs (another source, option or NVRTC) is compiled again.
+        let header = format!(
+            "// kvdb {entry} {} {:016x} {}",
+            source.len(),
+            fnv1a(source.as_bytes()),
+            options.join(" ")
+        );
+        let cached = self
+            .ptx_cache
+            .as_ref()
+            .map(|dir| dir.join(format!("{entry}-{:016x}.ptx", fnv1a(header.as_bytes()))));
+        let hit = cached
+            .as_ref()
+            .and_then(|path| std::fs::read_to_string(path).ok())
+            .filter(|text| text.lines().next() == Some(header.as_str()));
+        let ptx = match hit {
+            Some(text) => Ptx::from_src(text),
+            None => {
+                let opts = CompileOptions {
+                    options,
+                    name: Some(format!("{entry}.cu")),
+                    ..Default::default()
+                };
+                let ptx =
+                    compile_ptx_with_opts(source, opts).map_err(|e| KernelError::Compile {
+                        kernel: name.to_string(),
+                        log: match e {
+                            CompileError::CompileError { log, .. } => {
+                                log.to_string_lossy().into_owned()
+                            }
+                            other => other.to_string(),
+                        },
+                    })?;
+                if let Some(path) = &cached {
+                    // Best effort: a cache that cannot be written only costs the next run
+                    // this compilation again.
+                    let _ = store_ptx(path, &header, &ptx.to_src());
+                }
+                ptx
+            }
         };
-        let ptx = compile_ptx_with_opts(source, opts).map_err(|e| KernelError::Compile {
-            kernel: name.to_string(),
-            log: match e {
-                CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
-                other => other.to_string(),
-            },
-        })?;
         let module = self
             .ctx
             .load_module(ptx)
@@ -351,5 +394,52 @@ impl Gpu {
         module
             .load_function(entry)
             .map_err(driver("finding a kernel in its module"))
+    }
+}
+
+/// FNV-1a, 64 bits: a hash that is the same in every build, for cache file names.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Writes `header` and `ptx` to `path` through a temporary file, so that a reader never sees
+/// half a file.
+fn store_ptx(path: &Path, header: &str, ptx: &str) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let temporary = path.with_extension(format!("{}.partial", std::process::id()));
+    std::fs::write(&temporary, format!("{header}\n{ptx}"))?;
+    std::fs::rename(&temporary, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv1a_is_the_published_function() {
+        // Test vectors of the FNV reference (draft-eastlake-fnv).
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn cached_ptx_is_written_whole() {
+        let dir = std::env::temp_dir().join(format!("kvdb-ptx-{}", std::process::id()));
+        let path = dir.join("k.ptx");
+        store_ptx(&path, "// kvdb k 1 2 -D", ".version 8.0").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().next(), Some("// kvdb k 1 2 -D"));
+        assert!(text.ends_with(".version 8.0"));
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            1,
+            "no temporary left"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -150,9 +150,13 @@ pub fn load(
     })
 }
 
-/// Opens CUDA device `ordinal`.
+/// Opens CUDA device `ordinal`, keeping its compiled kernels in `$KVDB_HOME/ptx` (beside
+/// the models) so that later commands skip their compilation.
 #[cfg(feature = "gpu")]
 fn kvdb_kernels_gpu(ordinal: usize) -> Result<std::sync::Arc<kvdb_model::Gpu>> {
-    let gpu = kvdb_model::Gpu::new(ordinal).map_err(ModelError::from)?;
+    let mut gpu = kvdb_model::Gpu::new(ordinal).map_err(ModelError::from)?;
+    if let Some(home) = kvdb_model::fetch::models_dir()?.parent() {
+        gpu = gpu.with_ptx_cache(home.join("ptx"));
+    }
     Ok(std::sync::Arc::new(gpu))
 }
