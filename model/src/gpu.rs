@@ -71,7 +71,23 @@ impl std::fmt::Debug for GpuModel {
 impl GpuModel {
     /// Uploads `model`'s weights (it must have been loaded with
     /// [`crate::WeightMode::Dequantized`], so that every projection has f32 weights).
+    /// Head dimensions other than multiples of 16 up to 256 (bf16) or up to 256 (f32) are
+    /// refused here, before any weight is uploaded.
     pub fn new(model: &Model, gpu: Arc<Gpu>, precision: Precision) -> Result<Self> {
+        let d = model.config().head_dim;
+        let supported = match precision {
+            Precision::Bf16 => d.is_multiple_of(16) && (16..=256).contains(&d),
+            Precision::F32 => d.is_multiple_of(2) && (2..=256).contains(&d),
+        };
+        if !supported {
+            return Err(ModelError::Tensor {
+                name: "attention heads".into(),
+                reason: format!(
+                    "head dimension {d} is not supported on the GPU ({precision:?}: multiples \
+                     of 16 up to 256 in bf16, even sizes up to 256 in f32)"
+                ),
+            });
+        }
         let weights = match precision {
             Precision::Bf16 => Weights::Bf16(Inner::new(model, gpu)?),
             Precision::F32 => Weights::F32(Inner::new(model, gpu)?),
