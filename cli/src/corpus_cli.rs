@@ -391,6 +391,10 @@ pub(crate) fn corpus(command: CorpusCommand) -> Result<()> {
                 HumanBytes(kv_bytes),
                 m.block_size
             );
+            println!(
+                "prefill:     chunks of {} tokens (last ingest on {})",
+                m.prefill.chunk, m.prefill.device
+            );
             println!("indexes:     {}", m.indexes.join(", "));
             if let Some(p) = &m.pending {
                 println!(

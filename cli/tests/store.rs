@@ -656,6 +656,7 @@ fn corpus_commands_list_describe_and_delete() -> Result<()> {
         "doc01.txt",
         "stored K/V",
         "tokens:",
+        "prefill:     chunks of 512 tokens (last ingest on cpu)",
     ] {
         assert!(info.contains(needle), "`{needle}` missing from {info}");
     }
