@@ -581,10 +581,14 @@ def main():
                    help="tiny shapes and lengths, the check included (runs on a CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep only the first N layers of each shape (as random_model --layers)")
     p.add_argument("--out", default=None, help="append JSON lines here")
     args = p.parse_args()
 
     shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.layers:
+        shapes = {k: dict(v, layers=min(args.layers, v["layers"])) for k, v in shapes.items()}
     names = [s for s in args.shapes.split(",") if s]
     for n in names:
         if n not in shapes:
