@@ -33,7 +33,7 @@ cargo build --release --workspace --features "$features" --bins --examples
 target=${CARGO_TARGET_DIR:-target}
 cp "$target/release/kvdb" "$target/release/random_model" "$target/release/gpu_model_bench" "$stage/bin/"
 cp "$target/release/examples/gpu_bench" "$target/release/examples/prefill_bench" "$stage/bin/"
-for t in kvdb-kernels:gpu kvdb-kernels:ops kvdb-kernels:prefill kvdb-tests:gpu_model kvdb:gpu_ingest; do
+for t in kvdb-kernels:gpu kvdb-kernels:ops kvdb-kernels:prefill kvdb-tests:gpu_model kvdb-cli:gpu_ingest; do
     cp "$(test_binary "${t%%:*}" "${t##*:}")" "$stage/bin/test-${t##*:}"
 done
 strip "$stage"/bin/*

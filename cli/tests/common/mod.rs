@@ -12,16 +12,17 @@ use rand::{Rng, SeedableRng};
 
 /// A tiny gemma3 with room for a few thousand tokens of context.
 pub fn tiny() -> Result<(TinyFile, LoadedModel)> {
+    tiny_on(ComputeDevice::Cpu)
+}
+
+/// [`tiny`] loaded for `device` (an error on a machine without it).
+pub fn tiny_on(device: ComputeDevice) -> Result<(TinyFile, LoadedModel)> {
     let file = TinyModel {
         context_length: 32768,
         ..TinyModel::gemma3()
     }
     .write_temp()?;
-    let loaded = load(
-        Some(file.path()),
-        &LoadOptions::default(),
-        ComputeDevice::Cpu,
-    )?;
+    let loaded = load(Some(file.path()), &LoadOptions::default(), device)?;
     Ok((file, loaded))
 }
 

@@ -7,6 +7,8 @@
 
 use std::io::Write;
 
+mod common;
+
 /// Says that a test skipped, on stderr itself: libtest captures `eprintln!`, not this.
 fn skip(test: &str, reason: &str) {
     let _ = writeln!(std::io::stderr().lock(), "SKIPPED {test}: {reason}");
@@ -23,14 +25,13 @@ mod on_gpu {
     use std::ops::ControlFlow;
 
     use anyhow::{ensure, Result};
-    use kvdb::documents::{read_documents, SourceDocument};
+    use kvdb::documents::read_documents;
     use kvdb::ingest::{ingest_until, IngestEvent};
-    use kvdb::models::{load, ComputeDevice, LoadedModel};
-    use kvdb::store::{Access, Kv, PrefillRecord, Store};
+    use kvdb::models::{ComputeDevice, LoadedModel};
+    use kvdb::store::{Access, PrefillRecord, Store};
     use kvdb::Error;
-    use kvdb_model::LoadOptions;
-    use kvdb_tests::TinyModel;
 
+    use super::common::{dump, tiny, tiny_on, write_documents};
     use super::skip;
 
     /// Tokens per chunk of the tests' corpora: small, so that documents span several.
@@ -40,49 +41,6 @@ mod on_gpu {
     /// `max |gpu - cpu| / max |cpu|` per layer and head: bf16's 2^-9 rounding of every
     /// product's inputs, carried through the layers below. A wiring bug is of order 1.
     const ROW_TOLERANCE: f32 = 0.08;
-
-    /// Three documents of a few hundred tokens each.
-    fn documents(dir: &std::path::Path) -> Result<Vec<SourceDocument>> {
-        let words = [
-            "store", "keys", "values", "layer", "query", "block", "corpus", "token", "the", "a",
-            "index", "window",
-        ];
-        let mut paths = Vec::new();
-        for d in 0..3 {
-            let text: Vec<&str> = (0..150).map(|i| words[(i * 7 + d * 5) % 12]).collect();
-            let path = dir.join(format!("doc{d}.txt"));
-            std::fs::write(&path, text.join(" "))?;
-            paths.push(path);
-        }
-        Ok(read_documents(&paths)?)
-    }
-
-    /// What a corpus stored: manifest counts, documents, tokens and every row (as bits).
-    fn dump(store: &Store, name: &str) -> Result<(String, Vec<u32>, Vec<Vec<f32>>)> {
-        let m = store.manifest(name)?;
-        let docs = store.documents(&m)?;
-        let header = format!(
-            "tokens {} documents {} pending {:?} layers {:?} docs {:?}",
-            m.tokens,
-            m.documents,
-            m.pending,
-            m.layers,
-            docs.iter()
-                .map(|d| (d.number, d.sha256.clone(), d.tokens.clone()))
-                .collect::<Vec<_>>()
-        );
-        let tokens = store.tokens(&m, 0..m.tokens)?;
-        let mut rows = Vec::new();
-        for layer in 0..m.layers.len() {
-            for head in 0..m.model.n_kv_heads {
-                for kv in [Kv::Keys, Kv::Values] {
-                    let range = m.stored_range(layer, m.tokens);
-                    rows.push(store.rows(&m, kv, layer, head, range)?);
-                }
-            }
-        }
-        Ok((header, tokens, rows))
-    }
 
     /// Ingests the documents into a corpus made with chunks of [`CHUNK`] tokens, stopping
     /// after `stop_after` commits when given (and then running it again to the end).
@@ -104,7 +62,7 @@ mod on_gpu {
                 chunk: CHUNK,
             },
         )?;
-        let docs = documents(dir.path())?;
+        let docs = read_documents(&write_documents(&dir.path().join("docs"), 3, 900, 5)?)?;
         if let Some(n) = stop_after {
             let mut commits = 0;
             let stopped = ingest_until(&store, "c", model.as_ref(), &docs, &mut |event| {
@@ -127,19 +85,9 @@ mod on_gpu {
         Ok(dir)
     }
 
-    fn tiny(device: ComputeDevice) -> Result<(kvdb_tests::TinyFile, LoadedModel)> {
-        let file = TinyModel {
-            context_length: 4096,
-            ..TinyModel::gemma3()
-        }
-        .write_temp()?;
-        let loaded = load(Some(file.path()), &LoadOptions::default(), device)?;
-        Ok((file, loaded))
-    }
-
     #[test]
     fn gpu_ingest_matches_cpu_and_resumes_bit_for_bit() -> Result<()> {
-        let (_file, gpu_model) = match tiny(ComputeDevice::Cuda { ordinal: 0 }) {
+        let (_file, gpu_model) = match tiny_on(ComputeDevice::Cuda { ordinal: 0 }) {
             Ok(loaded) => loaded,
             Err(e) => {
                 skip(
@@ -149,7 +97,7 @@ mod on_gpu {
                 return Ok(());
             }
         };
-        let (_cpu_file, cpu_model) = tiny(ComputeDevice::Cpu)?;
+        let (_cpu_file, cpu_model) = tiny()?;
         let whole = ingest(&gpu_model, "cuda", None)?;
         let store = |dir: &tempfile::TempDir| Store::open(dir.path().join("s"), Access::Read);
         let gpu = dump(&store(&whole)?, "c")?;
@@ -161,9 +109,7 @@ mod on_gpu {
                 resumed.0 == gpu.0 && resumed.1 == gpu.1,
                 "stopped after {stop_after}: records differ"
             );
-            let same_bits = resumed.2.iter().zip(&gpu.2).all(|(a, b)| {
-                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-            });
+            let same_bits = resumed.2 == gpu.2;
             ensure!(
                 same_bits,
                 "stopped after {stop_after} commits: rows differ from the uninterrupted ingest"
@@ -176,10 +122,16 @@ mod on_gpu {
             "the CPU and GPU stores' records differ"
         );
         let mut worst = 0f32;
+        let floats = |bits: &[u32]| bits.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>();
         for (a, b) in gpu.2.iter().zip(&cpu.2) {
             ensure!(a.len() == b.len(), "row counts differ");
+            let (a, b) = (floats(a), floats(b));
             let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-            let e = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+            let e = a
+                .iter()
+                .zip(&b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+                / scale;
             worst = worst.max(e);
         }
         println!("GPU (bf16) against CPU (f32) key/value rows: worst {worst:.3e}");
