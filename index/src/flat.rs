@@ -76,7 +76,8 @@ impl FlatIndex {
         &self.keys[id as usize * d..(id as usize + 1) * d]
     }
 
-    /// The layer's RoPE.
+    /// The layer's RoPE (what `ivf` saves with its lists).
+    #[cfg(feature = "faiss")]
     pub(crate) fn rope(&self) -> &Rope {
         &self.rope
     }
