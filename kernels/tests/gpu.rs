@@ -3,17 +3,12 @@
 //! Every test needs a GPU: on a machine without one (CI), or built without feature `gpu`,
 //! each says on stderr that it skipped, and passes.
 
-use std::io::Write;
-
-/// Says that a test skipped, on stderr itself: libtest captures `eprintln!`, not this.
-fn skip(test: &str, reason: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "SKIPPED {test}: {reason}");
-}
+mod common;
 
 #[cfg(not(feature = "gpu"))]
 #[test]
 fn gpu_tests() {
-    skip("gpu_tests", "built without feature `gpu`");
+    common::skip("gpu_tests", "built without feature `gpu`");
 }
 
 #[cfg(feature = "gpu")]
@@ -31,28 +26,12 @@ mod on_gpu {
     use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
     use rand::rngs::StdRng;
     use rand::seq::SliceRandom;
-    use rand::{Rng, SeedableRng};
+    use rand::Rng;
 
-    use super::skip;
+    use super::common::start;
 
     /// The relative L2 error allowed against the f64 reference.
     const TOLERANCE: f64 = 1e-3;
-
-    /// The device and a random generator with a fresh seed (printed, so that a failure can
-    /// be replayed), or `None` after saying why the test skips.
-    fn start(test: &str) -> Option<(Gpu, StdRng)> {
-        match Gpu::new(0) {
-            Ok(gpu) => {
-                let seed: u64 = rand::rng().random();
-                println!("{test}: seed {seed}");
-                Some((gpu, StdRng::seed_from_u64(seed)))
-            }
-            Err(e) => {
-                skip(test, &e.to_string());
-                None
-            }
-        }
-    }
 
     /// (kv_heads, group, head_dim, tokens).
     type Shape = (usize, usize, usize, usize);

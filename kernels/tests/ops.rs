@@ -10,17 +10,12 @@
 //! elements and an error relative to the tensor's scale for those near zero, where
 //! cancellation (RoPE, dot products) makes a relative error meaningless.
 
-use std::io::Write;
-
-/// Says that a test skipped, on stderr itself: libtest captures `eprintln!`, not this.
-fn skip(test: &str, reason: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "SKIPPED {test}: {reason}");
-}
+mod common;
 
 #[cfg(not(feature = "gpu"))]
 #[test]
 fn ops_tests() {
-    skip("ops_tests", "built without feature `gpu`");
+    common::skip("ops_tests", "built without feature `gpu`");
 }
 
 #[cfg(feature = "gpu")]
@@ -33,9 +28,9 @@ mod on_gpu {
     use kvdb_kernels::ops::{self, GateActivation, Norm, QkvShape, RopePairs, Rotary, StoreRows};
     use kvdb_kernels::{Float, Gemm, Gpu, KernelError, KvCache};
     use rand::rngs::StdRng;
-    use rand::{Rng, SeedableRng};
+    use rand::Rng;
 
-    use super::skip;
+    use super::common::start;
 
     /// f32 arithmetic against the f64 reference: each output is a handful of f32 roundings
     /// (unit roundoff 6e-8) away, `__expf` a few ulp; measured errors are near 1e-7.
@@ -54,22 +49,6 @@ mod on_gpu {
     /// Matrix products of bf16/f16 inputs against the reference of the rounded inputs: the
     /// products are exact in f32 and accumulate in f32 (tensor cores), as for f32 above.
     const GEMM_HALF_TOL: f64 = 1e-4;
-
-    /// The device and a random generator with a fresh seed (printed, so that a failure can
-    /// be replayed), or `None` after saying why the test skips.
-    fn start(test: &str) -> Option<(Gpu, StdRng)> {
-        match Gpu::new(0) {
-            Ok(gpu) => {
-                let seed: u64 = rand::rng().random();
-                println!("{test}: seed {seed}");
-                Some((gpu, StdRng::seed_from_u64(seed)))
-            }
-            Err(e) => {
-                skip(test, &e.to_string());
-                None
-            }
-        }
-    }
 
     /// The worst error of each kernel and type in a test, printed at its end, and the
     /// comparisons over their tolerance (all of them reported, then the test fails).

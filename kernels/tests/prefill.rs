@@ -25,6 +25,8 @@ fn say(line: &str) {
     let _ = writeln!(std::io::stderr().lock(), "{line}");
 }
 
+mod common;
+
 #[cfg(not(feature = "gpu"))]
 #[test]
 fn prefill_tests() {
@@ -33,30 +35,15 @@ fn prefill_tests() {
 
 #[cfg(feature = "gpu")]
 mod on_gpu {
+    use super::common::start;
     use anyhow::{ensure, Context, Result};
     use half::{bf16, f16};
     use kvdb_kernels::cudarc::driver::CudaSlice;
     use kvdb_kernels::{prefill_attention, Causal, Float, Gpu, KernelError, KvCache};
     use rand::rngs::StdRng;
-    use rand::{Rng, SeedableRng};
+    use rand::Rng;
 
     use super::say;
-
-    /// The device and a random generator with a fresh seed (printed, so that a failure can
-    /// be replayed), or `None` after saying why the test skips.
-    fn start(test: &str) -> Option<(Gpu, StdRng)> {
-        match Gpu::new(0) {
-            Ok(gpu) => {
-                let seed: u64 = rand::rng().random();
-                say(&format!("{test}: seed {seed}"));
-                Some((gpu, StdRng::seed_from_u64(seed)))
-            }
-            Err(e) => {
-                say(&format!("SKIPPED {test}: {e}"));
-                None
-            }
-        }
-    }
 
     /// Relative L2 error allowed for input type `A` (see the file's doc).
     fn tolerance<A: Float>() -> f64 {
