@@ -2,8 +2,8 @@
 # Builds everything the GPU machine runs, with feature `gpu`, into .gpu-bundle/ (ignored by
 # git) as one xz archive small enough for the device tool to carry (`carry:
 # [".gpu-bundle"]`, 64 MiB a call): the `kvdb` binary, the GPU test binaries (kernels' gpu,
-# ops and prefill tests, the model's gpu_model test), the kernels' benches, the random-model
-# writer, and the shared libraries `kvdb` links that the GPU machine's image lacks (OpenBLAS
+# ops and prefill tests, the model's gpu_model test, the GPU ingest test), the kernels'
+# benches, the store's commit bench, the random-model writer, and the shared libraries `kvdb` links that the GPU machine's image lacks (OpenBLAS
 # and its Fortran runtime). libcuda, NVRTC and cuBLASLt are loaded there at run time.
 #
 # On the GPU machine: `tar -xJf .gpu-bundle/bundle.tar.xz -C /tmp/kvdb` then
@@ -16,11 +16,15 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib"
 features=kvdb-cli/gpu,kvdb-tests/gpu,kvdb-kernels/gpu
 
-# Test executables of one test target, by name, from cargo's JSON messages.
-test_binary() {
-    local package=$1 target=$2
-    cargo test --release --workspace --features "$features" --no-run --message-format=json \
-        -p "$package" --test "$target" |
+# The executable of one test or bench target (`test`/`bench`), by name, from cargo's JSON
+# messages.
+target_binary() {
+    local kind=$1 package=$2 target=$3
+    # `cargo bench` builds with the bench profile (release) and takes no `--release`.
+    local release=--release
+    [ "$kind" = bench ] && release=
+    cargo "$kind" $release --workspace --features "$features" --no-run --message-format=json \
+        -p "$package" "--$kind" "$target" |
         python3 -c 'import json, sys
 name = sys.argv[1]
 for line in sys.stdin:
@@ -34,8 +38,9 @@ target=${CARGO_TARGET_DIR:-target}
 cp "$target/release/kvdb" "$target/release/random_model" "$target/release/gpu_model_bench" "$stage/bin/"
 cp "$target/release/examples/gpu_bench" "$target/release/examples/prefill_bench" "$stage/bin/"
 for t in kvdb-kernels:gpu kvdb-kernels:ops kvdb-kernels:prefill kvdb-tests:gpu_model kvdb-cli:gpu_ingest; do
-    cp "$(test_binary "${t%%:*}" "${t##*:}")" "$stage/bin/test-${t##*:}"
+    cp "$(target_binary test "${t%%:*}" "${t##*:}")" "$stage/bin/test-${t##*:}"
 done
+cp "$(target_binary bench kvdb-benches store)" "$stage/bin/bench-store"
 strip "$stage"/bin/*
 
 # The libraries `kvdb` links beyond glibc, libstdc++ and libgcc (which every image has).
@@ -45,7 +50,7 @@ for lib in $(ldd "$stage/bin/kvdb" | awk '/=>/ {print $3}'); do
     *) cp -L "$lib" "$stage/lib/" ;;
     esac
 done
-cp scripts/bench_model_torch.py scripts/bench_prefill_sdpa.py scripts/bench_sdpa.py scripts/gpu-model-bench.sh "$stage/"
+cp scripts/bench_model_torch.py scripts/bench_prefill_sdpa.py scripts/bench_sdpa.py scripts/gpu-model-bench.sh scripts/gpu-ingest-bench.sh "$stage/"
 
 rm -rf "$out"
 mkdir -p "$out"

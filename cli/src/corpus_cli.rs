@@ -215,14 +215,14 @@ fn ingest_into(
     )?;
     eprintln!(
         "kvdb: corpus `{}`: added {} documents ({} tokens in {:.1}s, {:.0} tokens/s on {}, {:.0}% \
-         of it in the model, the rest in the store), skipped {}; it now holds {} tokens",
+         of it waiting for the store), skipped {}; it now holds {} tokens",
         args.target.corpus,
         report.added.len(),
         report.tokens,
         report.seconds,
         report.tokens as f64 / report.seconds.max(1e-9),
         args.device,
-        100.0 * report.model_seconds / report.seconds.max(1e-9),
+        100.0 * report.store_seconds / report.seconds.max(1e-9),
         report.skipped.len(),
         report.corpus_tokens
     );

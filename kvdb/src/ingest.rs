@@ -4,14 +4,17 @@
 //! Every chunk attends to the *stored* keys and values (rounded to f16 exactly as the store
 //! keeps them), and chunk boundaries are fixed relative to each document's first token, so
 //! an ingest resumed after a crash, or one appended later, computes bit for bit what one
-//! uninterrupted run does. Each chunk is one atomic batch: its key/value blocks, its tokens
-//! and the manifest (the commit point) with the interrupted document's progress, so a crash
-//! loses at most the chunk in flight.
+//! uninterrupted run does. Chunks are committed in batches (one chunk each on the CPU; a few
+//! on a GPU, by a committer thread while the model prefills the next ones): their key/value
+//! blocks, their tokens and the manifest (the commit point) with the interrupted document's
+//! progress, so a crash loses at most the chunks not yet committed.
 
 use std::collections::HashMap;
 use std::ops::ControlFlow;
+use std::sync::mpsc;
 use std::time::Instant;
 
+use half::f16;
 use kvdb_model::{
     EncodeOptions, Forward, LayerKind, Logits, Model, ModelConfig, SequenceOptions, Tokenizer,
 };
@@ -19,7 +22,7 @@ use kvdb_model::{
 use crate::documents::SourceDocument;
 use crate::error::{Error, Result};
 use crate::store::{
-    validate_corpus_name, BlockKey, CorpusManifest, DocumentRecord, Kv, ModelRecord,
+    validate_corpus_name, Batch, BlockKey, CorpusManifest, DocumentRecord, Kv, ModelRecord,
     PendingDocument, PrefillRecord, Store, StoredLayer, DEFAULT_BLOCK_SIZE,
 };
 
@@ -84,9 +87,10 @@ pub struct IngestReport {
     pub tokens: usize,
     /// Seconds spent prefilling and committing.
     pub seconds: f64,
-    /// Of those, seconds in the model: prefill and the copy of its keys and values to the
-    /// host (the rest is the store: blocks, batches, commits).
-    pub model_seconds: f64,
+    /// Of those, seconds the ingest waited for the store: commits that the model's work did
+    /// not hide (all of them on the CPU, where each chunk is committed before the next) and
+    /// the deletions and flush that end an ingest.
+    pub store_seconds: f64,
     /// Tokens in the corpus afterwards.
     pub corpus_tokens: usize,
 }
@@ -196,7 +200,8 @@ pub fn ingest(
 /// [`ingest`] that the caller can stop: every event but `Skipped` comes at a commit point
 /// (before any write, before a document, after a chunk's commit), and `on_event` returning
 /// `Break` there stops the ingest with [`Error::Cancelled`], keeping what was committed (an
-/// interrupted document resumes when the same documents are ingested again).
+/// interrupted document resumes when the same documents are ingested again). On a GPU the
+/// chunks already prefilled when it stops are committed too.
 pub fn ingest_until(
     store: &Store,
     name: &str,
@@ -318,77 +323,160 @@ pub fn ingest_until(
 
     let started = Instant::now();
     let chunk_size = manifest.prefill.chunk.max(1);
-    let mut writer = Writer::open(store, &mut manifest, model)?;
-    for (index, (doc, first, tokens)) in planned.iter().enumerate() {
-        let (doc, first) = (*doc, *first);
-        let resumed_at = match &writer.manifest.pending {
-            Some(p) if p.sha256 == doc.sha256 => {
-                let stored = store.tokens(writer.manifest, first..writer.manifest.tokens)?;
-                if p.total != tokens.len() || !tokens.starts_with(&stored) {
-                    return Err(Error::Corrupt(format!(
-                        "the interrupted document `{}` no longer tokenizes as it did",
-                        doc.title
-                    )));
+    let mut prefiller = Prefiller::open(store, &manifest, model)?;
+    // On a device that runs ahead (a GPU), the store commits on a thread of its own while the
+    // model prefills the next chunks, a few chunks a commit; on the CPU, whose chunks take
+    // far longer than their commit, every chunk is committed before the next starts, so an
+    // ingest stopped at a commit stops right there.
+    let pipelined = prefiller.sequence.runs_ahead();
+    let commit_every = if pipelined {
+        PIPELINED_COMMIT_CHUNKS
+    } else {
+        1
+    };
+    let committed = std::thread::scope(|scope| -> Result<CorpusManifest> {
+        let (jobs, queue) = mpsc::sync_channel::<Job>(1);
+        let (acks, acked) = mpsc::channel::<Vec<ChunkDone>>();
+        let committer = scope.spawn({
+            let manifest = manifest.clone();
+            move || Committer::open(store, manifest)?.run(queue, acks, commit_every)
+        });
+        // The committer's error when it stopped (its channels close with it).
+        let failed =
+            |committer: std::thread::ScopedJoinHandle<'_, Result<CorpusManifest>>| match committer
+                .join()
+            {
+                Ok(Err(e)) => e,
+                Ok(Ok(_)) => Error::Corrupt("the store's committer stopped early".into()),
+                Err(panic) => std::panic::resume_unwind(panic),
+            };
+        let mut waited = 0.0;
+        let titles: Vec<&str> = planned.iter().map(|(d, _, _)| d.title.as_str()).collect();
+        let mut outcome = Ok(());
+        'documents: for (index, (doc, first, tokens)) in planned.iter().enumerate() {
+            let resumed_at = match &manifest.pending {
+                Some(p) if p.sha256 == doc.sha256 => {
+                    let stored = store.tokens(&manifest, *first..manifest.tokens)?;
+                    if p.total != tokens.len() || !tokens.starts_with(&stored) {
+                        outcome = Err(Error::Corrupt(format!(
+                            "the interrupted document `{}` no longer tokenizes as it did",
+                            doc.title
+                        )));
+                        break;
+                    }
+                    stored.len()
                 }
-                stored.len()
-            }
-            _ => 0,
-        };
-        if on_event(IngestEvent::Started {
-            title: &doc.title,
-            tokens: tokens.len(),
-            resumed_at,
-        })
-        .is_break()
-        {
-            return Err(stop(writer.manifest));
-        }
-        let mut done = resumed_at;
-        while done < tokens.len() {
-            let chunk = &tokens[done..(done + chunk_size).min(tokens.len())];
-            let complete = done + chunk.len() == tokens.len();
-            // The chunk after this one (the next document's first when this one ends), which
-            // the model computes while this one is committed. Only the first planned document
-            // can resume in the middle, so the others start at their first token.
-            let next = if complete {
-                planned
-                    .get(index + 1)
-                    .map(|(_, _, t)| &t[..chunk_size.min(t.len())])
-            } else {
-                let from = done + chunk.len();
-                Some(&tokens[from..(from + chunk_size).min(tokens.len())])
+                _ => 0,
             };
-            let record = DocumentRecord {
-                number: writer.manifest.documents,
-                sha256: doc.sha256.clone(),
-                title: doc.title.clone(),
-                source: doc.path.display().to_string(),
-                tokens: first..first + tokens.len(),
-                bytes: doc.bytes,
-            };
-            writer.append(chunk, &record, complete, next)?;
-            done += chunk.len();
-            report.tokens += chunk.len();
-            if on_event(IngestEvent::Committed {
+            if on_event(IngestEvent::Started {
                 title: &doc.title,
-                done,
-                total: tokens.len(),
-                corpus_tokens: writer.manifest.tokens,
-                chunk: chunk.len(),
+                tokens: tokens.len(),
+                resumed_at,
             })
             .is_break()
             {
-                return Err(stop(writer.manifest));
+                outcome = Err(Error::Cancelled {
+                    corpus: String::new(),
+                    tokens: 0,
+                });
+                break;
             }
+            let mut done = resumed_at;
+            while done < tokens.len() {
+                let chunk = &tokens[done..(done + chunk_size).min(tokens.len())];
+                let complete = done + chunk.len() == tokens.len();
+                // The chunk after this one (the next document's first when this one ends),
+                // which the model computes while this one is committed. Only the first
+                // planned document can resume in the middle, so the others start at their
+                // first token.
+                let next = if complete {
+                    planned
+                        .get(index + 1)
+                        .map(|(_, _, t)| &t[..chunk_size.min(t.len())])
+                } else {
+                    let from = done + chunk.len();
+                    Some(&tokens[from..(from + chunk_size).min(tokens.len())])
+                };
+                let rows = match prefiller.prefill(chunk, next) {
+                    Ok(rows) => rows,
+                    Err(e) => {
+                        outcome = Err(e);
+                        break 'documents;
+                    }
+                };
+                done += chunk.len();
+                report.tokens += chunk.len();
+                let job = Job {
+                    document: index,
+                    record: DocumentRecord {
+                        number: 0, // numbered by the committer
+                        sha256: doc.sha256.clone(),
+                        title: doc.title.clone(),
+                        source: doc.path.display().to_string(),
+                        tokens: *first..first + tokens.len(),
+                        bytes: doc.bytes,
+                    },
+                    tokens: chunk.to_vec(),
+                    done,
+                    rows,
+                };
+                let wait = Instant::now();
+                if jobs.send(job).is_err() {
+                    return Err(failed(committer));
+                }
+                let acked = if pipelined {
+                    acked.try_iter().flatten().collect()
+                } else {
+                    match acked.recv() {
+                        Ok(acked) => acked,
+                        Err(_) => return Err(failed(committer)),
+                    }
+                };
+                waited += wait.elapsed().as_secs_f64();
+                if !announce(on_event, &titles, acked) {
+                    outcome = Err(Error::Cancelled {
+                        corpus: String::new(),
+                        tokens: 0,
+                    });
+                    break 'documents;
+                }
+            }
+            report.added.push(doc.title.clone());
         }
-        report.added.push(doc.title.clone());
-    }
-    // Every chunk is durable in the write-ahead log already; writing the memtables out lets
-    // RocksDB delete that log, so a store at rest keeps none to replay or to grow.
+        // The committer commits what it holds once the queue closes; a finished ingest waits
+        // for that and tells of it.
+        let wait = Instant::now();
+        drop(jobs);
+        let rest: Vec<ChunkDone> = acked.iter().flatten().collect();
+        let committed = committer
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+        waited += wait.elapsed().as_secs_f64();
+        report.store_seconds = waited;
+        if outcome.is_ok() && !announce(on_event, &titles, rest) {
+            outcome = Err(Error::Cancelled {
+                corpus: String::new(),
+                tokens: 0,
+            });
+        }
+        match outcome {
+            Ok(()) => Ok(committed),
+            // Stopped: what was committed by the time the committer finished counts.
+            Err(Error::Cancelled { .. }) => Err(Error::Cancelled {
+                corpus: committed.name.clone(),
+                tokens: committed.tokens,
+            }),
+            Err(e) => Err(e),
+        }
+    })?;
+    let garbage = Instant::now();
+    collect_garbage(store, &committed)?;
+    // Every chunk is durable already; writing the memtables out lets RocksDB delete the
+    // write-ahead log, so a store at rest keeps none to replay or to grow.
     store.flush()?;
+    report.store_seconds += garbage.elapsed().as_secs_f64();
     report.seconds = started.elapsed().as_secs_f64();
-    report.model_seconds = writer.model_seconds;
-    report.corpus_tokens = writer.manifest.tokens;
+    report.corpus_tokens = committed.tokens;
     Ok(report)
 }
 
@@ -404,77 +492,73 @@ fn document_tokens(tokenizer: &Tokenizer, text: &str, first: bool) -> Result<Vec
     Ok(tokenizer.encode(&body, options)?)
 }
 
-/// The rows of the last, incomplete block of each layer/KV head (pre-RoPE keys, values) and of
-/// the tokens, so that a commit can rewrite that block whole.
-struct Writer<'s, 'm> {
-    store: &'s Store,
-    manifest: &'m mut CorpusManifest,
-    /// The model with the corpus's keys and values so far, on its device; keys and values
-    /// are rounded to f16 as the store keeps them.
+/// Chunks a pipelined ingest commits together (a GPU's: 8 × 4,096 tokens, a quarter of a
+/// second of Gemma 3 270M's prefill on an H100). Fewer, larger commits write a sliding
+/// window's blocks once per commit instead of once per chunk (Gemma 3's 15 sliding layers
+/// write as much per chunk as its 3 global ones) and sync less often; a crash loses at most
+/// these chunks, which a rerun prefills again.
+const PIPELINED_COMMIT_CHUNKS: usize = 8;
+
+/// Pending key and value bytes past which a pipelined ingest commits even before
+/// [`PIPELINED_COMMIT_CHUNKS`] (a big model's chunk alone is hundreds of megabytes).
+const COMMIT_BYTES: usize = 256 << 20;
+
+/// Says `done`'s chunks are committed, in order; false when the caller stops the ingest.
+fn announce(
+    on_event: &mut dyn FnMut(IngestEvent<'_>) -> ControlFlow<()>,
+    titles: &[&str],
+    done: Vec<ChunkDone>,
+) -> bool {
+    done.into_iter().all(|c| {
+        on_event(IngestEvent::Committed {
+            title: titles[c.document],
+            done: c.done,
+            total: c.total,
+            corpus_tokens: c.corpus_tokens,
+            chunk: c.tokens,
+        })
+        .is_continue()
+    })
+}
+
+/// The model side of an ingest: the model with the corpus's keys and values so far, on its
+/// device (rounded to f16 as the store keeps them), which prefills chunk after chunk and hands
+/// over the rows each layer stores.
+struct Prefiller<'s> {
     sequence: Box<dyn Forward + 's>,
-    /// `[layer][head]` (keys, values) rows of the open block.
-    open: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
-    open_tokens: Vec<u32>,
-    /// Seconds in the model so far (prefill and the copy of its keys and values).
-    model_seconds: f64,
-    /// The chunk the model was started on ahead of its append, if any.
+    /// The corpus's layer policy and block size (its token counts are not kept up to date).
+    layout: CorpusManifest,
+    /// Tokens in the model's state once the chunks handed over so far are in.
+    position: usize,
+    /// The chunk the model was started on ahead of its turn, if any.
     started: Option<Vec<u32>>,
 }
 
-impl<'s, 'm> Writer<'s, 'm> {
-    /// Loads the stored state the next chunk continues: every layer's stored keys and values
-    /// into the model's sequence state, and the open block.
-    fn open(
-        store: &'s Store,
-        manifest: &'m mut CorpusManifest,
-        model: ModelRef<'s>,
-    ) -> Result<Writer<'s, 'm>> {
-        let config = model.model.config();
-        let (n, b, heads) = (manifest.tokens, manifest.block_size, config.n_kv_heads);
+impl<'s> Prefiller<'s> {
+    /// Loads every layer's stored keys and values into a fresh sequence state.
+    fn open(store: &Store, manifest: &CorpusManifest, model: ModelRef<'s>) -> Result<Self> {
         let mut sequence = model.sequence(&SequenceOptions { store_kv: true })?;
-        let block_start = n - n % b;
-        let mut open = Vec::with_capacity(config.n_layers());
-        for spec in &config.layers {
-            let range = manifest.stored_range(spec.index, n);
-            // The last block is always stored whole, even where a window keeps less.
-            let layer_open = (0..heads)
-                .map(|head| {
-                    Ok((
-                        store.rows(manifest, Kv::Keys, spec.index, head, block_start..n)?,
-                        store.rows(manifest, Kv::Values, spec.index, head, block_start..n)?,
-                    ))
-                })
-                .collect::<Result<Vec<_>>>()?;
+        for layer in 0..manifest.layers.len() {
+            let range = manifest.stored_range(layer, manifest.tokens);
             if !range.is_empty() {
-                let (keys, values) = store.layer_kv(manifest, spec.index, range.clone())?;
-                sequence.preload(spec.index, &keys, &values, range)?;
+                let (keys, values) = store.layer_kv(manifest, layer, range.clone())?;
+                sequence.preload(layer, &keys, &values, range)?;
             }
-            open.push(layer_open);
         }
-        let open_tokens = store.tokens(manifest, block_start..n)?;
-        Ok(Writer {
-            store,
-            manifest,
+        Ok(Self {
             sequence,
-            open,
-            open_tokens,
-            model_seconds: 0.0,
+            layout: manifest.clone(),
+            position: manifest.tokens,
             started: None,
         })
     }
 
-    /// Prefills `chunk` at the end of the corpus (unless the previous call started it) and
-    /// commits it, with the document's record when `complete`. Starts `next` on the model
-    /// before committing, so that a GPU computes it while the store writes this one.
-    fn append(
-        &mut self,
-        chunk: &[u32],
-        record: &DocumentRecord,
-        complete: bool,
-        next: Option<&[u32]>,
-    ) -> Result<()> {
-        let start = self.manifest.tokens;
-        let model_started = Instant::now();
+    /// Prefills `chunk` at the end of the corpus (unless the previous call started it),
+    /// starts `next` where the model runs ahead, and returns each layer's rows to store:
+    /// `(first chunk row, keys, values)`, from the first row of the first block the layer
+    /// keeps (a sliding window's earlier rows never leave the device).
+    fn prefill(&mut self, chunk: &[u32], next: Option<&[u32]>) -> Result<Vec<LayerRows>> {
+        let start = self.position;
         match self.started.take() {
             Some(started) if started == chunk => {}
             Some(_) => {
@@ -492,18 +576,18 @@ impl<'s, 'm> Writer<'s, 'm> {
                 self.sequence.forward(chunk, &Logits::None)?;
             }
         }
-        let (b, end) = (self.manifest.block_size, start + chunk.len());
-        // Rows before the first block the store keeps of a layer (a sliding window's early
-        // rows) are not copied from the model; they count as zeros below and are never written.
-        let captured = (0..self.open.len())
+        let (b, end) = (self.layout.block_size, start + chunk.len());
+        let rows = (0..self.layout.layers.len())
             .map(|layer| {
-                let keep = self.manifest.stored_range(layer, end).start / b * b;
+                let keep = self.layout.stored_range(layer, end).start / b * b;
                 let from = keep.saturating_sub(start).min(chunk.len());
-                let rows = self.sequence.take_stored(layer, from..chunk.len())?;
-                let (keys, values) = rows.ok_or_else(|| {
-                    Error::Corrupt(format!("layer {layer} produced no keys for the chunk"))
-                })?;
-                Ok((from, keys, values))
+                let (keys, values) = self
+                    .sequence
+                    .take_stored(layer, from..chunk.len())?
+                    .ok_or_else(|| {
+                        Error::Corrupt(format!("layer {layer} produced no keys for the chunk"))
+                    })?;
+                Ok(LayerRows { from, keys, values })
             })
             .collect::<Result<Vec<_>>>()?;
         // Only where the model runs ahead: on the CPU this would only delay a stop.
@@ -511,89 +595,249 @@ impl<'s, 'm> Writer<'s, 'm> {
             self.sequence.forward(next, &Logits::None)?;
             self.started = Some(next.to_vec());
         }
-        self.model_seconds += model_started.elapsed().as_secs_f64();
+        self.position = end;
+        Ok(rows)
+    }
+}
+
+/// One layer's rows of a prefilled chunk, `[rows, n_kv_heads, head_dim]` f16 each, starting
+/// at chunk row `from` (the rows before it are not stored).
+struct LayerRows {
+    from: usize,
+    keys: Vec<f16>,
+    values: Vec<f16>,
+}
+
+/// A prefilled chunk on its way to a commit.
+struct Job {
+    /// Its document's index in the plan.
+    document: usize,
+    /// Its document's record (numbered by the committer), written when the chunk ends it.
+    record: DocumentRecord,
+    tokens: Vec<u32>,
+    /// The document's tokens stored once this chunk is.
+    done: usize,
+    /// Per layer.
+    rows: Vec<LayerRows>,
+}
+
+/// A committed chunk, for its [`IngestEvent::Committed`].
+struct ChunkDone {
+    document: usize,
+    done: usize,
+    total: usize,
+    corpus_tokens: usize,
+    tokens: usize,
+}
+
+/// The store side of an ingest: turns prefilled chunks into blocks and commits them. It
+/// keeps the rows of the last, incomplete block of each layer/KV head and of the tokens, so
+/// that a commit can rewrite that block whole.
+struct Committer<'s> {
+    store: &'s Store,
+    /// The corpus as committed.
+    manifest: CorpusManifest,
+    /// The corpus with the pending chunks.
+    next: CorpusManifest,
+    batch: Batch<'s>,
+    /// The pending chunks and their key/value bytes.
+    pending: Vec<ChunkDone>,
+    pending_bytes: usize,
+    /// `[layer][head]` (keys, values) rows of the open block.
+    open: Vec<Vec<(Vec<f16>, Vec<f16>)>>,
+    open_tokens: Vec<u32>,
+    /// Per layer, the block below which the store holds nothing: blocks a sliding window
+    /// no longer sees are deleted up to there (see [`Committer::collect`]).
+    collected: Vec<usize>,
+}
+
+impl<'s> Committer<'s> {
+    /// Reads the open blocks the next chunk continues.
+    fn open(store: &'s Store, manifest: CorpusManifest) -> Result<Self> {
+        let (n, b) = (manifest.tokens, manifest.block_size);
+        let block_start = n - n % b;
+        let open = (0..manifest.layers.len())
+            .map(|layer| {
+                (0..manifest.model.n_kv_heads)
+                    .map(|head| {
+                        // Stored rows are f16, so narrowing them back is exact.
+                        let rows = |kv| -> Result<Vec<f16>> {
+                            let rows = store.rows(&manifest, kv, layer, head, block_start..n)?;
+                            Ok(rows.into_iter().map(f16::from_f32).collect())
+                        };
+                        Ok((rows(Kv::Keys)?, rows(Kv::Values)?))
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            store,
+            open_tokens: store.tokens(&manifest, block_start..n)?,
+            collected: vec![0; open.len()],
+            open,
+            batch: store.batch(),
+            pending: Vec::new(),
+            pending_bytes: 0,
+            next: manifest.clone(),
+            manifest,
+        })
+    }
+
+    /// Commits the queue's chunks, `commit_every` at a time (sooner past [`COMMIT_BYTES`]),
+    /// acknowledging each commit, until the queue closes; then commits what is pending and
+    /// returns the corpus as committed.
+    fn run(
+        mut self,
+        queue: mpsc::Receiver<Job>,
+        acks: mpsc::Sender<Vec<ChunkDone>>,
+        commit_every: usize,
+    ) -> Result<CorpusManifest> {
+        for job in queue {
+            self.add(job)?;
+            if self.pending.len() >= commit_every || self.pending_bytes >= COMMIT_BYTES {
+                let done = self.commit()?;
+                // A closed channel means the ingest stops; the commit stands.
+                let _ = acks.send(done);
+            }
+        }
+        if !self.pending.is_empty() {
+            let done = self.commit()?;
+            let _ = acks.send(done);
+        }
+        Ok(self.manifest)
+    }
+
+    /// Adds a chunk's blocks, tokens and records to the pending batch.
+    fn add(&mut self, job: Job) -> Result<()> {
         if self.manifest.id == 0 {
             // The corpus's first commit creates it.
+            let m = &self.manifest;
             let created = self.store.create_corpus(
-                &self.manifest.name,
-                self.manifest.model.clone(),
-                self.manifest.layers.clone(),
-                self.manifest.block_size,
-                self.manifest.prefill.clone(),
+                &m.name,
+                m.model.clone(),
+                m.layers.clone(),
+                m.block_size,
+                m.prefill.clone(),
             )?;
             self.manifest.id = created.id;
+            self.next.id = created.id;
         }
-        let id = self.manifest.id;
-        let d = self.manifest.model.head_dim;
-        let mut batch = self.store.batch();
+        let (id, b, d) = (self.next.id, self.next.block_size, self.next.model.head_dim);
+        let heads = self.next.model.n_kv_heads;
+        let start = self.next.tokens;
+        let end = start + job.tokens.len();
         let first_block = start / b;
-        let heads = self.manifest.model.n_kv_heads;
-        for (layer, (from, keys, values)) in captured.into_iter().enumerate() {
-            let head_rows = |rows: &[f32], head: usize| -> Vec<f32> {
-                let mut out = vec![0f32; from * d];
-                out.extend(
-                    rows.chunks_exact(heads * d)
-                        .flat_map(|token| &token[head * d..(head + 1) * d]),
-                );
-                out
-            };
+        for (layer, rows) in job.rows.into_iter().enumerate() {
+            let stored = self.next.stored_range(layer, end);
             for (head, (open_k, open_v)) in self.open[layer].iter_mut().enumerate() {
-                let k = head_rows(&keys, head);
-                let v = head_rows(&values, head);
-                let stored = self.manifest.stored_range(layer, end);
+                let split = |all: &[f16]| -> Vec<f16> {
+                    let mut out = vec![f16::ZERO; rows.from * d];
+                    out.extend(
+                        all.chunks_exact(heads * d)
+                            .flat_map(|token| &token[head * d..(head + 1) * d]),
+                    );
+                    out
+                };
                 let key = |block: usize| BlockKey {
                     corpus: id,
                     layer: layer as u16,
                     head: head as u16,
                     block: block as u32,
                 };
-                flush_blocks(open_k, &k, d, first_block, b, |block, rows| {
-                    if (block + 1) * b > stored.start {
-                        batch.put_block(Kv::Keys, key(block), rows)?;
-                    }
-                    Ok(())
-                })?;
-                flush_blocks(open_v, &v, d, first_block, b, |block, rows| {
-                    if (block + 1) * b > stored.start {
-                        batch.put_block(Kv::Values, key(block), rows)?;
-                    }
-                    Ok(())
-                })?;
-                // Blocks a sliding window no longer sees.
-                let was = self.manifest.stored_range(layer, start).start / b;
-                let now = stored.start / b;
-                if now > was {
-                    batch.delete_blocks(id, layer, head, was..now)?;
+                for (kv, open, new) in [
+                    (Kv::Keys, &mut *open_k, split(&rows.keys)),
+                    (Kv::Values, &mut *open_v, split(&rows.values)),
+                ] {
+                    flush_blocks(open, &new, d, first_block, b, |block, rows| {
+                        if (block + 1) * b > stored.start {
+                            self.pending_bytes += rows.len() * 2;
+                            self.batch.put_block(kv, key(block), rows)?;
+                        }
+                        Ok(())
+                    })?;
                 }
+                // Blocks of this batch that the window has left since they were put.
+                self.batch
+                    .forget_blocks(id, layer, head, 0..stored.start / b);
             }
         }
         flush_blocks(
             &mut self.open_tokens,
-            chunk,
+            &job.tokens,
             1,
             first_block,
             b,
-            |block, ids| batch.put_tokens(id, block, ids),
+            |block, ids| self.batch.put_tokens(id, block, ids),
         )?;
-        let mut next = self.manifest.clone();
-        next.tokens = end;
-        if complete {
-            batch.put_document(id, record)?;
-            next.documents += 1;
-            next.pending = None;
+        self.next.tokens = end;
+        let total = job.record.tokens.len();
+        if job.done == total {
+            let record = DocumentRecord {
+                number: self.next.documents,
+                ..job.record
+            };
+            self.batch.put_document(id, &record)?;
+            self.next.documents += 1;
+            self.next.pending = None;
         } else {
-            next.pending = Some(PendingDocument {
-                sha256: record.sha256.clone(),
-                title: record.title.clone(),
-                start: record.tokens.start,
-                total: record.tokens.len(),
+            self.next.pending = Some(PendingDocument {
+                sha256: job.record.sha256.clone(),
+                title: job.record.title.clone(),
+                start: job.record.tokens.start,
+                total,
             });
         }
-        batch.put_manifest(&next)?;
-        self.store.commit(batch)?;
-        *self.manifest = next;
+        self.pending.push(ChunkDone {
+            document: job.document,
+            done: job.done,
+            total,
+            corpus_tokens: end,
+            tokens: job.tokens.len(),
+        });
         Ok(())
     }
+
+    /// Commits the pending batch with its manifest.
+    fn commit(&mut self) -> Result<Vec<ChunkDone>> {
+        let mut batch = std::mem::replace(&mut self.batch, self.store.batch());
+        collect(&mut batch, &self.manifest, &mut self.collected)?;
+        batch.put_manifest(&self.next)?;
+        self.store.commit(batch)?;
+        self.manifest = self.next.clone();
+        self.pending_bytes = 0;
+        Ok(std::mem::take(&mut self.pending))
+    }
+}
+
+/// Adds to `batch` the deletion of the blocks that the committed `manifest` no longer reads
+/// (a sliding window's old ones) and `collected` does not cover yet. Not those the manifest
+/// of `batch` stops reading: block deletions apply before a batch commits
+/// ([`Batch::delete_blocks`]), and a crash in between must leave the committed state
+/// readable. So they go one commit late, and the first commit of every ingest (whose
+/// `collected` starts at 0) also deletes what an interrupted one left.
+fn collect(
+    batch: &mut Batch<'_>,
+    manifest: &CorpusManifest,
+    collected: &mut [usize],
+) -> Result<()> {
+    let b = manifest.block_size;
+    for (layer, collected) in collected.iter_mut().enumerate() {
+        let unread = manifest.stored_range(layer, manifest.tokens).start / b;
+        if unread > *collected {
+            for head in 0..manifest.model.n_kv_heads {
+                batch.delete_blocks(manifest.id, layer, head, *collected..unread)?;
+            }
+            *collected = unread;
+        }
+    }
+    Ok(())
+}
+
+/// Deletes every block the committed corpus no longer reads, once its last chunk is in.
+fn collect_garbage(store: &Store, manifest: &CorpusManifest) -> Result<()> {
+    let mut batch = store.batch();
+    collect(&mut batch, manifest, &mut vec![0; manifest.layers.len()])?;
+    store.commit(batch)
 }
 
 /// Appends `new` rows (`width` items each) to the open block `open`, which starts at block

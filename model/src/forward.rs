@@ -6,6 +6,7 @@
 use std::ops::Range;
 
 use candle_core::{DType, Tensor};
+use half::f16;
 
 use crate::backend::{AttentionBackend, AttentionInput, FullAttention};
 use crate::config::ModelConfig;
@@ -60,15 +61,16 @@ pub trait Forward {
 
     /// The pre-RoPE keys and values the last [`Forward::forward`] call produced for `layer`
     /// at its token indices `rows` (a sliding-window layer's store needs only its last ones),
-    /// rounded to f16 as the store keeps them (`[rows, n_kv_heads, head_dim]` each, as f32),
-    /// taken out of the state. `None` unless the state was made with
+    /// in f16 as the store keeps them (`[rows, n_kv_heads, head_dim]` each), taken out of the
+    /// state. `None` unless the state was made with
     /// [`SequenceOptions::store_kv`].
-    fn take_stored(
-        &mut self,
-        layer: usize,
-        rows: Range<usize>,
-    ) -> Result<Option<(Vec<f32>, Vec<f32>)>>;
+    fn take_stored(&mut self, layer: usize, rows: Range<usize>) -> Result<Option<StoredKv>>;
 }
+
+/// One layer's keys and values for the store, as [`Forward::take_stored`] hands them over:
+/// f16, `[rows, n_kv_heads, head_dim]` each (the precision the store keeps, so that nothing
+/// is widened to f32 on the way from the device to the disk).
+pub type StoredKv = (Vec<f16>, Vec<f16>);
 
 /// Tokens per CPU forward call in prefill: bounds the memory of attention scores.
 pub const CPU_PREFILL_CHUNK: usize = 512;
@@ -204,11 +206,7 @@ impl Forward for CpuSequence<'_> {
             .preload(spec, rope, &keys, &values, positions)
     }
 
-    fn take_stored(
-        &mut self,
-        layer: usize,
-        rows: Range<usize>,
-    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+    fn take_stored(&mut self, layer: usize, rows: Range<usize>) -> Result<Option<StoredKv>> {
         let taken = self
             .stored
             .as_mut()
@@ -225,10 +223,12 @@ impl Forward for CpuSequence<'_> {
                 tokens,
             });
         }
+        // The rows were rounded to f16 before attention, so this conversion is exact.
         let flat = |t: Tensor| {
             t.narrow(0, rows.start, rows.len())?
                 .flatten_all()?
-                .to_vec1::<f32>()
+                .to_dtype(DType::F16)?
+                .to_vec1::<f16>()
         };
         Ok(Some((flat(keys)?, flat(values)?)))
     }
@@ -286,7 +286,7 @@ impl Forward for BackendSequence<'_> {
         })
     }
 
-    fn take_stored(&mut self, _: usize, _: Range<usize>) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+    fn take_stored(&mut self, _: usize, _: Range<usize>) -> Result<Option<StoredKv>> {
         Ok(None)
     }
 }

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 
 use crate::config::{Activation, LayerKind, ModelConfig, RopeStyle};
 use crate::error::{ModelError, Result};
-use crate::forward::{check_call, Forward, SequenceOptions};
+use crate::forward::{check_call, Forward, SequenceOptions, StoredKv};
 use crate::model::{Linear, Logits, Model, RmsNorm};
 
 /// Rows one launch sequence processes at most: longer calls run in chunks of this many
@@ -945,11 +945,7 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
         Ok(())
     }
 
-    fn take_stored(
-        &mut self,
-        layer: usize,
-        rows: Range<usize>,
-    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+    fn take_stored(&mut self, layer: usize, rows: Range<usize>) -> Result<Option<StoredKv>> {
         let gpu = &*self.model.gpu;
         let c = &self.model.config;
         let Some(chunk) = self.stored.as_mut().and_then(|s| s.get_mut(layer)) else {
@@ -982,7 +978,6 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
             .memcpy_dtoh(&chunk.values.slice(from..from + n), &mut values)
             .map_err(copy)?;
         gpu.synchronize()?;
-        let widen = |v: Vec<f16>| v.par_iter().map(|x| x.to_f32()).collect();
-        Ok(Some((widen(keys), widen(values))))
+        Ok(Some((keys, values)))
     }
 }

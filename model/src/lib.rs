@@ -43,7 +43,9 @@ pub use config::{
     Activation, Architecture, LayerKind, LayerSpec, ModelConfig, RopeConfig, RopeScaling, RopeStyle,
 };
 pub use error::{ModelError, Result};
-pub use forward::{BackendSequence, CpuSequence, Forward, SequenceOptions, CPU_PREFILL_CHUNK};
+pub use forward::{
+    BackendSequence, CpuSequence, Forward, SequenceOptions, StoredKv, CPU_PREFILL_CHUNK,
+};
 pub use gguf::GgufFile;
 #[cfg(feature = "gpu")]
 pub use gpu::{GpuModel, Precision, MAX_CHUNK as GPU_MAX_CHUNK};

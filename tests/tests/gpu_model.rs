@@ -189,10 +189,12 @@ mod on_gpu {
             let config = model.config();
             for layer in 0..config.n_layers() {
                 let all = 0..first.len();
+                let widen = |v: Vec<half::f16>| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
                 let (ck, cv) = cpu
                     .take_stored(layer, all.clone())?
                     .expect("the CPU keeps them");
                 let (gk, gv) = ours.take_stored(layer, all)?.expect("the GPU keeps them");
+                let (ck, cv, gk, gv) = (widen(ck), widen(cv), widen(gk), widen(gv));
                 for (what, a, b) in [("keys", &gk, &ck), ("values", &gv, &cv)] {
                     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
                     let e = a

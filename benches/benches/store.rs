@@ -1,0 +1,153 @@
+//! The store's commits of an ingest: what a GPU ingest of 122,880 tokens with Gemma 3 270M
+//! writes, 30 commits of a 4,096-token chunk each (block size 64, one KV head of dimension
+//! 256; its 3 global layers store the chunk's 64 blocks of keys and values, its 15
+//! sliding-window layers the 9 blocks their window still sees: 19.4 MiB of f16 a chunk) and
+//! the flush that ends it, into a fresh store. `store_commit` commits with
+//! `kvdb::store::Store::commit` (key and value blocks ingested as SST files, the rest through
+//! the synced write-ahead log); `wal_write_batch` writes the same blocks through the log, one
+//! synced RocksDB write batch per chunk (what the store did before, and RocksDB's ordinary
+//! way). Throughput is of the blocks.
+//!
+//! `cargo bench -p kvdb-benches --bench store` (`KVDB_BENCH_DIR` picks the folder: the disk
+//! under test; the system's temporary folder otherwise).
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
+use half::f16;
+use kvdb::store::{encode_f16, Access, BlockKey, Kv, Store};
+use rand::{Rng, SeedableRng};
+use rocksdb::{ColumnFamilyDescriptor, Options, WriteBatch, WriteOptions, DB};
+
+const BLOCK_ROWS: usize = 64;
+const HEAD_DIM: usize = 256;
+const LAYERS: u16 = 18;
+const GLOBAL: [u16; 3] = [5, 11, 17];
+/// Blocks per chunk of a global layer (4,096 tokens) and of a sliding-window one.
+const CHUNK_BLOCKS: u32 = 64;
+const WINDOW_BLOCKS: u32 = 9;
+/// Commits of one ingest.
+const CHUNKS: u32 = 30;
+
+/// The blocks chunk `chunk` writes, in key order.
+fn chunk_blocks(chunk: u32) -> impl Iterator<Item = BlockKey> {
+    (0..LAYERS).flat_map(move |layer| {
+        let end = (chunk + 1) * CHUNK_BLOCKS;
+        let first = if GLOBAL.contains(&layer) {
+            end - CHUNK_BLOCKS
+        } else {
+            end - WINDOW_BLOCKS
+        };
+        (first..end).map(move |block| BlockKey {
+            corpus: 1,
+            layer,
+            head: 0,
+            block,
+        })
+    })
+}
+
+fn ingest_bytes() -> u64 {
+    let blocks = chunk_blocks(0).count() as u64;
+    u64::from(CHUNKS) * blocks * 2 * (BLOCK_ROWS * HEAD_DIM * 2) as u64
+}
+
+/// Times `iters` ingests, each into a fresh database that `open` makes in a folder of its
+/// own, committing every chunk with `commit` and ending with `flush`.
+fn time_ingests<D>(
+    iters: u64,
+    open: impl Fn(&Path) -> D,
+    commit: impl Fn(&D, u32),
+    flush: impl Fn(&D),
+) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        let dir = bench_dir();
+        let db = open(dir.path());
+        let started = Instant::now();
+        for chunk in 0..CHUNKS {
+            commit(&db, chunk);
+        }
+        flush(&db);
+        total += started.elapsed();
+    }
+    total
+}
+
+fn bench_dir() -> tempfile::TempDir {
+    match std::env::var_os("KVDB_BENCH_DIR") {
+        Some(dir) => tempfile::tempdir_in(dir),
+        None => tempfile::tempdir(),
+    }
+    .expect("a folder for the stores")
+}
+
+fn raw_db(path: &Path) -> DB {
+    let mut options = Options::default();
+    options.create_if_missing(true);
+    options.create_missing_column_families(true);
+    options.set_max_total_wal_size(kvdb::store::MAX_TOTAL_WAL_SIZE);
+    let families = ["meta", "keys", "values"]
+        .map(|name| ColumnFamilyDescriptor::new(name, Options::default()));
+    DB::open_cf_descriptors(&options, path, families).expect("a RocksDB database")
+}
+
+fn commit(c: &mut Criterion) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    // Random rows do not compress, as keys and values do not.
+    let rows: Vec<f16> = (0..BLOCK_ROWS * HEAD_DIM)
+        .map(|_| f16::from_f32(rng.random_range(-4.0..4.0)))
+        .collect();
+    let mut group = c.benchmark_group("ingest_commits");
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .measurement_time(Duration::from_secs(5))
+        .throughput(Throughput::Bytes(ingest_bytes()));
+    group.bench_function("store_commit", |b| {
+        b.iter_custom(|iters| {
+            time_ingests(
+                iters,
+                |dir| Store::open(dir.join("s"), Access::Write).expect("a store"),
+                |store, chunk| {
+                    let mut batch = store.batch();
+                    for key in chunk_blocks(chunk) {
+                        for kv in [Kv::Keys, Kv::Values] {
+                            batch.put_block(kv, key, &rows).expect("a put");
+                        }
+                    }
+                    store.commit(batch).expect("a commit");
+                },
+                |store| store.flush().expect("a flush"),
+            )
+        })
+    });
+    group.bench_function("wal_write_batch", |b| {
+        b.iter_custom(|iters| {
+            time_ingests(
+                iters,
+                raw_db,
+                |db, chunk| {
+                    let (keys, values) = (
+                        db.cf_handle("keys").unwrap(),
+                        db.cf_handle("values").unwrap(),
+                    );
+                    let mut batch = WriteBatch::default();
+                    for key in chunk_blocks(chunk) {
+                        batch.put_cf(&keys, key.bytes(), encode_f16(&rows));
+                        batch.put_cf(&values, key.bytes(), encode_f16(&rows));
+                    }
+                    let mut synced = WriteOptions::default();
+                    synced.set_sync(true);
+                    db.write_opt(batch, &synced).expect("a write");
+                },
+                |db| db.flush().expect("a flush"),
+            )
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, commit);
+criterion_main!(benches);
