@@ -114,7 +114,7 @@ fn commit(c: &mut Criterion) {
                     let mut batch = store.batch();
                     for key in chunk_blocks(chunk) {
                         for kv in [Kv::Keys, Kv::Values] {
-                            batch.put_block(kv, key, &rows).expect("a put");
+                            batch.put_block(kv, key, rows.clone());
                         }
                     }
                     store.commit(batch).expect("a commit");

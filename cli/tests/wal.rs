@@ -399,8 +399,8 @@ fn the_log_stays_bounded_without_a_flush() -> Result<()> {
         let mut batch = store.batch();
         for b in n * BATCH_BLOCKS..(n + 1) * BATCH_BLOCKS {
             batch.put_tokens(1, b as usize, &ids)?;
-            batch.put_block(Kv::Keys, block(b, Kv::Keys), &noise)?;
-            batch.put_block(Kv::Values, block(b, Kv::Values), &rows(b))?;
+            batch.put_block(Kv::Keys, block(b, Kv::Keys), noise.clone());
+            batch.put_block(Kv::Values, block(b, Kv::Values), rows(b));
         }
         store.commit(batch)?;
         let logged = log_bytes(&store_path)?;

@@ -18,6 +18,7 @@ use half::f16;
 use kvdb_model::{
     EncodeOptions, Forward, LayerKind, Logits, Model, ModelConfig, SequenceOptions, Tokenizer,
 };
+use rayon::prelude::*;
 
 use crate::documents::SourceDocument;
 use crate::error::{Error, Result};
@@ -727,38 +728,54 @@ impl<'s> Committer<'s> {
         let start = self.next.tokens;
         let end = start + job.tokens.len();
         let first_block = start / b;
-        for (layer, rows) in job.rows.into_iter().enumerate() {
-            let stored = self.next.stored_range(layer, end);
-            for (head, (open_k, open_v)) in self.open[layer].iter_mut().enumerate() {
-                let split = |all: &[f16]| -> Vec<f16> {
-                    let mut out = vec![f16::ZERO; rows.from * d];
-                    out.extend(
-                        all.chunks_exact(heads * d)
-                            .flat_map(|token| &token[head * d..(head + 1) * d]),
-                    );
-                    out
-                };
-                let key = |block: usize| BlockKey {
-                    corpus: id,
-                    layer: layer as u16,
-                    head: head as u16,
-                    block: block as u32,
-                };
-                for (kv, open, new) in [
-                    (Kv::Keys, &mut *open_k, split(&rows.keys)),
-                    (Kv::Values, &mut *open_v, split(&rows.values)),
-                ] {
-                    flush_blocks(open, &new, d, first_block, b, |block, rows| {
-                        if (block + 1) * b > stored.start {
-                            self.pending_bytes += rows.len() * 2;
-                            self.batch.put_block(kv, key(block), rows)?;
-                        }
-                        Ok(())
-                    })?;
+        // Layers are independent: their blocks are cut on all cores, then put in order.
+        let next = &self.next;
+        let blocks = self
+            .open
+            .par_iter_mut()
+            .zip(job.rows.into_par_iter())
+            .enumerate()
+            .map(|(layer, (open, rows))| {
+                let stored = next.stored_range(layer, end);
+                let mut blocks = Vec::new();
+                for (head, (open_k, open_v)) in open.iter_mut().enumerate() {
+                    let split = |all: &[f16]| -> Vec<f16> {
+                        let mut out = vec![f16::ZERO; rows.from * d];
+                        out.extend(
+                            all.chunks_exact(heads * d)
+                                .flat_map(|token| &token[head * d..(head + 1) * d]),
+                        );
+                        out
+                    };
+                    let key = |block: usize| BlockKey {
+                        corpus: id,
+                        layer: layer as u16,
+                        head: head as u16,
+                        block: block as u32,
+                    };
+                    for (kv, open, new) in [
+                        (Kv::Keys, &mut *open_k, split(&rows.keys)),
+                        (Kv::Values, &mut *open_v, split(&rows.values)),
+                    ] {
+                        flush_blocks(open, &new, d, first_block, b, |block, rows| {
+                            if (block + 1) * b > stored.start {
+                                blocks.push((kv, key(block), rows.to_vec()));
+                            }
+                            Ok(())
+                        })?;
+                    }
                 }
-                // Blocks of this batch that the window has left since they were put.
-                self.batch
-                    .forget_blocks(id, layer, head, 0..stored.start / b);
+                Ok((layer, stored.start / b, blocks))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (layer, unread, blocks) in blocks {
+            for (kv, key, rows) in blocks {
+                self.pending_bytes += rows.len() * 2;
+                self.batch.put_block(kv, key, rows);
+            }
+            // Blocks of this batch that the window has left since they were put.
+            for head in 0..heads {
+                self.batch.forget_blocks(id, layer, head, 0..unread);
             }
         }
         flush_blocks(
