@@ -23,6 +23,7 @@ fn gpu_ingest_tests() {
 #[cfg(feature = "gpu")]
 mod on_gpu {
     use std::ops::ControlFlow;
+    use std::path::Path;
 
     use anyhow::{ensure, Result};
     use kvdb::documents::read_documents;
@@ -31,7 +32,7 @@ mod on_gpu {
     use kvdb::store::{Access, PrefillRecord, Store};
     use kvdb::Error;
 
-    use super::common::{dump, tiny, tiny_on, write_documents};
+    use super::common::{dump, sigkill_and_resume, tiny, tiny_on, write_documents};
     use super::skip;
 
     /// Tokens per chunk of the tests' corpora: small, so that documents span several.
@@ -42,15 +43,10 @@ mod on_gpu {
     /// product's inputs, carried through the layers below. A wiring bug is of order 1.
     const ROW_TOLERANCE: f32 = 0.08;
 
-    /// Ingests the documents into a corpus made with chunks of [`CHUNK`] tokens, stopping
-    /// after `stop_after` commits when given (and then running it again to the end).
-    fn ingest(
-        model: &LoadedModel,
-        device: &str,
-        stop_after: Option<usize>,
-    ) -> Result<tempfile::TempDir> {
-        let dir = tempfile::tempdir()?;
-        let store = Store::open(dir.path().join("s"), Access::Write)?;
+    /// Makes corpus `c` in a new store at `path`, prefilled on `device` in chunks of
+    /// [`CHUNK`] tokens.
+    fn corpus_with_small_chunks(model: &LoadedModel, path: &Path, device: &str) -> Result<Store> {
+        let store = Store::open(path, Access::Write)?;
         let layers = kvdb::ingest::layer_policy(model.model.config());
         store.create_corpus(
             "c",
@@ -62,6 +58,18 @@ mod on_gpu {
                 chunk: CHUNK,
             },
         )?;
+        Ok(store)
+    }
+
+    /// Ingests the documents into a corpus made with chunks of [`CHUNK`] tokens, stopping
+    /// after `stop_after` commits when given (and then running it again to the end).
+    fn ingest(
+        model: &LoadedModel,
+        device: &str,
+        stop_after: Option<usize>,
+    ) -> Result<tempfile::TempDir> {
+        let dir = tempfile::tempdir()?;
+        let store = corpus_with_small_chunks(model, &dir.path().join("s"), device)?;
         let docs = read_documents(&write_documents(&dir.path().join("docs"), 3, 900, 5)?)?;
         if let Some(n) = stop_after {
             let mut commits = 0;
@@ -137,5 +145,35 @@ mod on_gpu {
         println!("GPU (bf16) against CPU (f32) key/value rows: worst {worst:.3e}");
         ensure!(worst <= ROW_TOLERANCE, "rows differ by {worst}");
         Ok(())
+    }
+
+    /// A real `kvdb ingest --device cuda` killed with SIGKILL at seeded moments (among them
+    /// the committer thread's: after an SST file is ingested and before the log write that
+    /// commits it) and run again gives bit for bit the store of an uninterrupted GPU ingest.
+    #[test]
+    fn sigkilled_gpu_ingest_resumes_bit_for_bit() -> Result<()> {
+        let (file, model) = match tiny_on(ComputeDevice::Cuda { ordinal: 0 }) {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                skip("sigkilled_gpu_ingest_resumes_bit_for_bit", &e.to_string());
+                return Ok(());
+            }
+        };
+        let dir = tempfile::tempdir()?;
+        let paths = write_documents(&dir.path().join("docs"), 5, 2500, 11)?;
+        let text = |p: &Path| p.to_str().expect("UTF-8 temp path").to_string();
+        let args = |store: &Path| -> Vec<String> {
+            let mut a: Vec<String> = ["ingest", "--device", "cuda", "--corpus", "c"]
+                .into_iter()
+                .chain(["--progress", "json", "--store"])
+                .map(String::from)
+                .collect();
+            a.extend([text(store), "--model".into(), text(file.path())]);
+            a.extend(paths.iter().map(|p| text(p)));
+            a
+        };
+        // Corpora of 96-token chunks, so that the ingest takes many commits of 8 chunks.
+        let fresh = |store: &Path| corpus_with_small_chunks(&model, store, "cuda").map(drop);
+        sigkill_and_resume(dir.path(), &args, &fresh, 20261126)
     }
 }

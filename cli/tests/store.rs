@@ -15,7 +15,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use anyhow::Result;
-use common::{dump, tiny, write_documents};
+use common::{dump, sigkill_and_resume, tiny, write_documents};
 use kvdb::documents::read_documents;
 use kvdb::indexes::update_indexes;
 use kvdb::ingest::{ingest, ingest_until, IngestEvent};
@@ -24,7 +24,6 @@ use kvdb::session::{AskOptions, AttentionMode, Corpus};
 use kvdb::store::{Access, Store};
 use kvdb_attention::DensePolicy;
 use kvdb_tests::{TinyFile, TinyModel};
-use rand::{Rng, SeedableRng};
 
 /// A tiny model and a store holding corpus `c` of generated documents (the temporary
 /// files live as long as it does).
@@ -212,82 +211,16 @@ fn sigkilled_ingest_resumes_to_the_uninterrupted_result() -> Result<()> {
     let (model, _loaded) = tiny()?;
     let dir = tempfile::tempdir()?;
     let paths = write_documents(&dir.path().join("docs"), 5, 2500, 11)?;
-    let model_path = path_str(model.path()).to_string();
-    let ingest_args = |store: &Path| -> Vec<String> {
-        let mut a: Vec<String> = vec![
-            "ingest".into(),
-            "--store".into(),
-            path_str(store).into(),
-            "--corpus".into(),
-            "c".into(),
-            "--model".into(),
-            model_path.clone(),
-            "--progress".into(),
-            "json".into(),
-        ];
+    let args = |store: &Path| -> Vec<String> {
+        let mut a: Vec<String> = ["ingest", "--store", path_str(store), "--corpus", "c"]
+            .into_iter()
+            .chain(["--model", path_str(model.path()), "--progress", "json"])
+            .map(String::from)
+            .collect();
         a.extend(paths.iter().map(|p| path_str(p).to_string()));
         a
     };
-    let reference = dir.path().join("reference");
-    let out = kvdb_cmd().args(ingest_args(&reference)).output()?;
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let expected = dump(&Store::open(&reference, Access::Read)?, "c")?;
-
-    let mut rng = rand::rngs::StdRng::seed_from_u64(20261121);
-    let store_path = dir.path().join("killed");
-    let (mut kills, mut mid_document) = (0, 0);
-    for round in 0..40 {
-        if kills >= 6 && mid_document >= 1 {
-            break;
-        }
-        let after_commits = rng.random_range(0..4);
-        let delay = Duration::from_micros(rng.random_range(0..4000));
-        let mut child = kvdb_cmd()
-            .args(ingest_args(&store_path))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()?;
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut commits = 0;
-        let mut finished = true;
-        for line in BufReader::new(stdout).lines() {
-            if line?.contains("\"committed\"") {
-                commits += 1;
-                if commits > after_commits {
-                    std::thread::sleep(delay);
-                    finished = false;
-                    break;
-                }
-            }
-        }
-        child.kill()?; // SIGKILL on Unix
-        let status = child.wait()?;
-        if finished && status.success() {
-            // It ran to the end before the kill: start over from an empty store.
-            std::fs::remove_dir_all(&store_path)?;
-            continue;
-        }
-        kills += 1;
-        let store = Store::open(&store_path, Access::Read)?;
-        if let Ok(m) = store.manifest("c") {
-            if m.pending.is_some() {
-                mid_document += 1;
-            }
-            // The committed state is always consistent: documents list what the manifest says.
-            store.documents(&m)?;
-        }
-        drop(store);
-        eprintln!("round {round}: killed after {commits} commits (+{delay:?})");
-    }
-    assert!(kills >= 5, "only {kills} kills landed");
-    assert!(mid_document >= 1, "no kill left a document half-stored");
-    let out = kvdb_cmd().args(ingest_args(&store_path)).output()?;
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let resumed = dump(&Store::open(&store_path, Access::Read)?, "c")?;
-    assert_eq!(expected.0, resumed.0, "manifest and documents differ");
-    assert_eq!(expected.1, resumed.1, "tokens differ");
-    assert!(expected.2 == resumed.2, "stored keys/values differ");
-    Ok(())
+    sigkill_and_resume(dir.path(), &args, &|_| Ok(()), 20261121)
 }
 
 #[test]
