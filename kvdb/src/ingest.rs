@@ -747,12 +747,7 @@ impl<'s> Committer<'s> {
                         );
                         out
                     };
-                    let key = |block: usize| BlockKey {
-                        corpus: id,
-                        layer: layer as u16,
-                        head: head as u16,
-                        block: block as u32,
-                    };
+                    let key = |block: usize| BlockKey::new(id, layer, head, block);
                     for (kv, open, new) in [
                         (Kv::Keys, &mut *open_k, split(&rows.keys)),
                         (Kv::Values, &mut *open_v, split(&rows.values)),

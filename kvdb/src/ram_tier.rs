@@ -145,12 +145,7 @@ impl RamTier {
             let (k, v) = match &current {
                 Some((cb, k, v)) if *cb == block => (k.clone(), v.clone()),
                 _ => {
-                    let key = BlockKey {
-                        corpus: self.corpus,
-                        layer: layer as u16,
-                        head: head as u16,
-                        block: block as u32,
-                    };
+                    let key = BlockKey::new(self.corpus, layer, head, block);
                     let k = self.block(Kv::Keys, key)?;
                     let v = self.block(Kv::Values, key)?;
                     current = Some((block, k.clone(), v.clone()));

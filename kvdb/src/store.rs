@@ -297,6 +297,19 @@ pub struct BlockKey {
 }
 
 impl BlockKey {
+    /// Block `block` of one layer and KV head of corpus `corpus`, from the `usize` indexes
+    /// the engine counts in. The narrowing is lossless for every model a GGUF can describe
+    /// (layers and KV heads in the hundreds) and every corpus a context holds (blocks of 64
+    /// tokens: 2^32 of them is 2^38 tokens).
+    pub fn new(corpus: u32, layer: usize, head: usize, block: usize) -> Self {
+        Self {
+            corpus,
+            layer: layer as u16,
+            head: head as u16,
+            block: block as u32,
+        }
+    }
+
     /// The block's RocksDB key in the `keys` and `values` families.
     pub fn bytes(&self) -> [u8; 12] {
         let mut k = [0u8; 12];
@@ -550,12 +563,7 @@ impl Store {
             return true;
         };
         let b = manifest.block_size;
-        let key = BlockKey {
-            corpus: manifest.id,
-            layer: 0,
-            head: 0,
-            block: (last / b) as u32,
-        };
+        let key = BlockKey::new(manifest.id, 0, 0, last / b);
         let Ok(values) = self.cf("values") else {
             return false;
         };
@@ -784,12 +792,7 @@ impl Store {
         let mut out = Vec::with_capacity(range.len() * d);
         let mut block = range.start / b;
         while block * b < range.end {
-            let key = BlockKey {
-                corpus: manifest.id,
-                layer: layer as u16,
-                head: head as u16,
-                block: block as u32,
-            };
+            let key = BlockKey::new(manifest.id, layer, head, block);
             let data = self.block(kv, key)?.ok_or_else(|| {
                 Error::Corrupt(format!(
                     "{kv:?} block {block} of layer {layer} head {head} is missing"
@@ -1353,15 +1356,7 @@ impl Batch<'_> {
     /// Takes back this batch's puts of blocks `blocks` of one layer and KV head (keys and
     /// values): they will not be written.
     pub fn forget_blocks(&mut self, corpus: u32, layer: usize, head: usize, blocks: Range<usize>) {
-        let key = |block: usize| {
-            BlockKey {
-                corpus,
-                layer: layer as u16,
-                head: head as u16,
-                block: block as u32,
-            }
-            .bytes()
-        };
+        let key = |block: usize| BlockKey::new(corpus, layer, head, block).bytes();
         for writes in &mut self.blocks {
             let mut from = writes.puts.split_off(&key(blocks.start));
             let mut after = from.split_off(&key(blocks.end));
@@ -1383,12 +1378,7 @@ impl Batch<'_> {
         if blocks.is_empty() {
             return Ok(());
         }
-        let key = |block: usize| BlockKey {
-            corpus,
-            layer: layer as u16,
-            head: head as u16,
-            block: block as u32,
-        };
+        let key = |block: usize| BlockKey::new(corpus, layer, head, block);
         for kv in [Kv::Keys, Kv::Values] {
             self.blocks[kv as usize]
                 .deletes
