@@ -211,40 +211,97 @@ pub fn ingest_until(
     on_event: &mut dyn FnMut(IngestEvent<'_>) -> ControlFlow<()>,
 ) -> Result<IngestReport> {
     validate_corpus_name(name)?;
-    let config = model.model.config();
+    let manifest = open_corpus(store, name, model)?;
+    let mut report = IngestReport::default();
+    let planned = plan(store, &manifest, model, documents, &mut report, on_event)?;
+    let tokens = planned
+        .iter()
+        .map(|p| p.first + p.tokens.len() - p.first.max(manifest.tokens))
+        .sum();
+    if on_event(IngestEvent::Planned {
+        documents: planned.len(),
+        tokens,
+    })
+    .is_break()
+    {
+        return Err(cancelled(&manifest));
+    }
+    if planned.is_empty() {
+        report.corpus_tokens = manifest.tokens;
+        return Ok(report);
+    }
+    let started = Instant::now();
+    let committed = prefill_and_commit(store, &manifest, model, &planned, on_event, &mut report)?;
+    let garbage = Instant::now();
+    collect_garbage(store, &committed)?;
+    // Every chunk is durable already; writing the memtables out lets RocksDB delete the
+    // write-ahead log, so a store at rest keeps none to replay or to grow.
+    store.flush()?;
+    report.store_seconds += garbage.elapsed().as_secs_f64();
+    report.seconds = started.elapsed().as_secs_f64();
+    report.corpus_tokens = committed.tokens;
+    Ok(report)
+}
+
+/// The error of an ingest stopped by its caller, with what `committed` holds.
+fn cancelled(committed: &CorpusManifest) -> Error {
+    Error::Cancelled {
+        corpus: committed.name.clone(),
+        tokens: committed.tokens,
+    }
+}
+
+/// Corpus `name`'s manifest, or a new corpus's (created by its first commit, so that a
+/// failed plan writes nothing), checked against `model` and marked with its device.
+fn open_corpus(store: &Store, name: &str, model: ModelRef<'_>) -> Result<CorpusManifest> {
     let mut manifest = match store.manifest(name) {
         Ok(m) => m,
-        Err(Error::CorpusMissing { .. }) => {
-            // Created in the first commit below, so a failed plan writes nothing.
-            CorpusManifest {
-                format_version: crate::store::FORMAT_VERSION,
-                name: name.to_string(),
-                id: 0,
-                model: model.record.clone(),
-                block_size: DEFAULT_BLOCK_SIZE,
-                layers: layer_policy(config),
-                indexes: vec!["flat".to_string()],
-                tokens: 0,
-                documents: 0,
-                pending: None,
-                prefill: PrefillRecord {
-                    device: model.device().into(),
-                    chunk: model.prefill_chunk(),
-                },
-            }
-        }
+        Err(Error::CorpusMissing { .. }) => CorpusManifest {
+            format_version: crate::store::FORMAT_VERSION,
+            name: name.to_string(),
+            id: 0,
+            model: model.record.clone(),
+            block_size: DEFAULT_BLOCK_SIZE,
+            layers: layer_policy(model.model.config()),
+            indexes: vec!["flat".to_string()],
+            tokens: 0,
+            documents: 0,
+            pending: None,
+            prefill: PrefillRecord {
+                device: model.device().into(),
+                chunk: model.prefill_chunk(),
+            },
+        },
         Err(e) => return Err(e),
     };
     check_model(&manifest, model.record)?;
     manifest.prefill.device = model.device().into();
+    Ok(manifest)
+}
+
+/// A document an ingest adds (or finishes): its tokens and where they start in the corpus.
+struct PlannedDocument<'d> {
+    doc: &'d SourceDocument,
+    first: usize,
+    tokens: Vec<u32>,
+}
+
+/// The plan: which documents to add, in which order (an interrupted one first), with their
+/// tokens. Documents already in the corpus, or given twice, are skipped (reported in
+/// `report` and to `on_event`). Writes nothing.
+fn plan<'d>(
+    store: &Store,
+    manifest: &CorpusManifest,
+    model: ModelRef<'_>,
+    documents: &'d [SourceDocument],
+    report: &mut IngestReport,
+    on_event: &mut dyn FnMut(IngestEvent<'_>) -> ControlFlow<()>,
+) -> Result<Vec<PlannedDocument<'d>>> {
     let existing = if manifest.id == 0 {
         Vec::new()
     } else {
-        store.documents(&manifest)?
+        store.documents(manifest)?
     };
-
-    // The plan: which documents to add, in which order, with their tokens.
-    let mut report = IngestReport::default();
     let mut known: HashMap<&str, String> = existing
         .iter()
         .map(|d| {
@@ -284,47 +341,69 @@ pub fn ingest_until(
             }
         }
     }
-    let mut start = manifest
+    let context = model.model.config().context_length;
+    let mut first = manifest
         .pending
         .as_ref()
         .map_or(manifest.tokens, |p| p.start);
     let mut planned = Vec::with_capacity(plan.len());
-    let mut to_prefill = 0;
-    for doc in &plan {
-        let tokens = document_tokens(model.tokenizer, &doc.text, start == 0)?;
-        let end = start + tokens.len();
-        if end > config.context_length {
+    for doc in plan {
+        let tokens = document_tokens(model.tokenizer, &doc.text, first == 0)?;
+        let end = first + tokens.len();
+        if end > context {
             return Err(Error::ContextOverflow {
                 corpus: manifest.name.clone(),
                 what: format!("`{}` ({} tokens)", doc.title, tokens.len()),
                 tokens: end,
-                context: config.context_length,
+                context,
             });
         }
-        to_prefill += end - start.max(manifest.tokens);
-        planned.push((*doc, start, tokens));
-        start = end;
+        planned.push(PlannedDocument { doc, first, tokens });
+        first = end;
     }
-    let stop = |manifest: &CorpusManifest| Error::Cancelled {
-        corpus: manifest.name.clone(),
-        tokens: manifest.tokens,
-    };
-    if on_event(IngestEvent::Planned {
-        documents: planned.len(),
-        tokens: to_prefill,
-    })
-    .is_break()
-    {
-        return Err(stop(&manifest));
-    }
-    if planned.is_empty() {
-        report.corpus_tokens = manifest.tokens;
-        return Ok(report);
-    }
+    Ok(planned)
+}
 
-    let started = Instant::now();
+/// Tokens of `planned` already stored by an interrupted ingest (0 unless it is that one).
+fn resumed_at(
+    store: &Store,
+    manifest: &CorpusManifest,
+    planned: &PlannedDocument,
+) -> Result<usize> {
+    match &manifest.pending {
+        Some(p) if p.sha256 == planned.doc.sha256 => {
+            let stored = store.tokens(manifest, planned.first..manifest.tokens)?;
+            if p.total != planned.tokens.len() || !planned.tokens.starts_with(&stored) {
+                return Err(Error::Corrupt(format!(
+                    "the interrupted document `{}` no longer tokenizes as it did",
+                    planned.doc.title
+                )));
+            }
+            Ok(stored.len())
+        }
+        _ => Ok(0),
+    }
+}
+
+/// Why the chunk loop ended before the plan did.
+enum Halt {
+    /// The caller stopped it.
+    Stopped,
+    Failed(Error),
+}
+
+/// Prefills the planned documents chunk by chunk and commits them, telling `on_event` of
+/// each document's start and each committed chunk; returns the corpus as committed.
+fn prefill_and_commit(
+    store: &Store,
+    manifest: &CorpusManifest,
+    model: ModelRef<'_>,
+    planned: &[PlannedDocument<'_>],
+    on_event: &mut dyn FnMut(IngestEvent<'_>) -> ControlFlow<()>,
+    report: &mut IngestReport,
+) -> Result<CorpusManifest> {
     let chunk_size = manifest.prefill.chunk.max(1);
-    let mut prefiller = Prefiller::open(store, &manifest, model)?;
+    let mut prefiller = Prefiller::open(store, manifest, model)?;
     // On a device that runs ahead (a GPU), the store commits on a thread of its own while the
     // model prefills the next chunks, a few chunks a commit; on the CPU, whose chunks take
     // far longer than their commit, every chunk is committed before the next starts, so an
@@ -335,7 +414,7 @@ pub fn ingest_until(
     } else {
         1
     };
-    let committed = std::thread::scope(|scope| -> Result<CorpusManifest> {
+    std::thread::scope(|scope| -> Result<CorpusManifest> {
         let (jobs, queue) = mpsc::sync_channel::<Job>(1);
         let (acks, acked) = mpsc::channel::<Vec<ChunkDone>>();
         let committer = scope.spawn({
@@ -352,22 +431,16 @@ pub fn ingest_until(
                 Err(panic) => std::panic::resume_unwind(panic),
             };
         let mut waited = 0.0;
-        let titles: Vec<&str> = planned.iter().map(|(d, _, _)| d.title.as_str()).collect();
-        let mut outcome = Ok(());
-        'documents: for (index, (doc, first, tokens)) in planned.iter().enumerate() {
-            let resumed_at = match &manifest.pending {
-                Some(p) if p.sha256 == doc.sha256 => {
-                    let stored = store.tokens(&manifest, *first..manifest.tokens)?;
-                    if p.total != tokens.len() || !tokens.starts_with(&stored) {
-                        outcome = Err(Error::Corrupt(format!(
-                            "the interrupted document `{}` no longer tokenizes as it did",
-                            doc.title
-                        )));
-                        break;
-                    }
-                    stored.len()
+        let titles: Vec<&str> = planned.iter().map(|p| p.doc.title.as_str()).collect();
+        let mut halt = None;
+        'documents: for (index, planned_doc) in planned.iter().enumerate() {
+            let PlannedDocument { doc, first, tokens } = planned_doc;
+            let resumed_at = match resumed_at(store, manifest, planned_doc) {
+                Ok(at) => at,
+                Err(e) => {
+                    halt = Some(Halt::Failed(e));
+                    break;
                 }
-                _ => 0,
             };
             if on_event(IngestEvent::Started {
                 title: &doc.title,
@@ -376,10 +449,7 @@ pub fn ingest_until(
             })
             .is_break()
             {
-                outcome = Err(Error::Cancelled {
-                    corpus: String::new(),
-                    tokens: 0,
-                });
+                halt = Some(Halt::Stopped);
                 break;
             }
             let mut done = resumed_at;
@@ -393,7 +463,7 @@ pub fn ingest_until(
                 let next = if complete {
                     planned
                         .get(index + 1)
-                        .map(|(_, _, t)| &t[..chunk_size.min(t.len())])
+                        .map(|p| &p.tokens[..chunk_size.min(p.tokens.len())])
                 } else {
                     let from = done + chunk.len();
                     Some(&tokens[from..(from + chunk_size).min(tokens.len())])
@@ -401,7 +471,7 @@ pub fn ingest_until(
                 let rows = match prefiller.prefill(chunk, next) {
                     Ok(rows) => rows,
                     Err(e) => {
-                        outcome = Err(e);
+                        halt = Some(Halt::Failed(e));
                         break 'documents;
                     }
                 };
@@ -435,10 +505,7 @@ pub fn ingest_until(
                 };
                 waited += wait.elapsed().as_secs_f64();
                 if !announce(on_event, &titles, acked) {
-                    outcome = Err(Error::Cancelled {
-                        corpus: String::new(),
-                        tokens: 0,
-                    });
+                    halt = Some(Halt::Stopped);
                     break 'documents;
                 }
             }
@@ -454,31 +521,16 @@ pub fn ingest_until(
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
         waited += wait.elapsed().as_secs_f64();
         report.store_seconds = waited;
-        if outcome.is_ok() && !announce(on_event, &titles, rest) {
-            outcome = Err(Error::Cancelled {
-                corpus: String::new(),
-                tokens: 0,
-            });
+        if halt.is_none() && !announce(on_event, &titles, rest) {
+            halt = Some(Halt::Stopped);
         }
-        match outcome {
-            Ok(()) => Ok(committed),
-            // Stopped: what was committed by the time the committer finished counts.
-            Err(Error::Cancelled { .. }) => Err(Error::Cancelled {
-                corpus: committed.name.clone(),
-                tokens: committed.tokens,
-            }),
-            Err(e) => Err(e),
+        match halt {
+            None => Ok(committed),
+            // What was committed by the time the committer finished counts.
+            Some(Halt::Stopped) => Err(cancelled(&committed)),
+            Some(Halt::Failed(e)) => Err(e),
         }
-    })?;
-    let garbage = Instant::now();
-    collect_garbage(store, &committed)?;
-    // Every chunk is durable already; writing the memtables out lets RocksDB delete the
-    // write-ahead log, so a store at rest keeps none to replay or to grow.
-    store.flush()?;
-    report.store_seconds += garbage.elapsed().as_secs_f64();
-    report.seconds = started.elapsed().as_secs_f64();
-    report.corpus_tokens = committed.tokens;
-    Ok(report)
+    })
 }
 
 /// A document's tokens in the corpus: its text and the separator, after a BOS token when it
