@@ -480,7 +480,8 @@ fn prefill_and_commit(
                 let job = Job {
                     document: index,
                     record: DocumentRecord {
-                        number: 0, // numbered by the committer
+                        // Planned documents complete in order, the interrupted one first.
+                        number: manifest.documents + index,
                         sha256: doc.sha256.clone(),
                         title: doc.title.clone(),
                         source: doc.path.display().to_string(),
@@ -665,7 +666,7 @@ struct LayerRows {
 struct Job {
     /// Its document's index in the plan.
     document: usize,
-    /// Its document's record (numbered by the committer), written when the chunk ends it.
+    /// Its document's record, written when the chunk ends it.
     record: DocumentRecord,
     tokens: Vec<u32>,
     /// The document's tokens stored once this chunk is.
@@ -836,11 +837,13 @@ impl<'s> Committer<'s> {
         self.next.tokens = end;
         let total = job.record.tokens.len();
         if job.done == total {
-            let record = DocumentRecord {
-                number: self.next.documents,
-                ..job.record
-            };
-            self.batch.put_document(id, &record)?;
+            if job.record.number != self.next.documents {
+                return Err(Error::Corrupt(format!(
+                    "document `{}` completes as number {} of a corpus of {}",
+                    job.record.title, job.record.number, self.next.documents
+                )));
+            }
+            self.batch.put_document(id, &job.record)?;
             self.next.documents += 1;
             self.next.pending = None;
         } else {
