@@ -50,7 +50,7 @@ for lib in $(ldd "$stage/bin/kvdb" | awk '/=>/ {print $3}'); do
     *) cp -L "$lib" "$stage/lib/" ;;
     esac
 done
-cp scripts/bench_model_torch.py scripts/bench_prefill_sdpa.py scripts/bench_sdpa.py scripts/gpu-model-bench.sh scripts/gpu-ingest-bench.sh "$stage/"
+cp scripts/bench_model_torch.py scripts/bench_prefill_sdpa.py scripts/bench_sdpa.py scripts/gpu-model-bench.sh scripts/gpu-ingest-bench.sh scripts/gpu-default-model.sh "$stage/"
 
 rm -rf "$out"
 mkdir -p "$out"

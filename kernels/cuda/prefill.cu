@@ -1,9 +1,12 @@
 // Causal (optionally sliding-window) attention of a chunk of queries over a layer's K/V
-// buffer: the prefill's attention. Two kernels:
+// buffer: the prefill's attention. Three kernels:
 //
-//   prefill        the fast path, f16/bf16 inputs, FlashAttention-2 style on the tensor cores
-//                  (mma.sync m16n8k16, ldmatrix, cp.async double buffering);
-//   prefill_exact  a plain kernel for any input type and head dim <= 256 (the f32 test mode).
+//   prefill         the fast path, f16/bf16 inputs, FlashAttention-2 style on the tensor cores
+//                   (mma.sync m16n8k16, ldmatrix, cp.async double buffering);
+//   prefill_hopper  the fast path on Hopper (sm_90a): prefill_hopper.cu, appended to this
+//                   file by the launcher, shares the section "What both tensor-core kernels
+//                   share" below;
+//   prefill_exact   a plain kernel for any input type and head dim <= 256 (the f32 test mode).
 //
 // Compiled by NVRTC without headers: f16/bf16 are moved as raw 16-bit words and converted by
 // PTX instructions. Defines:
@@ -139,17 +142,17 @@ extern "C" __global__ void __launch_bounds__(128) prefill_exact(
 }
 
 // ---------------------------------------------------------------------------------------
-// The fast kernel.
+// What both tensor-core kernels share: this section, with HEAD_DIM and BLOCK_N defined;
+// WARPGROUPS (prefill_hopper.cu) or WARPS and M_TILES (below) choose the kernel.
 #ifdef HEAD_DIM
 
-#define BLOCK_M (WARPS * 16 * M_TILES)
+#ifdef WARPGROUPS
+#define THREADS (WARPGROUPS * 128)
+#else
 #define THREADS (WARPS * 32)
-// 16-byte chunks of a row, and a shared-memory row padded by one chunk: an odd number of
-// chunks apart, the 8 rows one ldmatrix reads fall in 8 different bank groups.
+#endif
+// 16-byte chunks of a row.
 #define CHUNKS (HEAD_DIM / 8)
-#define ROW (HEAD_DIM + 8)
-#define N_TILES (BLOCK_N / 8)
-#define D_TILES (HEAD_DIM / 8)
 
 #if IN_KIND == 2
 #define MMA_TYPE "bf16"
@@ -177,6 +180,240 @@ __device__ __forceinline__ void wait_copies() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Two f32 as a pair of the input type, x0 in the low half.
+__device__ __forceinline__ u32 pack(float x0, float x1) {
+    u32 w;
+#if IN_KIND == 2
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(x1), "f"(x0));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(x1), "f"(x0));
+#endif
+    return w;
+}
+
+// Where a tile's keys are: positions [lo_valid, hi) are in the buffer, lo_valid at row lo_row.
+struct Ring {
+    u64 head_row;  // kv_head * capacity
+    u32 capacity, lo_row;
+    int lo_valid, hi;
+};
+
+// Starts copying the rows of positions kb .. kb + BLOCK_N - 1 of one buffer, src0, or of two
+// (keys and values: one address computation serves both, which spares registers) into
+// shared memory, chunk c of tile row r at dst + Layout::at(r, c) (zeros for positions not in
+// the buffer: the mask hides them, and zeros keep 0 * garbage out of the sums).
+template <class Layout, int BUFFERS>
+__device__ __forceinline__ void load_rows(u32 dst0, const u16* __restrict__ src0, u32 dst1,
+                                          const u16* __restrict__ src1, int kb,
+                                          const Ring& ring) {
+    // Most tiles lie inside the buffer on consecutive rows: one row number for the tile.
+    u32 first = ring.lo_row + (u32)(kb - ring.lo_valid);
+    if (first >= ring.capacity) first -= ring.capacity;
+    if (kb >= ring.lo_valid && kb + BLOCK_N <= ring.hi && first + BLOCK_N <= ring.capacity) {
+        const u64 base = (ring.head_row + first) * HEAD_DIM;
+#pragma unroll
+        for (int j = 0; j < (BLOCK_N * CHUNKS + THREADS - 1) / THREADS; ++j) {
+            const int i = threadIdx.x + j * THREADS;
+            if (BLOCK_N * CHUNKS % THREADS != 0 && i >= BLOCK_N * CHUNKS) break;
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            const u64 at = base + r * HEAD_DIM + c * 8;
+            copy16(dst0 + Layout::at(r, c), src0 + at, true);
+            if (BUFFERS == 2) copy16(dst1 + Layout::at(r, c), src1 + at, true);
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < (BLOCK_N * CHUNKS + THREADS - 1) / THREADS; ++j) {
+        const int i = threadIdx.x + j * THREADS;
+        if (BLOCK_N * CHUNKS % THREADS != 0 && i >= BLOCK_N * CHUNKS) break;
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        const int pos = kb + r;
+        const bool valid = pos >= ring.lo_valid && pos < ring.hi;
+        u32 row = ring.lo_row + (u32)(pos - ring.lo_valid);
+        if (row >= ring.capacity) row -= ring.capacity;
+        const u64 at = valid ? (ring.head_row + row) * HEAD_DIM + c * 8 : 0;
+        copy16(dst0 + Layout::at(r, c), src0 + at, valid);
+        if (BUFFERS == 2) copy16(dst1 + Layout::at(r, c), src1 + at, valid);
+    }
+}
+
+// A block's share of the work. Grid: one block per (KV head, BM packed rows), x = block;
+// heads vary fastest and the last rows (the most key tiles) come first, so that the long
+// blocks start in the first wave. Its keys are positions [k_lo, k_hi]; tile t starts at
+// k_hi + 1 - (t + 1) BLOCK_N, so that the tiles go down from the diagonal.
+struct BlockPlan {
+    u32 kvh, m0, rows;
+    int k_hi, n_tiles;
+    // A tile needs the mask if it reaches past the first row's position, or below the last
+    // row's lowest key.
+    int causal_above, window_below;
+    Ring ring;
+
+    __device__ __forceinline__ int tile_start(int t) const { return k_hi + 1 - (t + 1) * BLOCK_N; }
+    __device__ __forceinline__ bool masked(int kb) const {
+        return kb + BLOCK_N - 1 > causal_above || kb < window_below;
+    }
+};
+
+template <int BM>
+__device__ __forceinline__ BlockPlan plan_block(u32 tokens, u32 group, u32 kv_heads,
+                                                u32 capacity, int first_position, int window,
+                                                int lo_valid, u32 lo_row, u32 m_blocks) {
+    BlockPlan b;
+    b.kvh = blockIdx.x % kv_heads;
+    b.m0 = (m_blocks - 1 - blockIdx.x / kv_heads) * BM;
+    b.rows = tokens * group;
+    const int p_min = first_position + (int)(b.m0 / group);
+    const int p_max = first_position + (int)((min_u(b.rows, b.m0 + BM) - 1) / group);
+    const int k_lo = max_i(0, p_min - window + 1);
+    b.k_hi = p_max;
+    b.n_tiles = (b.k_hi - k_lo + BLOCK_N) / BLOCK_N;
+    b.causal_above = p_min;
+    b.window_below = max_i(0, p_max - window + 1);
+    b.ring = {(u64)b.kvh * capacity, capacity, lo_row, lo_valid, first_position + (int)tokens};
+    return b;
+}
+
+// Starts copying the block's BM packed query rows into shared memory (zeros past the last
+// token), chunk c of row r at dst + Layout::at(r, c).
+template <int BM, class Layout>
+__device__ __forceinline__ void load_queries(u32 dst, const u16* __restrict__ q,
+                                             const BlockPlan& b, u32 heads, u32 group) {
+#pragma unroll
+    for (int j = 0; j < (BM * CHUNKS + THREADS - 1) / THREADS; ++j) {
+        const u32 i = threadIdx.x + j * THREADS;
+        if (BM * CHUNKS % THREADS != 0 && i >= BM * CHUNKS) break;
+        const u32 r = i / CHUNKS, c = i % CHUNKS;
+        const u32 row = b.m0 + r;
+        const bool valid = row < b.rows;
+        const u32 t = row / group, g = row - t * group;
+        const u64 at = valid ? ((u64)t * heads + b.kvh * group + g) * HEAD_DIM + c * 8 : 0;
+        copy16(dst + Layout::at(r, c), q + at, valid);
+    }
+}
+
+// The per-fragment steps of both kernels. A warp's 16 score rows are the m16n8 C fragments
+// of its n8 tiles: element e of tile nt is row lane / 4 + 8 (e >> 1), key nt * 8 + (lane % 4)
+// * 2 + (e & 1); a quad of lanes shares each row.
+
+// The positions of a lane's two fragment rows, block-packed rows row0 and row0 + 8, and the
+// lowest key each sees.
+__device__ __forceinline__ void row_positions(u32 row0, int first_position, u32 group,
+                                              int window, int (&p_row)[2], int (&p_low)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        p_row[h] = first_position + (int)((row0 + h * 8) / group);
+        p_low[h] = max_i(0, p_row[h] - window + 1);
+    }
+}
+
+// Scores of keys outside a row's [low, position] become -inf.
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], int kb, u32 lane,
+                                            const int (&p_row)[2], const int (&p_low)[2]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int pos = kb + nt * 8 + (lane % 4) * 2 + (e & 1);
+            const int h = e >> 1;
+            if (pos > p_row[h] || pos < p_low[h]) s[nt][e] = NEG_INF;
+        }
+}
+
+// One online-softmax step over a tile's scores: the row maxima m (in base 2, scaled) and the
+// lane's partial sums l move on, the scores become exp2(scale · s - m) in place, and alpha is
+// what the output accumulated so far must be multiplied by. Returns whether any of the lane's
+// rows has alpha != 1.
+template <int NT>
+__device__ __forceinline__ bool softmax_step(float (&s)[NT][4], float (&m)[2], float (&l)[2],
+                                             float (&alpha)[2], float scale_log2) {
+    bool rescale = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // Scores in base 2 (scale_log2 > 0); a row that has seen no key yet keeps its max at
+        // -inf and subtracts 0, so that no -inf - -inf appears. alpha is exactly 1 when the
+        // max stays, so that skipping the multiply by it changes no bit.
+        const float m_new = fmaxf(m[h], mx * scale_log2);
+        const float base = m_new == NEG_INF ? 0.0f : m_new;
+        alpha[h] = m_new == m[h] ? 1.0f : exp2f(m[h] - base);
+        rescale |= m_new != m[h];
+        m[h] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const float e = exp2f(fmaf(s[nt][2 * h + j], scale_log2, -base));
+                s[nt][2 * h + j] = e;
+                sum += e;
+            }
+        l[h] = l[h] * alpha[h] + sum;
+    }
+    return rescale;
+}
+
+template <int DT>
+__device__ __forceinline__ void rescale_output(float (&o)[DT][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[dt][e] *= alpha[e >> 1];
+}
+
+// The probabilities of keys 16 kk .. 16 kk + 15 as the A fragment of a 16-key step: the C
+// layout of two 8-key tiles is the A layout of one m16n8k16 step.
+template <int NT>
+__device__ __forceinline__ void probabilities(u32 (&a)[4], const float (&s)[NT][4], int kk) {
+    a[0] = pack(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = pack(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// Divides the lane's two output rows by their sums and stores them; row0 is the block-packed
+// row of fragment row lane / 4 (the other is row0 + 8), rows past `rows` are padding.
+template <int DT>
+__device__ __forceinline__ void store_rows(void* out, const float (&o)[DT][4],
+                                           const float (&l)[2], u32 row0, u32 rows, u32 heads,
+                                           u32 group, u32 kvh, u32 lane) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = 1.0f / sum;
+        const u32 row = row0 + h * 8;
+        if (row >= rows) continue;
+        const u32 t = row / group, g = row - t * group;
+        const u64 at = ((u64)t * heads + kvh * group + g) * HEAD_DIM + (lane % 4) * 2;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+            store_out2(out, at + dt * 8, o[dt][2 * h] * inv, o[dt][2 * h + 1] * inv);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The mma.sync kernel (FlashAttention-2 style), for every GPU since Ampere.
+#ifndef WARPGROUPS
+
+#define BLOCK_M (WARPS * 16 * M_TILES)
+// A shared-memory row padded by one chunk: an odd number of chunks apart, the 8 rows one
+// ldmatrix reads fall in 8 different bank groups.
+#define ROW (HEAD_DIM + 8)
+#define N_TILES (BLOCK_N / 8)
+#define D_TILES (HEAD_DIM / 8)
+
+// Rows of ROW elements.
+struct Padded {
+    static __device__ __forceinline__ u32 at(u32 r, u32 c) { return (r * ROW + c * 8) * 2; }
+};
+
 __device__ __forceinline__ void ldmatrix4(u32 (&r)[4], u32 address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -197,64 +434,7 @@ __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u3
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two f32 as a pair of the input type, x0 in the low half.
-__device__ __forceinline__ u32 pack(float x0, float x1) {
-    u32 w;
-#if IN_KIND == 2
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(x1), "f"(x0));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(x1), "f"(x0));
-#endif
-    return w;
-}
-
-// Where a tile's keys are: positions [lo_valid, hi) are in the buffer, lo_valid at row lo_row.
-struct Ring {
-    u64 head_row;  // kv_head * capacity
-    u32 capacity, lo_row;
-    int lo_valid, hi;
-};
-
-// Starts copying the key and value rows of positions kb .. kb + BLOCK_N - 1 into shared
-// memory (zeros for positions not in the buffer: the mask hides them, and zeros keep
-// 0 * garbage out of the sums).
-__device__ __forceinline__ void load_kv(u32 sk, u32 sv, const u16* __restrict__ k,
-                                        const u16* __restrict__ v, int kb, const Ring& ring) {
-    // Most tiles lie inside the buffer on consecutive rows: one row number for the tile.
-    u32 first = ring.lo_row + (u32)(kb - ring.lo_valid);
-    if (first >= ring.capacity) first -= ring.capacity;
-    if (kb >= ring.lo_valid && kb + BLOCK_N <= ring.hi && first + BLOCK_N <= ring.capacity) {
-        const u64 base = (ring.head_row + first) * HEAD_DIM;
-#pragma unroll
-        for (int j = 0; j < (BLOCK_N * CHUNKS + THREADS - 1) / THREADS; ++j) {
-            const int i = threadIdx.x + j * THREADS;
-            if (BLOCK_N * CHUNKS % THREADS != 0 && i >= BLOCK_N * CHUNKS) break;
-            const int r = i / CHUNKS, c = i % CHUNKS;
-            const u64 at = base + r * HEAD_DIM + c * 8;
-            const u32 to = (u32)(r * ROW + c * 8) * 2;
-            copy16(sk + to, k + at, true);
-            copy16(sv + to, v + at, true);
-        }
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < (BLOCK_N * CHUNKS + THREADS - 1) / THREADS; ++j) {
-        const int i = threadIdx.x + j * THREADS;
-        if (BLOCK_N * CHUNKS % THREADS != 0 && i >= BLOCK_N * CHUNKS) break;
-        const int r = i / CHUNKS, c = i % CHUNKS;
-        const int pos = kb + r;
-        const bool valid = pos >= ring.lo_valid && pos < ring.hi;
-        u32 row = ring.lo_row + (u32)(pos - ring.lo_valid);
-        if (row >= ring.capacity) row -= ring.capacity;
-        const u64 at = valid ? (ring.head_row + row) * HEAD_DIM + c * 8 : 0;
-        const u32 to = (u32)(r * ROW + c * 8) * 2;
-        copy16(sk + to, k + at, valid);
-        copy16(sv + to, v + at, valid);
-    }
-}
-
-// Grid: one block per (KV head, BLOCK_M packed rows), x = block; heads vary fastest and the
-// last rows (the most key tiles) come first, so that the long blocks start in the first wave.
+// Grid and tiles: see BlockPlan.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     prefill(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
             void* __restrict__ out, u32 tokens, u32 heads, u32 group, u32 kv_heads,
@@ -266,38 +446,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     const u32 skv = sq + BLOCK_M * ROW * 2;
     const u32 stage_bytes = 2 * BLOCK_N * ROW * 2;
 
-    const u32 kvh = blockIdx.x % kv_heads;
-    const u32 m0 = (m_blocks - 1 - blockIdx.x / kv_heads) * BLOCK_M;
-    const u32 rows = tokens * group;
+    const BlockPlan blk = plan_block<BLOCK_M>(tokens, group, kv_heads, capacity, first_position,
+                                            window, lo_valid, lo_row, m_blocks);
+    const u32 kvh = blk.kvh, m0 = blk.m0, rows = blk.rows;
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-
-    // Key positions the block needs: [k_lo, k_hi]; tiles end at k_hi and go down.
-    const int p_min = first_position + (int)(m0 / group);
-    const int p_max = first_position + (int)((min_u(rows, m0 + BLOCK_M) - 1) / group);
-    const int k_lo = max_i(0, p_min - window + 1);
-    const int k_hi = p_max;
-    const int n_tiles = (k_hi - k_lo + BLOCK_N) / BLOCK_N;
-    // A tile needs the mask if it reaches past the first row's position, or below the last
-    // row's lowest key.
-    const int causal_above = p_min;
-    const int window_below = max_i(0, p_max - window + 1);
-
-    const Ring ring = {(u64)kvh * capacity, capacity, lo_row, lo_valid,
-                       first_position + (int)tokens};
-
-    // Queries of the block (zeros past the last token).
-#pragma unroll
-    for (int j = 0; j < (BLOCK_M * CHUNKS + THREADS - 1) / THREADS; ++j) {
-        const u32 i = threadIdx.x + j * THREADS;
-        if (BLOCK_M * CHUNKS % THREADS != 0 && i >= BLOCK_M * CHUNKS) break;
-        const u32 r = i / CHUNKS, c = i % CHUNKS;
-        const u32 row = m0 + r;
-        const bool valid = row < rows;
-        const u32 t = row / group, g = row - t * group;
-        const u64 at = valid ? ((u64)t * heads + kvh * group + g) * HEAD_DIM + c * 8 : 0;
-        copy16(sq + (r * ROW + c * 8) * 2, q + at, valid);
-    }
-    load_kv(skv, skv + BLOCK_N * ROW * 2, k, v, k_hi + 1 - BLOCK_N, ring);
+    load_queries<BLOCK_M, Padded>(sq, q, blk, heads, group);
+    load_rows<Padded, 2>(skv, k, skv + BLOCK_N * ROW * 2, v, blk.tile_start(0), blk.ring);
     commit();
 
     // This thread's rows: fragment rows lane / 4 and lane / 4 + 8 of each of its m tiles.
@@ -306,12 +460,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     int p_row[M_TILES][2], p_low[M_TILES][2];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u32 row = m0 + warp_row + mt * 16 + lane / 4 + h * 8;
-            p_row[mt][h] = first_position + (int)(row / group);
-            p_low[mt][h] = max_i(0, p_row[mt][h] - window + 1);
-        }
+        row_positions(m0 + warp_row + mt * 16 + lane / 4, first_position, group, window,
+                      p_row[mt], p_low[mt]);
 
     float o[M_TILES][D_TILES][4];
     float m[M_TILES][2], l[M_TILES][2];
@@ -335,12 +485,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     const u32 k_off = (((lane / 16) * 8 + lane % 8) * ROW + ((lane / 8) % 2) * 8) * 2;
     const u32 v_off = ((((lane / 8) % 2) * 8 + lane % 8) * ROW + (lane / 16) * 8) * 2;
 
-    for (int it = 0; it < n_tiles; ++it) {
-        const int kb = k_hi + 1 - (it + 1) * BLOCK_N;
+    for (int it = 0; it < blk.n_tiles; ++it) {
+        const int kb = blk.tile_start(it);
         const u32 sk = skv + (it & 1) * stage_bytes, sv = sk + BLOCK_N * ROW * 2;
-        if (it + 1 < n_tiles) {
+        if (it + 1 < blk.n_tiles) {
             const u32 nk = skv + ((it + 1) & 1) * stage_bytes;
-            load_kv(nk, nk + BLOCK_N * ROW * 2, k, v, kb - BLOCK_N, ring);
+            load_rows<Padded, 2>(nk, k, nk + BLOCK_N * ROW * 2, v, kb - BLOCK_N, blk.ring);
             commit();
             wait_copies<1>();
         } else {
@@ -376,74 +526,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
             }
 
             // The mask, on the diagonal and window-edge tiles only.
-            if (kb + BLOCK_N - 1 > causal_above || kb < window_below) {
+            if (blk.masked(kb)) {
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int pos = kb + nt * 8 + (lane % 4) * 2 + (e & 1);
-                            const int h = e >> 1;
-                            if (pos > p_row[mt][h] || pos < p_low[mt][h]) s[mt][nt][e] = NEG_INF;
-                        }
+                    mask_scores(s[mt], kb, lane, p_row[mt], p_low[mt]);
             }
-
-            // Online softmax: a quad of lanes shares each row.
             float alpha[M_TILES][2];
             bool rescale = false;
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    float mx = NEG_INF;
-#pragma unroll
-                    for (int nt = 0; nt < N_TILES; ++nt)
-                        mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    // Scores in base 2 (scale_log2 > 0); a row that has seen no key yet keeps
-                    // its max at -inf and subtracts 0, so that no -inf - -inf appears.
-                    // alpha is exactly 1 when the max stays, so that skipping the multiply
-                    // by it below changes no bit.
-                    const float m_new = fmaxf(m[mt][h], mx * scale_log2);
-                    const float base = m_new == NEG_INF ? 0.0f : m_new;
-                    alpha[mt][h] = m_new == m[mt][h] ? 1.0f : exp2f(m[mt][h] - base);
-                    rescale |= m_new != m[mt][h];
-                    m[mt][h] = m_new;
-                    float sum = 0.0f;
-#pragma unroll
-                    for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-                        for (int j = 0; j < 2; ++j) {
-                            const float e = exp2f(fmaf(s[mt][nt][2 * h + j], scale_log2, -base));
-                            s[mt][nt][2 * h + j] = e;
-                            sum += e;
-                        }
-                    l[mt][h] = l[mt][h] * alpha[mt][h] + sum;
-                }
+                rescale |= softmax_step(s[mt], m[mt], l[mt], alpha[mt], scale_log2);
             // Far from the diagonal the maxima seldom grow: most tiles skip rescaling O.
             if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-                    for (int dt = 0; dt < D_TILES; ++dt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) o[mt][dt][e] *= alpha[mt][e >> 1];
+                for (int mt = 0; mt < M_TILES; ++mt) rescale_output(o[mt], alpha[mt]);
             }
 
-            // O += P V, P from the score registers (the C layout of two 8-key tiles is the A
-            // layout of one 16-key step).
+            // O += P V, P from the score registers.
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
                 u32 a[M_TILES][4];
 #pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) {
-                    a[mt][0] = pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    a[mt][1] = pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    a[mt][2] = pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    a[mt][3] = pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                }
+                for (int mt = 0; mt < M_TILES; ++mt) probabilities(a[mt], s[mt], kk);
 #pragma unroll
                 for (int dp = 0; dp < D_TILES / 2; ++dp) {
                     u32 b[4];
@@ -463,20 +567,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
     if (!warp_live) return;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float sum = l[mt][h];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float inv = 1.0f / sum;
-            const u32 row = m0 + warp_row + mt * 16 + lane / 4 + h * 8;
-            if (row >= rows) continue;
-            const u32 t = row / group, g = row - t * group;
-            const u64 at = ((u64)t * heads + kvh * group + g) * HEAD_DIM + (lane % 4) * 2;
-#pragma unroll
-            for (int dt = 0; dt < D_TILES; ++dt)
-                store_out2(out, at + dt * 8, o[mt][dt][2 * h] * inv, o[mt][dt][2 * h + 1] * inv);
-        }
+        store_rows(out, o[mt], l[mt], m0 + warp_row + mt * 16 + lane / 4, rows, heads, group,
+                   kvh, lane);
 }
 
+#endif  // !WARPGROUPS
 #endif  // HEAD_DIM

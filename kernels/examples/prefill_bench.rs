@@ -16,29 +16,12 @@
 //! whole chunked sequence is one call), after a warm-up, the median of several. TFLOP/s
 //! count 4·heads·d per visible (query, key) pair: 4·heads·d·n²/2 for a causal prefill.
 //!
-//! Measured on an H100 80GB HBM3 (2026-11-25, PyTorch 2.11 in the same command), ms and
-//! PyTorch's time over ours:
-//!
-//! | shape | n | mode | ours | TFLOP/s | PyTorch | ratio |
-//! |---|---|---|---|---|---|---|
-//! | llama | 4096 | prefill | 0.453 | 303.5 | 0.531 | 1.17 |
-//! | llama | 32768 | prefill | 24.956 | 352.5 | 24.198 | 0.97 |
-//! | llama | 131072 | prefill | 395.327 | 356.0 | 408.226 | 1.03 |
-//! | llama | 32768 | chunked | 25.978 | 338.6 | 26.225 | 1.01 |
-//! | llama | 131072 | chunked | 413.294 | 340.5 | 398.538 | 0.96 |
-//! | gemma | 4096 | prefill | 0.175 | 195.9 | 0.231 | 1.32 |
-//! | gemma | 32768 | prefill | 7.495 | 293.4 | 7.231 | 0.96 |
-//! | gemma | 131072 | prefill | 115.214 | 305.4 | 128.017 | 1.11 |
-//! | gemma | 32768 | chunked | 8.611 | 255.4 | 7.708 | 0.90 |
-//! | gemma | 131072 | chunked | 122.521 | 287.2 | 109.578 | 0.89 |
-//! | gemma | 4096 | prefill-w512 | 0.057 | 142.2 | 0.116 (flex) | 2.04 |
-//! | gemma | 32768 | prefill-w512 | 0.345 | 197.4 | 0.425 (flex) | 1.23 |
-//! | gemma | 131072 | prefill-w512 | 1.296 | 211.7 | (flex: out of memory) | - |
-//! | gemma | 32768 | chunked-w512 | 0.416 | 163.7 | 1.062 (flex) | 2.55 |
-//! | gemma | 131072 | chunked-w512 | 1.645 | 166.8 | 3.642 (flex) | 2.21 |
-//! | gemma | 100000 | decode-w1024 | 0.046 | | 0.038 | 0.83 |
-//! | llama | 1024 | decode | 0.043 | | 0.035 | 0.82 |
-//! | llama | 32768 | decode | 1.069 | | 0.079 | 0.07 |
+//! On a Hopper GPU both tensor-core kernels are timed: `prefill_hopper` (what the model uses
+//! there) and the mma.sync kernel (`Gpu::portable`). Measured on an H200 (2026-11-26,
+//! PyTorch 2.11 in the same command; every row in docs/benchmarks.md, "The model on the
+//! GPU"), TFLOP/s of the Hopper kernel, the mma.sync kernel and PyTorch's flash SDPA:
+//! Llama 32K whole 466.6 / 340.3 / 356.8, 128K in chunks of 4,096 452.6 / 332.9 / 350.9;
+//! Gemma 32K whole 501.5 / 290.0 / 295.4, 128K in chunks 484.6 / 280.1 / 317.7.
 //!
 //! A decode step over a long global context is one block per KV head walking every key
 //! tile: the model takes `flash_decode` (split over the sequence) for those.
@@ -304,6 +287,8 @@ fn main() -> Result<()> {
     let args = Args::parse()?;
     let gpu = Gpu::new(0)?;
     println!("prefill_bench on {}", gpu.name()?);
+    // On Hopper both tensor-core kernels, side by side.
+    let kernels = gpu.kernel_sets()?;
     let mut sdpa = HashMap::new();
     for path in &args.sdpa {
         sdpa.extend(read_sdpa(path)?);
@@ -312,45 +297,48 @@ fn main() -> Result<()> {
     let mut table = String::new();
     writeln!(
         table,
-        "{:<6} {:>7} {:<14} {:>10} {:>8} {:>10} {:>8} {:>7}  pytorch",
-        "shape", "n", "mode", "ours ms", "TFLOP/s", "torch ms", "TFLOP/s", "ratio"
+        "{:<6} {:>7} {:<14} {:<8} {:>10} {:>8} {:>10} {:>8} {:>7}  pytorch",
+        "shape", "n", "mode", "kernel", "ours ms", "TFLOP/s", "torch ms", "TFLOP/s", "ratio"
     )?;
     for c in configs(args.quick) {
         let name = format!("{} {} {}", c.shape.name, c.n, c.mode());
         if !args.only.is_empty() && !args.only.iter().any(|o| name.contains(o.as_str())) {
             continue;
         }
-        let (ms, reps) = measure(&gpu, &c)?;
-        let tflops = c.flops() / (ms * 1e-3) / 1e12;
-        let key = (c.shape.name.to_string(), c.n, c.mode());
-        let theirs = sdpa.get(&key);
-        let (torch_ms, torch_tflops, ratio, how) = match theirs {
-            Some((t, how)) => (
-                format!("{t:.3}"),
-                format!("{:.1}", c.flops() / (t * 1e-3) / 1e12),
-                format!("{:.2}", t / ms),
-                how.as_str(),
-            ),
-            None => ("-".into(), "-".into(), "-".into(), ""),
-        };
-        writeln!(
-            table,
-            "{:<6} {:>7} {:<14} {:>10.3} {:>8.1} {:>10} {:>8} {:>7}  {how}",
-            c.shape.name,
-            c.n,
-            c.mode(),
-            ms,
-            tflops,
-            torch_ms,
-            torch_tflops,
-            ratio
-        )?;
-        let line = json!({
-            "impl": "kvdb_prefill", "shape": c.shape.name, "n": c.n, "mode": c.mode(),
-            "ms": ms, "reps": reps, "tflops": tflops,
-        });
-        writeln!(json_lines, "{line}")?;
-        eprintln!("{line}");
+        for (kernel, gpu) in &kernels {
+            let (ms, reps) = measure(gpu, &c)?;
+            let tflops = c.flops() / (ms * 1e-3) / 1e12;
+            let key = (c.shape.name.to_string(), c.n, c.mode());
+            let theirs = sdpa.get(&key);
+            let (torch_ms, torch_tflops, ratio, how) = match theirs {
+                Some((t, how)) => (
+                    format!("{t:.3}"),
+                    format!("{:.1}", c.flops() / (t * 1e-3) / 1e12),
+                    format!("{:.2}", t / ms),
+                    how.as_str(),
+                ),
+                None => ("-".into(), "-".into(), "-".into(), ""),
+            };
+            writeln!(
+                table,
+                "{:<6} {:>7} {:<14} {:<8} {:>10.3} {:>8.1} {:>10} {:>8} {:>7}  {how}",
+                c.shape.name,
+                c.n,
+                c.mode(),
+                kernel,
+                ms,
+                tflops,
+                torch_ms,
+                torch_tflops,
+                ratio
+            )?;
+            let line = json!({
+                "impl": "kvdb_prefill", "kernel": kernel, "shape": c.shape.name, "n": c.n,
+                "mode": c.mode(), "ms": ms, "reps": reps, "tflops": tflops,
+            });
+            writeln!(json_lines, "{line}")?;
+            eprintln!("{line}");
+        }
     }
     if let Some(path) = &args.json {
         std::fs::write(path, &json_lines)?;

@@ -130,6 +130,9 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     /// NVRTC's target, `compute_XY` for the device's compute capability X.Y.
     arch: String,
+    /// Whether kernels built for `compute_90a` (Hopper's warpgroup MMAs) are used: on a
+    /// device of compute capability 9.0, unless [`Gpu::portable`] turned them off.
+    hopper: bool,
     multiprocessors: u32,
     attend: Mutex<HashMap<Variant, AttendKernel>>,
     fill: Mutex<Option<CudaFunction>>,
@@ -144,6 +147,7 @@ impl std::fmt::Debug for Gpu {
         f.debug_struct("Gpu")
             .field("ordinal", &self.ctx.ordinal())
             .field("arch", &self.arch)
+            .field("hopper", &self.hopper)
             .field("multiprocessors", &self.multiprocessors)
             .finish_non_exhaustive()
     }
@@ -188,6 +192,7 @@ impl Gpu {
             ctx,
             stream,
             arch: format!("compute_{major}{minor}"),
+            hopper: (major, minor) == (9, 0),
             multiprocessors: multiprocessors.max(1) as u32,
             attend: Mutex::new(HashMap::new()),
             fill: Mutex::new(None),
@@ -203,6 +208,33 @@ impl Gpu {
     pub fn with_ptx_cache(mut self, dir: impl Into<PathBuf>) -> Self {
         self.ptx_cache = Some(dir.into());
         self
+    }
+
+    /// Uses only the kernels every supported GPU runs (compute capability 8.0 and up), also
+    /// where faster ones exist for this device (Hopper's `prefill_hopper`): how tests cover
+    /// both paths on one device, and how benchmarks compare them.
+    pub fn portable(mut self) -> Self {
+        self.hopper = false;
+        self
+    }
+
+    /// Each set of kernels this device runs, by name: this handle (`"hopper"` where it uses
+    /// Hopper's own kernels), then, on such a device, a second handle on the same device
+    /// that uses only the portable ones (`"mma.sync"`, as on every other GPU): how tests
+    /// cover both paths and benchmarks compare them.
+    pub fn kernel_sets(self) -> Result<Vec<(&'static str, Gpu)>> {
+        Ok(if self.hopper {
+            let portable = Gpu::new(self.ctx.ordinal())?.portable();
+            vec![("hopper", self), ("mma.sync", portable)]
+        } else {
+            vec![("mma.sync", self)]
+        })
+    }
+
+    /// Whether Hopper's own kernels (warpgroup MMAs, `sm_90a`) are used; see
+    /// [`Gpu::portable`].
+    pub fn hopper(&self) -> bool {
+        self.hopper
     }
 
     /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
@@ -311,15 +343,44 @@ impl Gpu {
         entry: &'static str,
         defines: &[(&str, String)],
     ) -> Result<CudaFunction> {
-        let key = defines
-            .iter()
-            .fold(entry.to_string(), |k, (n, v)| format!("{k} {n}={v}"));
+        self.kernel_for(&self.arch, source, entry, defines)
+    }
+
+    /// [`Gpu::kernel`] for Hopper's architecture-specific target (`compute_90a`: warpgroup
+    /// MMAs), which runs on compute capability 9.0 alone; an error unless
+    /// [`Gpu::hopper`].
+    pub(crate) fn hopper_kernel(
+        &self,
+        source: &'static str,
+        entry: &'static str,
+        defines: &[(&str, String)],
+    ) -> Result<CudaFunction> {
+        if !self.hopper {
+            return Err(KernelError::Unsupported {
+                what: "Hopper kernel on a device of another compute capability (or portable)",
+                value: 0,
+                supported: "compute capability 9.0",
+            });
+        }
+        self.kernel_for("compute_90a", source, entry, defines)
+    }
+
+    fn kernel_for(
+        &self,
+        arch: &str,
+        source: &'static str,
+        entry: &'static str,
+        defines: &[(&str, String)],
+    ) -> Result<CudaFunction> {
+        let key = defines.iter().fold(format!("{entry} {arch}"), |k, (n, v)| {
+            format!("{k} {n}={v}")
+        });
         let mut compiled = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(function) = compiled.get(&key) {
             return Ok(function.clone());
         }
         let options: Vec<String> = defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect();
-        let function = self.compile_with(&key, source, options, entry)?;
+        let function = self.compile_with(&key, source, options, entry, arch)?;
         compiled.insert(key, function.clone());
         Ok(function)
     }
@@ -332,7 +393,7 @@ impl Gpu {
         entry: &str,
     ) -> Result<CudaFunction> {
         let options = defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect();
-        self.compile_with(name, source, options, entry)
+        self.compile_with(name, source, options, entry, &self.arch)
     }
 
     fn compile_with(
@@ -341,8 +402,9 @@ impl Gpu {
         source: &str,
         mut options: Vec<String>,
         entry: &str,
+        arch: &str,
     ) -> Result<CudaFunction> {
-        options.push(format!("--gpu-architecture={}", self.arch));
+        options.push(format!("--gpu-architecture={arch}"));
         // exp2 as one hardware instruction; its error (~1e-7) is far under the tests' bound.
         options.push("--use_fast_math".into());
         // What the PTX depends on, stated in the cache file's first line: a file whose line

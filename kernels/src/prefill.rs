@@ -7,18 +7,26 @@
 //! KV head sharing its key and value tiles, walks the key tiles of 64 from the diagonal down
 //! with an online softmax in f32 registers (rescaling the output only when a row's maximum
 //! grew), skips the tiles no row of it sees and masks only the diagonal and window-edge
-//! tiles. f32 runs a plain kernel, one
-//! warp per query row (the exact test mode). Either way: no atomics, the same bits on every
-//! run.
+//! tiles. On Hopper (compute capability 9.0, head dims 64, 128 and 256) `prefill_hopper`
+//! (`cuda/prefill_hopper.cu`) takes its place: the same masks and order on warpgroup MMAs
+//! (`wgmma`, FlashAttention-3's overlap of one tile's softmax with the previous tile's
+//! P V), compiled for `compute_90a`; [`Gpu::portable`] keeps the mma.sync kernel. f32 runs a
+//! plain kernel, one warp per query row (the exact test mode). Either way: no atomics, the
+//! same bits on every run.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 
 use crate::buffers::KvCache;
 use crate::error::{driver, length, KernelError, Result};
 use crate::gpu::{Float, Gpu};
 
 const SOURCE: &str = include_str!("../cuda/prefill.cu");
+/// `prefill.cu` with the Hopper kernel after it (which reuses its masks, copies and layouts).
+const HOPPER_SOURCE: &str = concat!(
+    include_str!("../cuda/prefill.cu"),
+    include_str!("../cuda/prefill_hopper.cu")
+);
 
 /// Which keys a query sees: query `i` of the chunk sits at position `first_position + i` and
 /// sees key positions `k` with `k <= p`, and `k > p - window` when a window is set (the
@@ -159,6 +167,87 @@ impl Tiles {
     /// Queries, then two stages of keys and values, rows padded by 16 bytes.
     fn shared_bytes(self, head_dim: usize) -> usize {
         (self.block_m() + 4 * self.block_n) as usize * (head_dim + 8) * 2
+    }
+}
+
+/// Tiles of the Hopper kernel (`cuda/prefill_hopper.cu`): two warpgroups of 64 query rows
+/// (one block a multiprocessor) and key tiles of 128 keys up to d = 128, 64 at d = 256,
+/// where the output alone takes 128 registers a thread.
+#[derive(Debug, Clone, Copy)]
+struct HopperTiles {
+    warpgroups: u32,
+    block_n: u32,
+}
+
+impl HopperTiles {
+    /// The head dims it takes: whole 64-element panels of the swizzled layout, and an
+    /// output of at most 256 columns (one wgmma).
+    fn for_head_dim(head_dim: usize) -> Option<Self> {
+        match head_dim {
+            64 | 128 => Some(Self {
+                warpgroups: 2,
+                block_n: 128,
+            }),
+            256 => Some(Self {
+                warpgroups: 2,
+                block_n: 64,
+            }),
+            _ => None,
+        }
+    }
+
+    fn block_m(self) -> u32 {
+        self.warpgroups * 64
+    }
+
+    /// Queries, two key and two value tiles, and 1 KB to align them to the swizzle's atoms:
+    /// 161 KB at d = 128, 193 KB at d = 256.
+    fn shared_bytes(self, head_dim: usize) -> usize {
+        (self.block_m() + 4 * self.block_n) as usize * head_dim * 2 + 1024
+    }
+}
+
+/// A tensor-core kernel ready for a call: which one, and its block's shape.
+struct TensorCoreKernel {
+    function: CudaFunction,
+    block_m: u32,
+    threads: u32,
+    shared: usize,
+}
+
+impl TensorCoreKernel {
+    /// The Hopper kernel where the device and head dim allow it, else the mma.sync one.
+    fn for_call(gpu: &Gpu, plan: &Plan, kv_heads: usize, kinds: (u32, u32)) -> Result<Self> {
+        let common = [
+            ("IN_KIND", kinds.0.to_string()),
+            ("OUT_KIND", kinds.1.to_string()),
+            ("HEAD_DIM", plan.head_dim.to_string()),
+        ];
+        if let Some(tiles) = HopperTiles::for_head_dim(plan.head_dim).filter(|_| gpu.hopper()) {
+            let mut defines = common.to_vec();
+            defines.push(("WARPGROUPS", tiles.warpgroups.to_string()));
+            defines.push(("BLOCK_N", tiles.block_n.to_string()));
+            return Ok(Self {
+                function: gpu.hopper_kernel(HOPPER_SOURCE, "prefill_hopper", &defines)?,
+                block_m: tiles.block_m(),
+                threads: tiles.warpgroups * 128,
+                shared: tiles.shared_bytes(plan.head_dim),
+            });
+        }
+        let tiles = Tiles::for_call(plan, kv_heads, gpu.multiprocessors());
+        let mut defines = common.to_vec();
+        defines.extend([
+            ("WARPS", tiles.warps.to_string()),
+            ("M_TILES", tiles.m_tiles.to_string()),
+            ("BLOCK_N", tiles.block_n.to_string()),
+            ("MIN_BLOCKS", tiles.min_blocks.to_string()),
+        ]);
+        Ok(Self {
+            function: gpu.kernel(SOURCE, "prefill", &defines)?,
+            block_m: tiles.block_m(),
+            threads: tiles.threads(),
+            shared: tiles.shared_bytes(plan.head_dim),
+        })
     }
 }
 
@@ -338,18 +427,12 @@ fn launch_fast<A: Float, O: Float>(
     (in_kind, out_kind): (u32, u32),
 ) -> Result<()> {
     let kv_heads = kv.kv_heads();
-    let tiles = Tiles::for_call(plan, kv_heads, gpu.multiprocessors());
-    let defines = [
-        ("IN_KIND", in_kind.to_string()),
-        ("OUT_KIND", out_kind.to_string()),
-        ("HEAD_DIM", plan.head_dim.to_string()),
-        ("WARPS", tiles.warps.to_string()),
-        ("M_TILES", tiles.m_tiles.to_string()),
-        ("BLOCK_N", tiles.block_n.to_string()),
-        ("MIN_BLOCKS", tiles.min_blocks.to_string()),
-    ];
-    let kernel = gpu.kernel(SOURCE, "prefill", &defines)?;
-    let shared = tiles.shared_bytes(plan.head_dim);
+    let TensorCoreKernel {
+        function: kernel,
+        block_m,
+        threads,
+        shared,
+    } = TensorCoreKernel::for_call(gpu, plan, kv_heads, (in_kind, out_kind))?;
     // Past 48 KB a block's dynamic shared memory must be asked for; the carveout preference
     // lets two blocks of 104 KB share a multiprocessor.
     kernel
@@ -368,7 +451,7 @@ fn launch_fast<A: Float, O: Float>(
         ))?;
 
     let rows = plan.tokens * plan.group;
-    let m_blocks = rows.div_ceil(tiles.block_m() as usize);
+    let m_blocks = rows.div_ceil(block_m as usize);
     let blocks = u32::try_from(m_blocks * kv_heads).map_err(|_| KernelError::TooLarge {
         what: "prefill blocks",
         value: m_blocks * kv_heads,
@@ -388,7 +471,7 @@ fn launch_fast<A: Float, O: Float>(
     );
     let config = LaunchConfig {
         grid_dim: (blocks, 1, 1),
-        block_dim: (tiles.threads(), 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: shared as u32,
     };
     let mut builder = gpu.stream().launch_builder(&kernel);
@@ -408,9 +491,10 @@ fn launch_fast<A: Float, O: Float>(
         .arg(&args.8)
         .arg(&args.9)
         .arg(&args.10);
-    // Safety: the arguments match `prefill`'s signature in order and type; the queries and
-    // out hold tokens × heads rows, the buffers kv_heads × capacity rows of head_dim, and
-    // the kernel reads only rows of positions the plan found in the buffer.
+    // Safety: the arguments match the signatures of `prefill` and `prefill_hopper` in order
+    // and type; the queries and out hold tokens × heads rows, the buffers kv_heads ×
+    // capacity rows of head_dim, and the kernel reads only rows of positions the plan found
+    // in the buffer.
     unsafe { builder.launch(config) }.map_err(driver("launching prefill"))?;
     Ok(())
 }
@@ -473,4 +557,32 @@ fn launch_exact<A: Float, O: Float>(
     // in `launch_fast`.
     unsafe { builder.launch(config) }.map_err(driver("launching prefill_exact"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block of the Hopper kernel fits the H100's and H200's 227 KB of shared memory a
+    /// block, its key tiles are whole k16 steps, and head dims that are not whole 64-column
+    /// panels (or more than one wgmma's 256 output columns) go to the mma.sync kernel.
+    #[test]
+    fn hopper_tiles_fit_shared_memory() {
+        const HOPPER_SHARED_PER_BLOCK: usize = 232_448;
+        for head_dim in [64, 128, 256] {
+            let tiles = HopperTiles::for_head_dim(head_dim).expect("supported head dim");
+            let bytes = tiles.shared_bytes(head_dim);
+            assert!(
+                bytes <= HOPPER_SHARED_PER_BLOCK,
+                "d {head_dim}: {bytes} bytes"
+            );
+            assert_eq!(tiles.block_n % 16, 0, "d {head_dim}: whole k16 steps");
+        }
+        for head_dim in [16, 32, 48, 96, 112, 192, 240] {
+            assert!(
+                HopperTiles::for_head_dim(head_dim).is_none(),
+                "d {head_dim}"
+            );
+        }
+    }
 }

@@ -1,5 +1,6 @@
 //! `prefill_attention` against a direct f64 reference on the host, on fresh random inputs
-//! (the seed is printed): f32 (the exact kernel), f16 and bf16 (the tensor-core kernel).
+//! (the seed is printed): f32 (the exact kernel), f16 and bf16 (the tensor-core kernels: on
+//! a Hopper GPU both the Hopper kernel and the mma.sync kernel, each tested alone).
 //!
 //! Every test needs a GPU: on a machine without one (CI), or built without feature `gpu`,
 //! each says on stderr that it skipped, and passes.
@@ -319,9 +320,11 @@ mod on_gpu {
         let Some((gpu, mut rng)) = start(test) else {
             return Ok(());
         };
-        let mut worst = Worst::default();
-        every_case::<f16>(&gpu, &mut rng, &mut worst)?;
-        worst.print(test);
+        for (kernel, gpu) in gpu.kernel_sets()? {
+            let mut worst = Worst::default();
+            every_case::<f16>(&gpu, &mut rng, &mut worst)?;
+            worst.print(&format!("{test} [{kernel}]"));
+        }
         Ok(())
     }
 
@@ -331,9 +334,11 @@ mod on_gpu {
         let Some((gpu, mut rng)) = start(test) else {
             return Ok(());
         };
-        let mut worst = Worst::default();
-        every_case::<bf16>(&gpu, &mut rng, &mut worst)?;
-        worst.print(test);
+        for (kernel, gpu) in gpu.kernel_sets()? {
+            let mut worst = Worst::default();
+            every_case::<bf16>(&gpu, &mut rng, &mut worst)?;
+            worst.print(&format!("{test} [{kernel}]"));
+        }
         Ok(())
     }
 
@@ -345,7 +350,6 @@ mod on_gpu {
         let Some((gpu, mut rng)) = start(test) else {
             return Ok(());
         };
-        let mut worst = Worst::default();
         let c = |head_dim, tokens, window| Case {
             heads: 8,
             kv_heads: 2,
@@ -355,18 +359,19 @@ mod on_gpu {
             window,
             capacity: tokens,
         };
-        for d in [64, 128, 256] {
-            case::<f16, bf16>(&gpu, &mut rng, &c(d, 300, None), &mut worst)?;
-            case::<f16, f16>(&gpu, &mut rng, &c(d, 300, Some(100)), &mut worst)?;
-            case::<bf16, bf16>(&gpu, &mut rng, &c(d, 300, None), &mut worst)?;
-            case::<bf16, f16>(&gpu, &mut rng, &c(d, 300, Some(100)), &mut worst)?;
-            case::<f32, bf16>(&gpu, &mut rng, &c(d, 100, None), &mut worst)?;
+        for (kernel, gpu) in gpu.kernel_sets()? {
+            let mut worst = Worst::default();
+            for d in [64, 128, 256] {
+                case::<f16, bf16>(&gpu, &mut rng, &c(d, 300, None), &mut worst)?;
+                case::<f16, f16>(&gpu, &mut rng, &c(d, 300, Some(100)), &mut worst)?;
+                case::<bf16, bf16>(&gpu, &mut rng, &c(d, 300, None), &mut worst)?;
+                case::<bf16, f16>(&gpu, &mut rng, &c(d, 300, Some(100)), &mut worst)?;
+                case::<f32, bf16>(&gpu, &mut rng, &c(d, 100, None), &mut worst)?;
+                case::<f16, f32>(&gpu, &mut rng, &c(d, 1500, None), &mut worst)?;
+                case::<bf16, f32>(&gpu, &mut rng, &c(d, 1500, Some(512)), &mut worst)?;
+            }
+            worst.print(&format!("{test} [{kernel}]"));
         }
-        for d in [128, 256] {
-            case::<f16, f32>(&gpu, &mut rng, &c(d, 1500, None), &mut worst)?;
-            case::<bf16, f32>(&gpu, &mut rng, &c(d, 1500, Some(512)), &mut worst)?;
-        }
-        worst.print(test);
         Ok(())
     }
 
@@ -435,11 +440,13 @@ mod on_gpu {
         let Some((gpu, mut rng)) = start(test) else {
             return Ok(());
         };
-        let mut worst = Worst::default();
-        chunked::<f32>(&gpu, &mut rng, &mut worst)?;
-        chunked::<f16>(&gpu, &mut rng, &mut worst)?;
-        chunked::<bf16>(&gpu, &mut rng, &mut worst)?;
-        worst.print(test);
+        for (kernel, gpu) in gpu.kernel_sets()? {
+            let mut worst = Worst::default();
+            chunked::<f32>(&gpu, &mut rng, &mut worst)?;
+            chunked::<f16>(&gpu, &mut rng, &mut worst)?;
+            chunked::<bf16>(&gpu, &mut rng, &mut worst)?;
+            worst.print(&format!("{test} [{kernel}]"));
+        }
         Ok(())
     }
 
@@ -462,19 +469,21 @@ mod on_gpu {
         let Some((gpu, mut rng)) = start("deterministic") else {
             return Ok(());
         };
-        for head_dim in [64, 128, 256] {
-            let c = Case {
-                heads: 8,
-                kv_heads: 2,
-                head_dim,
-                tokens: 1000,
-                first_position: 100,
-                window: Some(400),
-                capacity: 1100,
-            };
-            twice::<f16>(&gpu, &mut rng, &c)?;
-            twice::<bf16>(&gpu, &mut rng, &c)?;
-            twice::<f32>(&gpu, &mut rng, &Case { tokens: 200, ..c })?;
+        for (_, gpu) in gpu.kernel_sets()? {
+            for head_dim in [64, 128, 256] {
+                let c = Case {
+                    heads: 8,
+                    kv_heads: 2,
+                    head_dim,
+                    tokens: 1000,
+                    first_position: 100,
+                    window: Some(400),
+                    capacity: 1100,
+                };
+                twice::<f16>(&gpu, &mut rng, &c)?;
+                twice::<bf16>(&gpu, &mut rng, &c)?;
+                twice::<f32>(&gpu, &mut rng, &Case { tokens: 200, ..c })?;
+            }
         }
         Ok(())
     }

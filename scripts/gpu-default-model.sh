@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The default model on a GPU machine, CPU against GPU in one command: joins the model's
+# pieces (the device tool carries 64 MiB a call, so the GGUF arrives as `split -b` pieces
+# named part-*), checks its sha256, generates 32 greedy tokens on the CPU (`--weights exact`)
+# and on the GPU for a short and a 1,938-token prompt and compares them, then plants a needle
+# in the GPL, ingests it on the GPU and asks for it through the corpus's index and with full
+# attention. The log goes to $OUT/default-model.log (or ./gpu-default-model/).
+#
+# Usage (on the GPU machine, from the unpacked bundle of scripts/gpu-bundle.sh):
+#   scripts/gpu-default-model.sh BUNDLE_DIR PIECES_DIR
+set -uo pipefail
+bundle=${1:?usage: gpu-default-model.sh BUNDLE_DIR PIECES_DIR}
+pieces=${2:?usage: gpu-default-model.sh BUNDLE_DIR PIECES_DIR}
+out=${OUT:-gpu-default-model}
+work=$(mktemp -d)
+mkdir -p "$out"
+log=$out/default-model.log
+export LD_LIBRARY_PATH=$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} KVDB_HOME=$work/home
+kvdb=$bundle/bin/kvdb
+model=$work/gemma-3-270m.gguf
+cat "$pieces"/part-* >"$model"
+sum=$(sha256sum "$model" | cut -c1-64)
+echo "sha256 $sum" | tee "$log"
+[ "$sum" = a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818 ] ||
+    { echo "not the default model" | tee -a "$log"; exit 1; }
+
+license=/usr/share/common-licenses/GPL-3
+short="The GNU General Public License is a free, copyleft license for software and other kinds of works."
+long="$(head -c 9000 "$license")"
+for device in cpu cuda; do
+    weights=()
+    [ $device = cpu ] && weights=(--weights exact)
+    for prompt in short long; do
+        "$kvdb" generate --model "$model" --device $device "${weights[@]}" --max-tokens 32 \
+            --prompt "${!prompt}" >"$work/$prompt-$device.txt" 2>>"$log"
+    done
+done
+for prompt in short long; do
+    if cmp -s "$work/$prompt-cpu.txt" "$work/$prompt-cuda.txt"; then
+        echo "$prompt prompt: CPU and GPU greedy tokens identical"
+    else
+        echo "$prompt prompt: CPU and GPU greedy tokens DIFFER"
+    fi
+done | tee -a "$log"
+for f in "$work"/*.txt; do
+    echo "== $(basename "$f")"
+    cat "$f"
+    echo
+done >>"$log"
+
+mkdir -p "$work/needle"
+{
+    head -c 20000 "$license"
+    printf '\nThe secret number of the archive is 8046215.\n\n'
+    tail -c +20001 "$license"
+} >"$work/needle/gpl.txt"
+"$kvdb" ingest --model "$model" --store "$work/store" --corpus gpl --device cuda \
+    --progress none "$work/needle/gpl.txt" 2>&1 | tail -3 | tee -a "$log"
+for how in "" --full-attention; do
+    answer=$("$kvdb" ask --model "$model" --store "$work/store" --corpus gpl $how --max-tokens 8 \
+        'What is the secret number of the archive? The secret number of the archive is' 2>>"$log")
+    echo "ask ${how:-(index)}: $answer" | tee -a "$log"
+done
+rm -rf "$work"
