@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use kvdb_attention::{
-    retrieval_attention, DenseKv, DensePolicy, Estimate, KvSource, RetrievalQuery,
+    retrieval_attention, Attended, DenseKv, DensePolicy, Estimate, KvSource, RetrievalQuery,
 };
 use kvdb_index::{Found, GroupQuery, IndexSpec, SearchParams, Searcher};
 use kvdb_model::{
@@ -198,8 +198,8 @@ pub struct Corpus {
     documents: Vec<DocumentRecord>,
     tokens: Vec<u32>,
     tier: RamTier,
-    /// Sliding-window layers: (layer, pre-RoPE keys `[t, n_kv, d]`, values, positions).
-    windows: Vec<(usize, Tensor, Tensor, Range<usize>)>,
+    /// The sliding-window layers' stored windows.
+    windows: Vec<StoredWindow>,
     /// Layers that retrieve.
     retrieval_layers: Vec<usize>,
     /// Loaded indexes by spec (canonical spelling).
@@ -242,12 +242,12 @@ impl Corpus {
                     let (keys, values) = store.layer_kv(&manifest, spec.index, range.clone())?;
                     let shape = (range.len(), heads, d);
                     let device = model.model.device();
-                    windows.push((
-                        spec.index,
-                        Tensor::from_vec(keys, shape, device)?,
-                        Tensor::from_vec(values, shape, device)?,
-                        range,
-                    ));
+                    windows.push(StoredWindow {
+                        layer: spec.index,
+                        keys: Tensor::from_vec(keys, shape, device)?,
+                        values: Tensor::from_vec(values, shape, device)?,
+                        positions: range,
+                    });
                 }
                 StoredLayer::All => {}
             }
@@ -359,7 +359,9 @@ impl Corpus {
             )));
         }
         let set = self.index_for(model, &options.mode)?;
-        let mut backend = self.session(model, &options.mode, set.as_deref(), n + ids.len() - 1)?;
+        // The question's last token produces the first answer token: mass counts from there.
+        let answer_from = Some(n + ids.len() - 1);
+        let mut backend = self.session(model, &options.mode, set.as_deref(), answer_from)?;
         let started = Instant::now();
         let mut first_token = None;
         let mut stream = |piece: &str| {
@@ -381,7 +383,7 @@ impl Corpus {
             AttentionMode::Retrieval(r) => self.provenance(model, &backend.mass, r.policy.sink)?,
             AttentionMode::Full => Provenance::default(),
         };
-        let retrieval = backend.retrieval.take();
+        let retrieval = backend.retriever.take().map(|r| r.stats);
         let later = generation.tokens.len().saturating_sub(1);
         Ok(Answer {
             answer: generation.text,
@@ -423,7 +425,7 @@ impl Corpus {
             )));
         }
         let set = self.index_for(model, &mode)?;
-        let mut session = self.session(model, &mode, set.as_deref(), usize::MAX)?;
+        let mut session = self.session(model, &mode, set.as_deref(), None)?;
         let mut observed = |input: &AttentionInput<'_>| -> kvdb_model::Result<Tensor> {
             observe(input).map_err(|e| kvdb_model::ModelError::Backend {
                 layer: input.layer.index,
@@ -456,14 +458,52 @@ impl Corpus {
     }
 
     /// A fresh per-query attention state: sliding windows (and, for full attention, every
-    /// retrieval layer) preloaded, an empty tail, a searcher per retrieval layer and KV head.
+    /// retrieval layer) preloaded, and under retrieval an empty tail and a searcher per
+    /// retrieval layer and KV head. Attention mass counts for provenance from position
+    /// `answer_from` on (`None`: not at all).
     fn session<'c>(
         &'c self,
         model: ModelRef<'_>,
         mode: &AttentionMode,
         set: Option<&'c IndexSet>,
-        provenance_from: usize,
+        answer_from: Option<usize>,
     ) -> Result<Session<'c>> {
+        let full = self.dense_attention(model, mode)?;
+        let config = model.model.config();
+        let mut layers: Vec<LayerState<'c>> =
+            (0..config.n_layers()).map(|_| LayerState::Dense).collect();
+        let retriever = match (mode, set) {
+            (AttentionMode::Retrieval(r), Some(set)) => {
+                let means = if r.estimate {
+                    self.bucket_means(set, config.head_dim, r)?
+                } else {
+                    HashMap::new()
+                };
+                for &layer in &self.retrieval_layers {
+                    layers[layer] = LayerState::Retrieval(self.retrieval_heads(
+                        layer,
+                        set,
+                        config.head_dim,
+                        means.get(&layer),
+                    )?);
+                }
+                Some(self.retriever(r, set)?)
+            }
+            _ => None,
+        };
+        Ok(Session {
+            corpus: self,
+            full,
+            layers,
+            retriever,
+            mass: vec![0.0; self.manifest.tokens],
+            answer_from,
+        })
+    }
+
+    /// Full attention with the stored sliding windows preloaded, and for
+    /// [`AttentionMode::Full`] every retrieval layer's corpus keys and values too.
+    fn dense_attention(&self, model: ModelRef<'_>, mode: &AttentionMode) -> Result<FullAttention> {
         let config = model.model.config();
         let mut full = FullAttention::new(config);
         let rope = |layer: usize| {
@@ -472,17 +512,17 @@ impl Corpus {
                 .rope(layer)
                 .ok_or_else(|| Error::Corrupt(format!("the model has no layer {layer}")))
         };
-        for (layer, keys, values, range) in &self.windows {
+        for window in &self.windows {
             full.preload(
-                &config.layers[*layer],
-                rope(*layer)?,
-                keys,
-                values,
-                range.clone(),
+                &config.layers[window.layer],
+                rope(window.layer)?,
+                &window.keys,
+                &window.values,
+                window.positions.clone(),
             )?;
         }
-        let n = self.manifest.tokens;
         if *mode == AttentionMode::Full {
+            let n = self.manifest.tokens;
             let ids: Vec<u32> = (0..n as u32).collect();
             for &layer in &self.retrieval_layers {
                 let (mut keys, mut values) = (Vec::new(), Vec::new());
@@ -503,68 +543,64 @@ impl Corpus {
                 )?;
             }
         }
-        let tails = self
-            .retrieval_layers
+        Ok(full)
+    }
+
+    /// A retrieval layer's per-KV-head state: an empty tail, a searcher of the layer's index,
+    /// and the bucket means when the query estimates unvisited buckets.
+    fn retrieval_heads<'c>(
+        &self,
+        layer: usize,
+        set: &'c IndexSet,
+        d: usize,
+        means: Option<&Vec<Vec<f32>>>,
+    ) -> Result<Vec<RetrievalHead<'c>>> {
+        let indexes = set
+            .get(&layer)
+            .ok_or_else(|| Error::Corrupt(format!("retrieval layer {layer} has no index")))?;
+        indexes
             .iter()
-            .map(|&l| {
-                let tails = (0..config.n_kv_heads)
-                    .map(|_| DenseKv::new(Vec::new(), Vec::new(), config.head_dim))
-                    .collect::<std::result::Result<Vec<_>, _>>()?;
-                Ok((l, tails))
+            .enumerate()
+            .map(|(head, index)| {
+                Ok(RetrievalHead {
+                    tail: DenseKv::new(Vec::new(), Vec::new(), d)?,
+                    searcher: index.searcher(),
+                    bucket_means: means.map(|m| m[head].clone()),
+                })
             })
-            .collect::<Result<HashMap<_, _>>>()?;
-        let mut bucket_means = HashMap::new();
-        let (retrieval, searchers) = match (mode, set) {
-            (AttentionMode::Retrieval(r), Some(set)) => {
-                let mut searchers = HashMap::new();
-                let mut built = String::new();
-                for (&layer, indexes) in set {
-                    built = indexes
-                        .first()
-                        .map(|i| i.spec().to_string())
-                        .unwrap_or_default();
-                    searchers.insert(layer, indexes.iter().map(|i| i.searcher()).collect());
-                }
-                let spec = r.index.clone().map_or_else(|| self.default_index(), Ok)?;
-                let k = r.k.or(spec.default_k()).unwrap_or(DEFAULT_K);
-                let stats = RetrievalStats {
-                    index: built,
-                    ..RetrievalStats::default()
-                };
-                if r.estimate {
-                    bucket_means = self.bucket_means(set, config.head_dim)?;
-                    if bucket_means.is_empty() {
-                        return Err(Error::Query(format!(
-                            "`{spec}` is not a bucket index: only ivf and saap can estimate \
-                             unvisited buckets"
-                        )));
-                    }
-                }
-                let budget = Budget {
-                    k,
-                    breadth: r.breadth,
-                    policy: r.policy,
-                };
-                (Some((budget, stats)), searchers)
-            }
-            _ => (None, HashMap::new()),
-        };
-        Ok(Session {
-            corpus: self,
-            full,
-            budget: retrieval.as_ref().map(|(b, _)| *b),
-            retrieval: retrieval.map(|(_, s)| s),
-            searchers,
-            bucket_means,
-            tails,
-            mass: vec![0.0; n],
-            provenance_from,
+            .collect()
+    }
+
+    /// The budget and empty statistics of a query's retrieval through `set`.
+    fn retriever(&self, r: &Retrieval, set: &IndexSet) -> Result<Retriever> {
+        let built = set
+            .values()
+            .next()
+            .and_then(|indexes| indexes.first())
+            .map(|i| i.spec().to_string())
+            .unwrap_or_default();
+        let spec = r.index.clone().map_or_else(|| self.default_index(), Ok)?;
+        Ok(Retriever {
+            budget: Budget {
+                k: r.k.or(spec.default_k()).unwrap_or(DEFAULT_K),
+                breadth: r.breadth,
+                policy: r.policy,
+            },
+            stats: RetrievalStats {
+                index: built,
+                ..RetrievalStats::default()
+            },
         })
     }
 
     /// Per retrieval layer and KV head, the mean value of each bucket of a bucket index
-    /// (empty when the indexes are not bucket indexes). Reads every value once.
-    fn bucket_means(&self, set: &IndexSet, d: usize) -> Result<HashMap<usize, Vec<Vec<f32>>>> {
+    /// (an error for other indexes). Reads every value once.
+    fn bucket_means(
+        &self,
+        set: &IndexSet,
+        d: usize,
+        r: &Retrieval,
+    ) -> Result<HashMap<usize, Vec<Vec<f32>>>> {
         let n = self.manifest.tokens;
         let ids: Vec<u32> = (0..n as u32).collect();
         let mut out = HashMap::new();
@@ -572,7 +608,11 @@ impl Corpus {
             let mut per_head = Vec::with_capacity(indexes.len());
             for (head, index) in indexes.iter().enumerate() {
                 let Some(buckets) = index.as_buckets() else {
-                    return Ok(HashMap::new());
+                    let spec = r.index.clone().map_or_else(|| self.default_index(), Ok)?;
+                    return Err(Error::Query(format!(
+                        "`{spec}` is not a bucket index: only ivf and saap can estimate \
+                         unvisited buckets"
+                    )));
                 };
                 let (mut keys, mut values) = (Vec::new(), Vec::new());
                 self.tier
@@ -673,26 +713,63 @@ struct Budget {
     policy: DensePolicy,
 }
 
+impl Budget {
+    /// The dense part at `position` after `n` corpus tokens: the tail is never indexed, so
+    /// the window always covers it.
+    fn policy_at(&self, position: usize, n: usize) -> DensePolicy {
+        DensePolicy {
+            sink: self.policy.sink,
+            window: self.policy.window.max(position + 1 - n),
+        }
+    }
+}
+
+/// A query's retrieval: what every search gets, and what they selected so far.
+struct Retriever {
+    budget: Budget,
+    stats: RetrievalStats,
+}
+
+/// A sliding-window layer's stored window: pre-RoPE keys and values `[t, n_kv, d]` of the
+/// positions `positions`.
+#[derive(Debug)]
+struct StoredWindow {
+    layer: usize,
+    keys: Tensor,
+    values: Tensor,
+    positions: Range<usize>,
+}
+
+/// A query's state at one KV head of a retrieval layer.
+struct RetrievalHead<'c> {
+    /// The tail's (question and answer so far) pre-RoPE keys and values.
+    tail: DenseKv,
+    searcher: Box<dyn Searcher + 'c>,
+    /// With estimation, the mean value of every bucket `[buckets, head_dim]`.
+    bucket_means: Option<Vec<f32>>,
+}
+
+/// How a query attends at one layer.
+enum LayerState<'c> {
+    /// Through [`FullAttention`]: sliding-window and dense layers, and every layer under
+    /// full attention.
+    Dense,
+    /// Retrieval, per KV head.
+    Retrieval(Vec<RetrievalHead<'c>>),
+}
+
 /// One query's attention state.
 struct Session<'c> {
     corpus: &'c Corpus,
     full: FullAttention,
-    /// Retrieval's budget and dense part (`None`: full attention).
-    budget: Option<Budget>,
-    /// What retrieval selected so far.
-    retrieval: Option<RetrievalStats>,
-    /// Per retrieval layer, one searcher per KV head.
-    searchers: HashMap<usize, Vec<Box<dyn Searcher + 'c>>>,
-    /// With estimation, per retrieval layer and KV head the mean value of every bucket
-    /// `[buckets, head_dim]` (empty without).
-    bucket_means: HashMap<usize, Vec<Vec<f32>>>,
-    /// Per retrieval layer, per KV head: the tail's pre-RoPE keys and values.
-    tails: HashMap<usize, Vec<DenseKv>>,
+    /// Per layer of the model.
+    layers: Vec<LayerState<'c>>,
+    /// `None` under full attention.
+    retriever: Option<Retriever>,
     /// Attention mass each corpus token received while answering.
     mass: Vec<f64>,
-    /// Mass counts from this position on (the question's last token produces the first
-    /// answer token).
-    provenance_from: usize,
+    /// Mass counts from this position on (`None`: not at all).
+    answer_from: Option<usize>,
 }
 
 /// Corpus rows through the RAM tier, tail rows from memory.
@@ -736,148 +813,234 @@ impl KvSource for SessionSource<'_> {
 impl AttentionBackend for Session<'_> {
     fn attend(&mut self, input: &AttentionInput<'_>) -> kvdb_model::Result<Tensor> {
         let layer = input.layer.index;
-        let Some(budget) = self.budget else {
-            return self.full.attend(input);
-        };
-        if !self.tails.contains_key(&layer) {
-            return self.full.attend(input);
+        let Session {
+            corpus,
+            full,
+            layers,
+            retriever,
+            mass,
+            answer_from,
+        } = self;
+        match (layers.get_mut(layer), retriever) {
+            (Some(LayerState::Retrieval(heads)), Some(retriever)) => {
+                let step = Step::new(input, corpus.manifest.tokens)?;
+                retrieve(corpus, heads, retriever, &step)
+                    .and_then(|attended| {
+                        if let Some(from) = *answer_from {
+                            attended.add_mass(from, &step, mass);
+                        }
+                        attended.output(&step, input.queries.device())
+                    })
+                    .map_err(|e| kvdb_model::ModelError::Backend {
+                        layer,
+                        reason: e.to_string(),
+                    })
+            }
+            _ => full.attend(input),
         }
-        self.retrieve(input, budget)
-            .map_err(|e| kvdb_model::ModelError::Backend {
-                layer,
-                reason: e.to_string(),
-            })
     }
 }
 
-impl Session<'_> {
-    fn retrieve(&mut self, input: &AttentionInput<'_>, budget: Budget) -> Result<Tensor> {
-        let Budget { k, breadth, policy } = budget;
-        let layer = input.layer.index;
+/// A retrieval layer's input for a chunk of query tokens, as flat host rows.
+struct Step<'a> {
+    input: &'a AttentionInput<'a>,
+    /// Query tokens, query heads, head dim, KV heads, query heads per KV head.
+    t: usize,
+    h: usize,
+    d: usize,
+    n_kv: usize,
+    group: usize,
+    /// Corpus tokens.
+    n: usize,
+    queries: Vec<f32>,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+impl<'a> Step<'a> {
+    fn new(input: &'a AttentionInput<'a>, n: usize) -> kvdb_model::Result<Self> {
         let (t, h, d) = input.queries.dims3()?;
         let n_kv = input.keys.dim(1)?;
-        let group = h / n_kv;
-        let n = self.corpus.manifest.tokens;
-        let queries: Vec<f32> = input.queries.flatten_all()?.to_vec1()?;
-        let keys: Vec<f32> = input.keys.flatten_all()?.to_vec1()?;
-        let values: Vec<f32> = input.values.flatten_all()?.to_vec1()?;
-        let tails = self
-            .tails
-            .get_mut(&layer)
-            .ok_or_else(|| Error::Corrupt(format!("layer {layer} has no tail")))?;
-        for i in 0..t {
-            for (g, tail) in tails.iter_mut().enumerate() {
-                let row = (i * n_kv + g) * d;
-                tail.push(&keys[row..row + d], &values[row..row + d])?;
-            }
-        }
-        let tails = &*tails;
-        let searchers = self
-            .searchers
-            .get_mut(&layer)
-            .ok_or_else(|| Error::Corrupt(format!("layer {layer} has no index")))?;
-        // The tail is never indexed, so the dense part always covers it.
-        let policy_at = |position: usize| DensePolicy {
-            sink: policy.sink,
-            window: policy.window.max(position + 1 - n),
-        };
-        let q_of =
-            |i: usize, g: usize| &queries[(i * h + g * group) * d..(i * h + (g + 1) * group) * d];
-        let means = self.bucket_means.get(&layer);
-        let estimate = means.is_some();
-        // Searches run in token order per KV head (a searcher may carry state from one step
-        // to the next), KV heads in parallel.
-        let found: Vec<Vec<Found>> = searchers
-            .par_iter_mut()
-            .enumerate()
-            .map(|(g, searcher)| {
-                (0..t)
-                    .map(|i| {
-                        let position = input.positions.start + i;
-                        let query = GroupQuery {
-                            queries: q_of(i, g),
-                            position,
-                        };
-                        let candidates = policy_at(position).candidates(position);
-                        let params = SearchParams {
-                            estimate,
-                            breadth,
-                            ..SearchParams::top(k, candidates)
-                        };
-                        Ok(searcher.search(&query, &params)?)
-                    })
-                    .collect::<Result<Vec<_>>>()
-            })
-            .collect::<Result<Vec<_>>>()?;
-        if let Some(stats) = &mut self.retrieval {
-            for i in 0..t {
-                let position = input.positions.start + i;
-                let eligible = policy_at(position).candidates(position);
-                let eligible = eligible.end.min(n as u32).saturating_sub(eligible.start) as usize;
-                for per_head in &found {
-                    stats.searches += 1;
-                    stats.scored += per_head[i].scored;
-                    stats.selected += per_head[i].selection.len();
-                    stats.eligible += eligible;
-                }
-            }
-        }
-        let jobs: Vec<(usize, usize)> = (0..t)
-            .flat_map(|i| (0..n_kv).map(move |g| (i, g)))
-            .collect();
-        let results = jobs
-            .par_iter()
-            .map(|&(i, g)| -> Result<_> {
-                let position = input.positions.start + i;
-                let policy = policy_at(position);
-                let q = q_of(i, g);
-                let selection = &found[g][i].selection;
-                let estimate = match means {
-                    Some(means) => Some(Estimate::new(
-                        &found[g][i].unvisited,
-                        &means[g],
-                        group,
-                        d,
-                        input.scale,
-                    )?),
-                    None => None,
-                };
-                let source = SessionSource {
-                    tier: &self.corpus.tier,
-                    layer,
-                    head: g,
-                    corpus_tokens: n,
-                    tail: &tails[g],
-                };
-                let attended = retrieval_attention(
-                    &RetrievalQuery {
-                        queries: q,
-                        position,
-                        rope: input.rope,
-                        scale: input.scale,
-                        policy,
-                        selection,
-                        estimate: estimate.as_ref(),
-                    },
-                    &source,
-                )?;
-                Ok((i, g, position, attended))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mut out = vec![0f32; t * h * d];
-        for (i, g, position, attended) in results {
-            let at = (i * h + g * group) * d;
-            out[at..at + group * d].copy_from_slice(&attended.output);
-            if position >= self.provenance_from {
-                let m = attended.ids.len();
-                for (j, &id) in attended.ids.iter().enumerate() {
-                    if (id as usize) < n {
-                        let w: f32 = (0..group).map(|hh| attended.weights[hh * m + j]).sum();
-                        self.mass[id as usize] += w as f64;
-                    }
-                }
-            }
-        }
-        Ok(Tensor::from_vec(out, (t, h, d), input.queries.device())?)
+        Ok(Self {
+            input,
+            t,
+            h,
+            d,
+            n_kv,
+            group: h / n_kv,
+            n,
+            queries: input.queries.flatten_all()?.to_vec1()?,
+            keys: input.keys.flatten_all()?.to_vec1()?,
+            values: input.values.flatten_all()?.to_vec1()?,
+        })
     }
+
+    fn position(&self, i: usize) -> usize {
+        self.input.positions.start + i
+    }
+
+    /// The queries of KV head `g`'s group at token `i`, `[group, d]`.
+    fn group_queries(&self, i: usize, g: usize) -> &[f32] {
+        let (h, d, group) = (self.h, self.d, self.group);
+        &self.queries[(i * h + g * group) * d..(i * h + (g + 1) * group) * d]
+    }
+
+    /// Token `i`'s key or value row of KV head `g`.
+    fn row<'r>(&self, rows: &'r [f32], i: usize, g: usize) -> &'r [f32] {
+        let at = (i * self.n_kv + g) * self.d;
+        &rows[at..at + self.d]
+    }
+}
+
+/// What one retrieval layer attended to for a chunk: per (token, KV head), in token-major
+/// order.
+struct ChunkAttention(Vec<Attended>);
+
+impl ChunkAttention {
+    /// Adds the attention the corpus tokens received from positions `from` on to `mass`.
+    fn add_mass(&self, from: usize, step: &Step<'_>, mass: &mut [f64]) {
+        for (j, attended) in self.0.iter().enumerate() {
+            if step.position(j / step.n_kv) < from {
+                continue;
+            }
+            let m = attended.ids.len();
+            for (k, &id) in attended.ids.iter().enumerate() {
+                if (id as usize) < step.n {
+                    let w: f32 = (0..step.group).map(|hh| attended.weights[hh * m + k]).sum();
+                    mass[id as usize] += w as f64;
+                }
+            }
+        }
+    }
+
+    /// The layer's output `[t, h, d]`.
+    fn output(&self, step: &Step<'_>, device: &candle_core::Device) -> Result<Tensor> {
+        let mut out = Vec::with_capacity(step.t * step.h * step.d);
+        for attended in &self.0 {
+            out.extend_from_slice(&attended.output);
+        }
+        Ok(Tensor::from_vec(out, (step.t, step.h, step.d), device)?)
+    }
+}
+
+/// One retrieval layer's attention for a chunk: the chunk's keys and values join the tail,
+/// every KV head's searcher selects per token, and each (token, KV head) attends to its
+/// selection plus the dense part.
+fn retrieve(
+    corpus: &Corpus,
+    heads: &mut [RetrievalHead<'_>],
+    retriever: &mut Retriever,
+    step: &Step<'_>,
+) -> Result<ChunkAttention> {
+    for i in 0..step.t {
+        for (g, head) in heads.iter_mut().enumerate() {
+            head.tail
+                .push(step.row(&step.keys, i, g), step.row(&step.values, i, g))?;
+        }
+    }
+    let found = search(heads, &retriever.budget, step)?;
+    record(&mut retriever.stats, &found, &retriever.budget, step);
+    attend_selected(corpus, heads, &retriever.budget, step, &found)
+}
+
+/// Every KV head's selections, `[kv head][token]`: searches run in token order per KV head (a
+/// searcher may carry state from one step to the next), KV heads in parallel.
+fn search(
+    heads: &mut [RetrievalHead<'_>],
+    budget: &Budget,
+    step: &Step<'_>,
+) -> Result<Vec<Vec<Found>>> {
+    heads
+        .par_iter_mut()
+        .enumerate()
+        .map(|(g, head)| {
+            let estimate = head.bucket_means.is_some();
+            (0..step.t)
+                .map(|i| {
+                    let position = step.position(i);
+                    let query = GroupQuery {
+                        queries: step.group_queries(i, g),
+                        position,
+                    };
+                    let candidates = budget.policy_at(position, step.n).candidates(position);
+                    let params = SearchParams {
+                        estimate,
+                        breadth: budget.breadth,
+                        ..SearchParams::top(budget.k, candidates)
+                    };
+                    Ok(head.searcher.search(&query, &params)?)
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect()
+}
+
+/// Adds a chunk's searches to the query's statistics.
+fn record(stats: &mut RetrievalStats, found: &[Vec<Found>], budget: &Budget, step: &Step<'_>) {
+    let n = step.n;
+    for i in 0..step.t {
+        let position = step.position(i);
+        let eligible = budget.policy_at(position, n).candidates(position);
+        let eligible = eligible.end.min(n as u32).saturating_sub(eligible.start) as usize;
+        for per_head in found {
+            stats.searches += 1;
+            stats.scored += per_head[i].scored;
+            stats.selected += per_head[i].selection.len();
+            stats.eligible += eligible;
+        }
+    }
+}
+
+/// Each (token, KV head)'s attention over its selection and the dense part, merged, with the
+/// estimate of unvisited buckets where the query asked for one.
+fn attend_selected(
+    corpus: &Corpus,
+    heads: &[RetrievalHead<'_>],
+    budget: &Budget,
+    step: &Step<'_>,
+    found: &[Vec<Found>],
+) -> Result<ChunkAttention> {
+    // The searchers stay behind: they need not be shared between threads.
+    let tails: Vec<&DenseKv> = heads.iter().map(|head| &head.tail).collect();
+    let means: Vec<Option<&[f32]>> = heads.iter().map(|h| h.bucket_means.as_deref()).collect();
+    let jobs: Vec<(usize, usize)> = (0..step.t)
+        .flat_map(|i| (0..step.n_kv).map(move |g| (i, g)))
+        .collect();
+    let attended = jobs
+        .par_iter()
+        .map(|&(i, g)| -> Result<_> {
+            let position = step.position(i);
+            let found = &found[g][i];
+            let estimate = match means[g] {
+                Some(means) => Some(Estimate::new(
+                    &found.unvisited,
+                    means,
+                    step.group,
+                    step.d,
+                    step.input.scale,
+                )?),
+                None => None,
+            };
+            let source = SessionSource {
+                tier: &corpus.tier,
+                layer: step.input.layer.index,
+                head: g,
+                corpus_tokens: step.n,
+                tail: tails[g],
+            };
+            Ok(retrieval_attention(
+                &RetrievalQuery {
+                    queries: step.group_queries(i, g),
+                    position,
+                    rope: step.input.rope,
+                    scale: step.input.scale,
+                    policy: budget.policy_at(position, step.n),
+                    selection: &found.selection,
+                    estimate: estimate.as_ref(),
+                },
+                &source,
+            )?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ChunkAttention(attended))
 }
