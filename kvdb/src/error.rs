@@ -167,9 +167,118 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
-    /// Query options that cannot work.
-    #[error("{0}")]
-    Query(String),
+    /// A prompt, question or text with nothing in it.
+    #[error("the {what} is empty{hint}")]
+    EmptyInput {
+        /// What was empty.
+        what: &'static str,
+        /// What to do about it (with its leading punctuation), or nothing.
+        hint: &'static str,
+    },
+    /// A prompt template without the place for the question.
+    #[error("the prompt template has no `{{question}}` placeholder")]
+    TemplatePlaceholder,
+    /// Text that does not fit in the model's context after the corpus.
+    #[error(
+        "the {what} has {tokens} tokens; after the corpus's {corpus_tokens} tokens the \
+         model's context of {context} leaves room for at most {room}"
+    )]
+    TooLongForContext {
+        /// What was too long.
+        what: &'static str,
+        /// Its tokens.
+        tokens: usize,
+        /// The corpus's tokens.
+        corpus_tokens: usize,
+        /// The model's context length.
+        context: usize,
+        /// Tokens that would fit.
+        room: usize,
+    },
+    /// A corpus that exists but holds no tokens to query.
+    #[error("corpus `{corpus}` holds no tokens yet: ingest documents first")]
+    CorpusEmpty {
+        /// The corpus.
+        corpus: String,
+    },
+    /// Estimating unvisited buckets with an index that has no buckets.
+    #[error("`{spec}` is not a bucket index: only ivf and saap can estimate unvisited buckets")]
+    NotBucketIndex {
+        /// The index asked for.
+        spec: String,
+    },
+    /// No SAAP artifact for this model and bucket count.
+    #[error(
+        "no SAAP artifact with {centroids} buckets for this model at {}: train one with \
+         `kvdb saap train --centroids {centroids} --out FILE TEXT...` (which registers it) or \
+         name one with --saap FILE",
+        .path.display()
+    )]
+    SaapArtifactMissing {
+        /// Where it was looked for.
+        path: PathBuf,
+        /// The buckets the spec asks for.
+        centroids: usize,
+    },
+    /// A SAAP artifact that does not fit the index asked for.
+    #[error("{}: {problem}", .path.display())]
+    SaapArtifactMismatch {
+        /// The artifact.
+        path: PathBuf,
+        /// How it does not fit.
+        problem: String,
+    },
+    /// More indexes than a corpus can list.
+    #[error("corpus `{corpus}` would have {count} indexes, more than the {max} it can list")]
+    TooManyIndexes {
+        /// The corpus.
+        corpus: String,
+        /// Indexes it would have.
+        count: usize,
+        /// The most it can list.
+        max: usize,
+    },
+    /// A saved index is behind the corpus and cannot be rebuilt where it is read.
+    #[error(
+        "the {spec} index of layer {layer} KV head {head} is not saved for these {tokens} \
+         tokens yet: bring the corpus's indexes up to date (`kvdb index add --corpus {corpus} \
+         {spec}`, or POST /v1/corpora/{corpus}/indexes to a server)"
+    )]
+    IndexNotSaved {
+        /// The corpus.
+        corpus: String,
+        /// The index.
+        spec: String,
+        /// Where it is missing.
+        layer: usize,
+        /// Its KV head.
+        head: usize,
+        /// The corpus's tokens.
+        tokens: usize,
+    },
+    /// SAAP training with drills that leave no room for the text.
+    #[error(
+        "{drills} drills take about {drill_tokens} of the {budget} training tokens, leaving \
+         too few for the text: plant fewer drills or train on more tokens"
+    )]
+    TooManyDrills {
+        /// Drills asked for.
+        drills: usize,
+        /// Tokens they take.
+        drill_tokens: usize,
+        /// Training tokens.
+        budget: usize,
+    },
+    /// Training for retrieval layers on a model that has none.
+    #[error("the model has no retrieval layers")]
+    NoRetrievalLayers,
+    /// The caller stopped a query while it was answering (an HTTP client went away).
+    #[error("the query was stopped by its caller")]
+    Abandoned,
+    /// A broken invariant of kvdb itself: a bug, reported as neither the user's mistake nor
+    /// a damaged store.
+    #[error("internal error (a bug in kvdb): {0}")]
+    Internal(String),
     /// A write-ahead log file of the store is damaged, so that opening the store would drop
     /// committed data; the store was left as it was.
     #[error(

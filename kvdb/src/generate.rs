@@ -135,9 +135,10 @@ pub fn generate(
 ) -> Result<Generation> {
     let prompt_ids = tokenizer.encode(prompt, tokenizer.prompt_options())?;
     if prompt_ids.is_empty() {
-        return Err(Error::Query(
-            "the prompt is empty and the model adds no BOS token: give it some text".into(),
-        ));
+        return Err(Error::EmptyInput {
+            what: "prompt",
+            hint: " and the model adds no BOS token: give it some text",
+        });
     }
     continue_generation(sequence, tokenizer, &prompt_ids, options, on_text)
 }
@@ -154,9 +155,10 @@ pub fn continue_generation(
     let context = sequence.config().context_length;
     let start = sequence.position();
     if prompt_ids.is_empty() {
-        return Err(Error::Query(
-            "nothing to generate from: the prompt is empty".into(),
-        ));
+        return Err(Error::EmptyInput {
+            what: "prompt",
+            hint: ": there is nothing to generate from",
+        });
     }
     if start + prompt_ids.len() >= context {
         return Err(kvdb_model::ModelError::ContextOverflow {
@@ -200,7 +202,7 @@ pub fn continue_generation(
             break StopReason::MaxTokens;
         }
         let Some(row) = logits.take() else {
-            return Err(Error::Query("the model returned no logits".into()));
+            return Err(Error::Internal("the model returned no logits".into()));
         };
         let next = sampler.sample(&row.squeeze(0)?)?;
         if tokenizer.is_end_of_generation(next) {

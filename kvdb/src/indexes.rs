@@ -78,43 +78,43 @@ pub fn saap_registry_path(model_sha256: &str, centroids: usize) -> Result<PathBu
         .join(format!("{model_sha256}-c{centroids}.saap")))
 }
 
-/// The SAAP artifact for `spec`: `explicit` when given, else the one registered for the model.
+/// The SAAP artifact for `spec` and where it is: `explicit` when given, else the one
+/// registered for the model.
 fn saap_artifact(
     explicit: Option<&Path>,
     model_sha256: &str,
     centroids: usize,
-) -> Result<SaapArtifact> {
+) -> Result<(PathBuf, SaapArtifact)> {
     let path = match explicit {
         Some(p) => p.to_path_buf(),
         None => saap_registry_path(model_sha256, centroids)?,
     };
     if !path.exists() {
-        return Err(Error::Query(format!(
-            "no SAAP artifact with {centroids} buckets for this model at {}: train one with \
-             `kvdb saap train --centroids {centroids} --out FILE TEXT...` (which registers it) \
-             or name one with --saap FILE",
-            path.display()
-        )));
+        return Err(Error::SaapArtifactMissing { path, centroids });
     }
     let artifact = SaapArtifact::read(&path).map_err(|e| Error::Io {
         context: format!("reading {}", path.display()),
         source: e,
     })?;
     if artifact.model_sha256 != model_sha256 {
-        return Err(Error::Query(format!(
-            "{} was trained for another model (sha256 {})",
-            path.display(),
-            artifact.model_sha256
-        )));
+        return Err(Error::SaapArtifactMismatch {
+            problem: format!(
+                "trained for another model (sha256 {})",
+                artifact.model_sha256
+            ),
+            path,
+        });
     }
     if artifact.centroids != centroids {
-        return Err(Error::Query(format!(
-            "{} has {} buckets, the spec asks for {centroids}",
-            path.display(),
-            artifact.centroids
-        )));
+        return Err(Error::SaapArtifactMismatch {
+            problem: format!(
+                "it has {} buckets, the spec asks for {centroids}",
+                artifact.centroids
+            ),
+            path,
+        });
     }
-    Ok(artifact)
+    Ok((path, artifact))
 }
 
 fn build_context<'a>(
@@ -208,7 +208,11 @@ pub fn update_indexes_until(
         }
     }
     if wanted.len() > u16::MAX as usize {
-        return Err(Error::Query("too many indexes".into()));
+        return Err(Error::TooManyIndexes {
+            corpus: manifest.name.clone(),
+            count: wanted.len(),
+            max: u16::MAX as usize,
+        });
     }
     for (number, text) in wanted.iter().enumerate() {
         let listed = number < manifest.indexes.len();
@@ -267,7 +271,7 @@ fn build_spec<'s>(
     {
         return Err(stop());
     }
-    let artifact = match &spec {
+    let mut artifact = match &spec {
         IndexSpec::Saap(s) => Some(saap_artifact(
             saap_file,
             &manifest.model.sha256,
@@ -286,15 +290,23 @@ fn build_spec<'s>(
             };
             if !current && n > 0 {
                 let keys = store.rows(manifest, Kv::Keys, layer, head, 0..n)?;
-                let head_artifact = match &artifact {
-                    Some(Ok(a)) => Some(a.head(layer, head).ok_or_else(|| {
-                        Error::Query(format!(
-                            "the SAAP artifact has no head for layer {layer}, KV head {head}"
-                        ))
-                    })?),
-                    Some(Err(e)) if saved.is_none() => return Err(Error::Query(e.to_string())),
-                    _ => None,
-                };
+                let head_artifact =
+                    match &artifact {
+                        Some(Ok((path, a))) => Some(a.head(layer, head).ok_or_else(|| {
+                            Error::SaapArtifactMismatch {
+                                path: path.clone(),
+                                problem: format!(
+                                    "it has no head for layer {layer}, KV head {head}"
+                                ),
+                            }
+                        })?),
+                        // Needed and unreadable: the artifact's own error.
+                        Some(Err(_)) if saved.is_none() => match artifact.take() {
+                            Some(Err(e)) => return Err(e),
+                            _ => None,
+                        },
+                        _ => None,
+                    };
                 let context = build_context(model, layer, head_artifact)?;
                 let index = match &saved {
                     Some(bytes) => {
@@ -493,12 +505,13 @@ pub fn load_indexes(
                     kvdb_index::load(&bytes, &context, &keys)?
                 }
                 _ if matches!(spec, IndexSpec::Saap(_)) => {
-                    return Err(Error::Query(format!(
-                        "the saap index of layer {layer} KV head {head} is not saved for these \
-                         {n} tokens yet: bring the corpus's indexes up to date (`kvdb index \
-                         add --corpus {0} {text}`, or POST /v1/corpora/{0}/indexes to a server)",
-                        manifest.name
-                    )))
+                    return Err(Error::IndexNotSaved {
+                        corpus: manifest.name.clone(),
+                        spec: text.to_string(),
+                        layer,
+                        head,
+                        tokens: n,
+                    })
                 }
                 _ => kvdb_index::build(spec, &context, &keys)?,
             };

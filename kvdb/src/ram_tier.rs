@@ -136,7 +136,7 @@ impl RamTier {
         for &id in ids {
             let id = id as usize;
             if id >= self.tokens {
-                return Err(Error::Query(format!(
+                return Err(Error::Internal(format!(
                     "token {id} is beyond the corpus's {} tokens",
                     self.tokens
                 )));

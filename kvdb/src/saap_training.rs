@@ -226,11 +226,11 @@ fn training_ids(
     }
     let room = budget.saturating_sub(drill_tokens);
     if !drills.is_empty() && room < 2 * DRILL_GAP_TOKENS {
-        return Err(Error::Query(format!(
-            "{} drills take about {drill_tokens} of the {budget} training tokens, leaving too \
-             few for the text: plant fewer drills or train on more tokens",
-            drills.len()
-        )));
+        return Err(Error::TooManyDrills {
+            drills: drills.len(),
+            drill_tokens,
+            budget,
+        });
     }
     // The text is cut (at a paragraph break) to leave room for the drills, so none is lost.
     let (text, plain) = fitting_prefix(model, text, room)?;
@@ -456,12 +456,15 @@ pub fn train_artifact(
         .filter(|&l| policy[l] == StoredLayer::All)
         .collect();
     if layers.is_empty() {
-        return Err(Error::Query("the model has no retrieval layers".into()));
+        return Err(Error::NoRetrievalLayers);
     }
     let windows = plan_windows(model, text, training, config.context_length)?;
     let tokens: usize = windows.iter().map(|w| w.ids.len()).sum();
     if tokens == 0 {
-        return Err(Error::Query("no training text: the text is empty".into()));
+        return Err(Error::EmptyInput {
+            what: "training text",
+            hint: "",
+        });
     }
     let (heads, group) = (config.n_kv_heads, config.n_heads / config.n_kv_heads);
     on_event(TrainEvent::Text {
@@ -490,7 +493,7 @@ pub fn train_artifact(
         let rope = model
             .model
             .rope(layer)
-            .ok_or_else(|| Error::Query(format!("layer {layer} has no RoPE")))?;
+            .ok_or_else(|| Error::Internal(format!("layer {layer} has no RoPE")))?;
         let d = rope.head_dim();
         let mut trained = Vec::with_capacity(heads);
         for kv_head in 0..heads {

@@ -227,9 +227,9 @@ impl Corpus {
         }
         let n = manifest.tokens;
         if n == 0 {
-            return Err(Error::Query(format!(
-                "corpus `{name}` holds no tokens yet: ingest documents first"
-            )));
+            return Err(Error::CorpusEmpty {
+                corpus: name.to_string(),
+            });
         }
         let documents = store.documents(&manifest)?;
         let tokens = store.tokens(&manifest, 0..n)?;
@@ -291,7 +291,7 @@ impl Corpus {
     fn lock_indexes(&self) -> Result<std::sync::MutexGuard<'_, HashMap<String, Arc<IndexSet>>>> {
         self.indexes
             .lock()
-            .map_err(|_| Error::Query("an earlier query panicked while loading an index".into()))
+            .map_err(|_| Error::Internal("an earlier query panicked while loading an index".into()))
     }
 
     /// The manifest the corpus was opened at.
@@ -330,11 +330,7 @@ impl Corpus {
         check_model(&self.manifest, model.record)?;
         let text = match &options.template {
             Some(t) if t.contains("{question}") => t.replace("{question}", question),
-            Some(_) => {
-                return Err(Error::Query(
-                    "the prompt template has no `{question}` placeholder".into(),
-                ))
-            }
+            Some(_) => return Err(Error::TemplatePlaceholder),
             None => question.to_string(),
         };
         let ids = model.tokenizer.encode(
@@ -346,17 +342,21 @@ impl Corpus {
             },
         )?;
         if ids.is_empty() {
-            return Err(Error::Query("the question is empty".into()));
+            return Err(Error::EmptyInput {
+                what: "question",
+                hint: "",
+            });
         }
         let n = self.manifest.tokens;
         let context = model.model.config().context_length;
         if n + ids.len() >= context {
-            return Err(Error::Query(format!(
-                "the question has {} tokens; after the corpus's {n} tokens the model's context \
-                 of {context} leaves room for at most {}",
-                ids.len(),
-                context.saturating_sub(n + 1)
-            )));
+            return Err(Error::TooLongForContext {
+                what: "question",
+                tokens: ids.len(),
+                corpus_tokens: n,
+                context,
+                room: context.saturating_sub(n + 1),
+            });
         }
         let set = self.index_for(model, &options.mode)?;
         // The question's last token produces the first answer token: mass counts from there.
@@ -418,11 +418,21 @@ impl Corpus {
     ) -> Result<Tensor> {
         check_model(&self.manifest, model.record)?;
         let n = self.manifest.tokens;
-        if ids.is_empty() || n + ids.len() > model.model.config().context_length {
-            return Err(Error::Query(format!(
-                "cannot score {} tokens after {n} corpus tokens",
-                ids.len()
-            )));
+        let context = model.model.config().context_length;
+        if ids.is_empty() {
+            return Err(Error::EmptyInput {
+                what: "text to score",
+                hint: "",
+            });
+        }
+        if n + ids.len() > context {
+            return Err(Error::TooLongForContext {
+                what: "text to score",
+                tokens: ids.len(),
+                corpus_tokens: n,
+                context,
+                room: context.saturating_sub(n),
+            });
         }
         let set = self.index_for(model, &mode)?;
         let mut session = self.session(model, &mode, set.as_deref(), None)?;
@@ -436,7 +446,7 @@ impl Corpus {
         model
             .model
             .forward(ids, n, &mut observed, &Logits::All)?
-            .ok_or_else(|| Error::Query("the model returned no logits".into()))
+            .ok_or_else(|| Error::Internal("the model returned no logits".into()))
     }
 
     /// The index set a mode searches (`None` for full attention).
@@ -510,7 +520,7 @@ impl Corpus {
             model
                 .model
                 .rope(layer)
-                .ok_or_else(|| Error::Corrupt(format!("the model has no layer {layer}")))
+                .ok_or_else(|| Error::Internal(format!("the model has no layer {layer}")))
         };
         for window in &self.windows {
             full.preload(
@@ -557,7 +567,7 @@ impl Corpus {
     ) -> Result<Vec<RetrievalHead<'c>>> {
         let indexes = set
             .get(&layer)
-            .ok_or_else(|| Error::Corrupt(format!("retrieval layer {layer} has no index")))?;
+            .ok_or_else(|| Error::Internal(format!("retrieval layer {layer} has no index")))?;
         indexes
             .iter()
             .enumerate()
@@ -609,10 +619,9 @@ impl Corpus {
             for (head, index) in indexes.iter().enumerate() {
                 let Some(buckets) = index.as_buckets() else {
                     let spec = r.index.clone().map_or_else(|| self.default_index(), Ok)?;
-                    return Err(Error::Query(format!(
-                        "`{spec}` is not a bucket index: only ivf and saap can estimate \
-                         unvisited buckets"
-                    )));
+                    return Err(Error::NotBucketIndex {
+                        spec: spec.to_string(),
+                    });
                 };
                 let (mut keys, mut values) = (Vec::new(), Vec::new());
                 self.tier

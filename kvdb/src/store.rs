@@ -584,7 +584,7 @@ impl Store {
     /// dropped.
     pub fn claim(&mut self, owner: &str) -> Result<()> {
         if self.secondary.is_some() {
-            return Err(Error::Query(
+            return Err(Error::Internal(
                 "a store opened to read cannot be claimed".into(),
             ));
         }

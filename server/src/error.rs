@@ -224,9 +224,27 @@ impl From<kvdb::Error> for ApiError {
             E::Document { path, reason } => {
                 Self::invalid(format!("{}: {reason}", echo(&path.display().to_string())))
             }
-            E::Query(_) | E::ContextOverflow { .. } | E::IndexBuild { .. } => {
-                Self::invalid(e.to_string())
+            E::NotBucketIndex { spec } => {
+                Self::invalid(E::NotBucketIndex { spec: echo(spec) }.to_string())
             }
+            E::EmptyInput { .. }
+            | E::TemplatePlaceholder
+            | E::TooLongForContext { .. }
+            | E::ContextOverflow { .. }
+            | E::IndexBuild { .. }
+            | E::SaapArtifactMissing { .. }
+            | E::SaapArtifactMismatch { .. }
+            | E::TooManyIndexes { .. }
+            | E::TooManyDrills { .. }
+            | E::NoRetrievalLayers
+            | E::CorpusEmpty { .. }
+            | E::IndexNotSaved { .. } => Self::invalid(e.to_string()),
+            // Nobody is listening any more; said as nginx says it, for the log.
+            E::Abandoned => Self::new(
+                StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+                "client_closed_request",
+                e.to_string(),
+            ),
             E::Index(spec @ kvdb_index::IndexError::Spec { .. }) => Self::from(spec),
             E::StoreBusy { .. } | E::StoreOwned { .. } => Self::unavailable(e.to_string()),
             _ => Self::internal(e),
@@ -334,3 +352,77 @@ pub(crate) struct ApiJson<T>(pub(crate) T);
 #[derive(Debug, axum::extract::FromRequestParts)]
 #[from_request(via(axum::extract::Path), rejection(ApiError))]
 pub(crate) struct ApiPath<T>(pub(crate) T);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvdb::Error as E;
+
+    fn status(e: E) -> u16 {
+        ApiError::from(e).status.as_u16()
+    }
+
+    /// What the user can fix is a 4xx naming it; what only a kvdb developer can fix is a 500
+    /// that says nothing of the internals.
+    #[test]
+    fn user_errors_are_4xx_and_bugs_are_500() {
+        let user = [
+            E::EmptyInput {
+                what: "question",
+                hint: "",
+            },
+            E::TemplatePlaceholder,
+            E::TooLongForContext {
+                what: "question",
+                tokens: 9,
+                corpus_tokens: 100,
+                context: 105,
+                room: 4,
+            },
+            E::NotBucketIndex {
+                spec: "flat".into(),
+            },
+            E::SaapArtifactMissing {
+                path: "/x".into(),
+                centroids: 64,
+            },
+            E::TooManyIndexes {
+                corpus: "c".into(),
+                count: 70_000,
+                max: 65_535,
+            },
+        ];
+        for e in user {
+            let text = e.to_string();
+            let api = ApiError::from(e);
+            assert_eq!(api.status.as_u16(), 422, "{text}");
+            assert_eq!(api.message, text);
+        }
+        for e in [
+            E::CorpusEmpty { corpus: "c".into() },
+            E::IndexNotSaved {
+                corpus: "c".into(),
+                spec: "saap64".into(),
+                layer: 1,
+                head: 0,
+                tokens: 10,
+            },
+        ] {
+            assert_eq!(status(e), 422);
+        }
+        assert_eq!(status(E::Abandoned), 499);
+        let bug = ApiError::from(E::Internal("the model returned no logits".into()));
+        assert_eq!(bug.status.as_u16(), 500);
+        assert!(!bug.message.contains("logits"), "{}", bug.message);
+        assert_eq!(status(E::Corrupt("a block is short".into())), 500);
+    }
+
+    /// A long spec in an error is echoed cut short.
+    #[test]
+    fn long_specs_are_echoed_short() {
+        let spec = "x".repeat(10_000);
+        let api = ApiError::from(E::NotBucketIndex { spec });
+        assert_eq!(api.status.as_u16(), 422);
+        assert!(api.message.len() < 1_000, "{} bytes", api.message.len());
+    }
+}

@@ -283,7 +283,7 @@ impl Admitted {
                         Ok(())
                     } else {
                         gone = true;
-                        Err(kvdb::Error::Query("the client went away".into()))
+                        Err(kvdb::Error::Abandoned)
                     }
                 },
             );
