@@ -698,11 +698,7 @@ fn costs(
         .map(|b| {
             let after = added.iter().find(|a| a.spec == b.spec).unwrap_or(b);
             let set = corpus.index(model, &b.spec.parse()?)?;
-            let memory_bytes = set
-                .values()
-                .flat_map(|indexes| indexes.iter())
-                .map(|i| i.memory_bytes())
-                .sum();
+            let memory_bytes = set.memory_bytes();
             Ok(Cost {
                 spec: b.spec.clone(),
                 built: b.built.clone(),
@@ -809,7 +805,7 @@ fn quality(
             let mut searchers: Vec<_> = set
                 .iter()
                 .map(|s| {
-                    s.get(&cap.layer)
+                    s.layer(cap.layer)
                         .and_then(|heads| heads.get(g))
                         .map(|index| index.searcher())
                         .ok_or_else(|| {

@@ -7,7 +7,6 @@
 //! so an index saved before the corpus grew (or a crash between a document's commit and the
 //! index update) is caught up from the stored keys when it is next updated or loaded.
 
-use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
@@ -19,8 +18,56 @@ use crate::error::{Error, Result};
 use crate::ingest::ModelRef;
 use crate::store::{CorpusManifest, IndexKey, Kv, Store};
 
-/// The indexes of one spec: per retrieval layer, one per KV head.
-pub type IndexSet = HashMap<usize, Vec<Box<dyn KeyIndex>>>;
+/// The indexes of one spec over a corpus: per retrieval layer, in layer order, one per KV
+/// head.
+#[derive(Debug)]
+pub struct IndexSet {
+    layers: Vec<LayerIndexes>,
+}
+
+/// One retrieval layer's indexes.
+#[derive(Debug)]
+pub struct LayerIndexes {
+    /// The layer.
+    pub layer: usize,
+    /// One index per KV head.
+    pub heads: Vec<Box<dyn KeyIndex>>,
+}
+
+impl IndexSet {
+    /// Retrieval layer `layer`'s indexes, one per KV head (`None` for a layer that does not
+    /// retrieve).
+    pub fn layer(&self, layer: usize) -> Option<&[Box<dyn KeyIndex>]> {
+        self.layers
+            .iter()
+            .find(|l| l.layer == layer)
+            .map(|l| l.heads.as_slice())
+    }
+
+    /// Every retrieval layer's indexes, in layer order.
+    pub fn layers(&self) -> &[LayerIndexes] {
+        &self.layers
+    }
+
+    /// The spec as its indexes were built (their own spelling, e.g. with defaults filled
+    /// in); empty for a model without retrieval layers.
+    pub fn built_spec(&self) -> String {
+        self.layers
+            .first()
+            .and_then(|l| l.heads.first())
+            .map(|i| i.spec().to_string())
+            .unwrap_or_default()
+    }
+
+    /// Bytes the indexes hold in memory.
+    pub fn memory_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| &l.heads)
+            .map(|i| i.memory_bytes())
+            .sum()
+    }
+}
 
 /// What an index update reports as it goes.
 #[derive(Debug, Clone)]
@@ -487,7 +534,7 @@ pub fn load_indexes(
         });
     }
     let n = manifest.tokens;
-    let mut set = IndexSet::new();
+    let mut layers = Vec::new();
     for layer in manifest.retrieval_layers() {
         let mut per_head = Vec::with_capacity(manifest.model.n_kv_heads);
         for head in 0..manifest.model.n_kv_heads {
@@ -517,7 +564,10 @@ pub fn load_indexes(
             };
             per_head.push(index);
         }
-        set.insert(layer, per_head);
+        layers.push(LayerIndexes {
+            layer,
+            heads: per_head,
+        });
     }
-    Ok(set)
+    Ok(IndexSet { layers })
 }

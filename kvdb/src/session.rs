@@ -22,7 +22,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::generate::{continue_generation, GenerateOptions, StopReason};
-use crate::indexes::{load_indexes, IndexSet};
+use crate::indexes::{load_indexes, IndexSet, LayerIndexes};
 use crate::ingest::{check_model, ModelRef};
 use crate::ram_tier::{RamTier, TierStats};
 use crate::store::{interleave_heads, CorpusManifest, DocumentRecord, Store, StoredLayer};
@@ -311,12 +311,8 @@ impl Corpus {
 
     /// Bytes the loaded indexes hold.
     pub fn index_bytes(&self) -> usize {
-        self.lock_indexes().map_or(0, |sets| {
-            sets.values()
-                .flat_map(|set| set.values().flatten())
-                .map(|index| index.memory_bytes())
-                .sum()
-        })
+        self.lock_indexes()
+            .map_or(0, |sets| sets.values().map(|set| set.memory_bytes()).sum())
     }
 
     /// Answers `question`, streaming the answer's text to `on_text`.
@@ -566,7 +562,7 @@ impl Corpus {
         means: Option<&Vec<Vec<f32>>>,
     ) -> Result<Vec<RetrievalHead<'c>>> {
         let indexes = set
-            .get(&layer)
+            .layer(layer)
             .ok_or_else(|| Error::Internal(format!("retrieval layer {layer} has no index")))?;
         indexes
             .iter()
@@ -583,12 +579,7 @@ impl Corpus {
 
     /// The budget and empty statistics of a query's retrieval through `set`.
     fn retriever(&self, r: &Retrieval, set: &IndexSet) -> Result<Retriever> {
-        let built = set
-            .values()
-            .next()
-            .and_then(|indexes| indexes.first())
-            .map(|i| i.spec().to_string())
-            .unwrap_or_default();
+        let built = set.built_spec();
         let spec = r.index.clone().map_or_else(|| self.default_index(), Ok)?;
         Ok(Retriever {
             budget: Budget {
@@ -614,9 +605,10 @@ impl Corpus {
         let n = self.manifest.tokens;
         let ids: Vec<u32> = (0..n as u32).collect();
         let mut out = HashMap::new();
-        for (&layer, indexes) in set {
-            let mut per_head = Vec::with_capacity(indexes.len());
-            for (head, index) in indexes.iter().enumerate() {
+        for LayerIndexes { layer, heads } in set.layers() {
+            let layer = *layer;
+            let mut per_head = Vec::with_capacity(heads.len());
+            for (head, index) in heads.iter().enumerate() {
                 let Some(buckets) = index.as_buckets() else {
                     let spec = r.index.clone().map_or_else(|| self.default_index(), Ok)?;
                     return Err(Error::NotBucketIndex {
