@@ -2,6 +2,7 @@
 
 mod bench_cli;
 mod corpus_cli;
+mod doctor;
 mod index_cli;
 mod serve_cli;
 
@@ -27,6 +28,17 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Check this machine: the model and its sha256, a store's format and corpora, the CPU
+    /// features the binary needs, the GPU (driver, NVRTC, cuBLASLt) and the native libraries
+    /// linked. Exits with status 1 when something a command needs is missing.
+    Doctor {
+        /// A GGUF file to check instead of the default model.
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// A store to open for reading.
+        #[arg(long)]
+        store: Option<PathBuf>,
+    },
     /// Manage models: fetch the default one, describe a GGUF file.
     Model {
         #[command(subcommand)]
@@ -162,6 +174,7 @@ fn main() -> Result<()> {
         quiet_on_closed_stdout();
     }
     match cli.command {
+        Command::Doctor { model, store } => doctor::doctor(model, store)?,
         Command::Model { command } => match command {
             ModelCommand::Fetch => {
                 let fetched =

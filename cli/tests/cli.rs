@@ -200,3 +200,56 @@ fn prompt_longer_than_the_context_is_refused() {
         out.stdout.len()
     );
 }
+
+/// `kvdb doctor` says what it finds: on a machine set up for the tests nothing is missing;
+/// a missing default model, an unusable model file and a folder that is no store are each
+/// a problem it names with what to do, and it then exits with status 1.
+#[test]
+fn doctor_names_what_is_found_and_what_is_missing() {
+    let model = default_model();
+    let out = kvdb(&["doctor"], &[]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    for needle in [
+        model.as_str(),
+        kvdb_model::fetch::DEFAULT_MODEL_SHA256,
+        "(verified)",
+        "reads versions 1 to 2",
+        "RocksDB",
+        "cpu features",
+        "no problems found",
+    ] {
+        assert!(stdout.contains(needle), "{needle} missing from:\n{stdout}");
+    }
+
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let store = dir.path().join("store");
+    drop(kvdb::store::Store::open(&store, kvdb::store::Access::Write).expect("a new store"));
+    let out = kvdb(&["doctor", "--store", &store.display().to_string()], &[]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("0 corpora"), "{stdout}");
+
+    let garbage = dir.path().join("garbage.gguf");
+    std::fs::write(&garbage, b"not a gguf file").expect("writing");
+    let home = dir.path().join("home");
+    let out = kvdb(
+        &[
+            "doctor",
+            "--model",
+            &garbage.display().to_string(),
+            "--store",
+            &dir.path().join("nothing").display().to_string(),
+        ],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    for needle in ["is not usable", "no kvdb store at", "2 problem(s) found"] {
+        assert!(stdout.contains(needle), "{needle} missing from:\n{stdout}");
+    }
+    let out = kvdb(&["doctor"], &[("KVDB_HOME", &home.display().to_string())]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("kvdb model fetch"), "{stdout}");
+}

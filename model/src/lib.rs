@@ -50,7 +50,7 @@ pub use gguf::GgufFile;
 #[cfg(feature = "gpu")]
 pub use gpu::{GpuModel, Precision, MAX_CHUNK as GPU_MAX_CHUNK};
 #[cfg(feature = "gpu")]
-pub use kvdb_kernels::{Gpu, KernelError};
+pub use kvdb_kernels::{Gemm, Gpu, KernelError};
 pub use model::{LoadOptions, Logits, Model, WeightMode, DENSE_MIN_ROWS};
 pub use rope::Rope;
 pub use tokenizer::{EncodeOptions, StreamDecoder, Tokenizer, TokenizerKind};
