@@ -404,13 +404,7 @@ pub fn run(model: ModelRef<'_>, options: &BenchOptions, bar: &ProgressBar) -> Re
         ));
     }
     let texts = read_documents(&options.corpus_text)?;
-    let paragraphs: Vec<String> = texts
-        .iter()
-        .flat_map(|d| d.text.split("\n\n"))
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-        .map(str::to_string)
-        .collect();
+    let paragraphs: Vec<String> = texts.iter().flat_map(|d| paragraphs(&d.text)).collect();
     let mut contexts = Vec::new();
     for &tokens in &options.contexts {
         contexts.push(run_context(model, options, &paragraphs, tokens, bar)?);
@@ -423,6 +417,40 @@ pub fn run(model: ModelRef<'_>, options: &BenchOptions, bar: &ProgressBar) -> Re
         contexts,
         seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// Characters of a paragraph at most (about 500 tokens of English): the haystack is built
+/// from whole paragraphs, so a text without blank lines would otherwise be one paragraph
+/// longer than the context.
+const PARAGRAPH_CHARS: usize = 2000;
+
+/// `text`'s paragraphs (split at blank lines), each cut into pieces of at most
+/// [`PARAGRAPH_CHARS`] at sentence ends, else at spaces, else anywhere (on a char boundary).
+fn paragraphs(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for paragraph in text.split("\n\n").map(str::trim).filter(|p| !p.is_empty()) {
+        let mut rest = paragraph;
+        while rest.len() > PARAGRAPH_CHARS {
+            let mut limit = PARAGRAPH_CHARS;
+            while !rest.is_char_boundary(limit) {
+                limit -= 1;
+            }
+            let head = &rest[..limit];
+            let cut = [". ", "? ", "! ", ".\n", "\n"]
+                .iter()
+                .filter_map(|end| head.rfind(end).map(|at| at + 1))
+                .max()
+                .or_else(|| head.rfind(char::is_whitespace))
+                .filter(|&at| at > 0)
+                .unwrap_or(limit);
+            out.push(rest[..cut].trim().to_string());
+            rest = rest[cut..].trim_start();
+        }
+        if !rest.is_empty() {
+            out.push(rest.to_string());
+        }
+    }
+    out
 }
 
 fn plain() -> EncodeOptions {
@@ -485,8 +513,11 @@ fn build_case(
     if used < tokens || eval.len() < options.eval_tokens {
         return Err(BenchError::Input(format!(
             "the corpus text is too short for a {tokens}-token context plus {} eval tokens: \
-             pass more --corpus-text",
-            options.eval_tokens
+             it holds about {} tokens in {} paragraphs (needles included); pass more \
+             --corpus-text",
+            options.eval_tokens,
+            used + eval.len(),
+            paragraphs.len()
         )));
     }
     eval.truncate(options.eval_tokens);
@@ -1066,6 +1097,33 @@ mod tests {
     /// Top-k indexes get one point per share of the corpus; whole-bucket indexes one per
     /// multiple of their breadth and hip one per multiple of its k, their own first, each
     /// value once.
+    #[test]
+    fn long_paragraphs_are_cut_at_sentence_ends() {
+        let sentence = "The quick brown fox jumps over the lazy dog again. ";
+        let line = sentence.repeat(200);
+        let text = format!("short one\n\n{line}\n\n{}", "x".repeat(5000));
+        let parts = paragraphs(&text);
+        assert_eq!(parts[0], "short one");
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        // Nothing lost but the spaces at the cuts.
+        assert!(total + 200 >= text.len() - 4, "{total} of {}", text.len());
+        for p in &parts {
+            assert!(p.len() <= PARAGRAPH_CHARS, "{}", p.len());
+        }
+        // The sentences are cut after their full stop, the unbroken run anywhere.
+        for p in &parts[1..parts.len() - 3] {
+            assert!(p.ends_with('.'), "{p}");
+        }
+        assert_eq!(
+            parts.last().map(|p| p.len()),
+            Some(5000 - 2 * PARAGRAPH_CHARS)
+        );
+        let multibyte = "é".repeat(3000);
+        assert!(paragraphs(&multibyte)
+            .iter()
+            .all(|p| p.len() <= PARAGRAPH_CHARS));
+    }
+
     #[test]
     fn points_sweep_each_kind_of_budget() {
         let specs: Vec<IndexSpec> = [
