@@ -13,12 +13,15 @@
 //   IN_KIND    element type of queries, keys and values: 0 float, 1 half, 2 bfloat16
 //              (prefill: 1 or 2 only)
 //   OUT_KIND   element type of the output, same numbering
+// prefill and prefill_hopper:
+//   HEAD_DIM   row length, a multiple of 16 from 16 to 256 (prefill_hopper: 64, 128, 256)
+//   BLOCK_N    keys per tile (a multiple of 16)
 // prefill only:
-//   HEAD_DIM   row length, a multiple of 16 from 16 to 256
 //   WARPS      warps per block
 //   M_TILES    16-row query tiles per warp (1 or 2)
-//   BLOCK_N    keys per tile (a multiple of 16)
 //   MIN_BLOCKS blocks per multiprocessor the registers are capped for
+// prefill_hopper only:
+//   WARPGROUPS warpgroups per block, 64 query rows each
 //
 // Layouts: queries and out [tokens, heads, head_dim]; keys and values [kv_heads, capacity,
 // head_dim], token position p of KV head h at row h * capacity + p % capacity. Query head qh

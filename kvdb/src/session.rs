@@ -480,7 +480,7 @@ impl Corpus {
             (0..config.n_layers()).map(|_| LayerState::Dense).collect();
         let retriever = match (mode, set) {
             (AttentionMode::Retrieval(r), Some(set)) => {
-                let means = if r.estimate {
+                let mut means = if r.estimate {
                     self.bucket_means(set, config.head_dim, r)?
                 } else {
                     HashMap::new()
@@ -490,7 +490,7 @@ impl Corpus {
                         layer,
                         set,
                         config.head_dim,
-                        means.get(&layer),
+                        means.remove(&layer),
                     )?);
                 }
                 Some(self.retriever(r, set)?)
@@ -559,19 +559,19 @@ impl Corpus {
         layer: usize,
         set: &'c IndexSet,
         d: usize,
-        means: Option<&Vec<Vec<f32>>>,
+        means: Option<Vec<Vec<f32>>>,
     ) -> Result<Vec<RetrievalHead<'c>>> {
         let indexes = set
             .layer(layer)
             .ok_or_else(|| Error::Internal(format!("retrieval layer {layer} has no index")))?;
+        let mut means = means.map(Vec::into_iter);
         indexes
             .iter()
-            .enumerate()
-            .map(|(head, index)| {
+            .map(|index| {
                 Ok(RetrievalHead {
                     tail: DenseKv::new(Vec::new(), Vec::new(), d)?,
                     searcher: index.searcher(),
-                    bucket_means: means.map(|m| m[head].clone()),
+                    bucket_means: means.as_mut().and_then(Iterator::next),
                 })
             })
             .collect()

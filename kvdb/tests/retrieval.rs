@@ -274,16 +274,9 @@ fn needle_corpus(model: &LoadedModel) -> Result<(tempfile::TempDir, Arc<Store>, 
 const OBJECT: &str = "blue door";
 const NUMBER: &str = "2099391";
 
-/// The answer to `question` over `corpus` through `spec` (sink 4, window 64, 8 tokens), with
-/// `k` overridden when given, and the shares of the keys it attended and scored.
-fn ask_through(
-    model: &LoadedModel,
-    corpus: &Corpus,
-    question: &str,
-    spec: &kvdb_index::IndexSpec,
-    k: Option<usize>,
-) -> Result<(String, f64, f64)> {
-    let options = AskOptions {
+/// Retrieval through `spec` (sink 4, window 64, 8 tokens), with `k` overridden when given.
+fn ask_options(spec: &kvdb_index::IndexSpec, k: Option<usize>, estimate: bool) -> AskOptions {
+    AskOptions {
         mode: AttentionMode::Retrieval(kvdb::session::Retrieval {
             index: Some(spec.clone()),
             k,
@@ -291,7 +284,7 @@ fn ask_through(
                 sink: 4,
                 window: 64,
             },
-            estimate: false,
+            estimate,
             breadth: None,
         }),
         generate: kvdb::generate::GenerateOptions {
@@ -299,7 +292,19 @@ fn ask_through(
             ..Default::default()
         },
         template: None,
-    };
+    }
+}
+
+/// The answer to `question` over `corpus` through `spec` ([`ask_options`]), and the shares
+/// of the keys it attended and scored.
+fn ask_through(
+    model: &LoadedModel,
+    corpus: &Corpus,
+    question: &str,
+    spec: &kvdb_index::IndexSpec,
+    k: Option<usize>,
+) -> Result<(String, f64, f64)> {
+    let options = ask_options(spec, k, false);
     let answer = corpus.ask(model.as_ref(), question, &options, &mut |_| Ok(()))?;
     let stats = answer.retrieval.clone().unwrap_or_default();
     Ok((answer.answer, stats.selectivity(), stats.scored_share()))
@@ -358,6 +363,21 @@ fn every_index_finds_the_needle_at_five_percent() -> Result<()> {
         }
     }
     assert!(missed.is_empty(), "{missed:?}");
+
+    // Estimating the unvisited buckets (RetroInfer's idea) works through a bucket index and
+    // is refused, naming the index, through one without buckets.
+    let ask = |spec: &str| -> Result<kvdb::Result<kvdb::session::Answer>> {
+        let options = ask_options(&spec.parse()?, None, true);
+        Ok(corpus.ask(model.as_ref(), &question, &options, &mut |_| Ok(())))
+    };
+    let estimated = ask("ivf64,np40")??;
+    let stats = estimated.retrieval.clone().unwrap_or_default();
+    assert!(stats.searches > 0 && stats.selected > 0, "{stats:?}");
+    assert!(!estimated.tokens.is_empty());
+    match ask("flat")? {
+        Err(kvdb::Error::NotBucketIndex { spec }) => assert_eq!(spec, "flat"),
+        other => panic!("flat with an estimate: {:?}", other.map(|a| a.answer)),
+    }
     Ok(())
 }
 
