@@ -52,13 +52,19 @@ fn ingest_into_the_log(
     Ok(())
 }
 
-/// The store's write-ahead log files, oldest first, with their sizes.
+/// The store's write-ahead log files, oldest first, with their sizes. RocksDB deletes an old
+/// log once its families are flushed, also between listing the folder and reading a size: a
+/// log gone by then holds nothing any more.
 fn logs(store: &Path) -> Result<Vec<(PathBuf, u64)>> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(store)? {
         let entry = entry?;
         if entry.path().extension().is_some_and(|e| e == "log") {
-            out.push((entry.path(), entry.metadata()?.len()));
+            match entry.metadata() {
+                Ok(meta) => out.push((entry.path(), meta.len())),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e.into()),
+            }
         }
     }
     out.sort();
