@@ -166,7 +166,8 @@ __device__ __forceinline__ float2 rotate(float x0, float x1, float c, float s) {
 //   2. RMSNorm over head_dim: query heads by q_weight, key heads by k_weight (if != 0);
 //   3. keys and values rounded to f16 and back (if round_kv);
 //   4. keys and values copied to store_keys/store_values [tokens, kv_heads, head_dim] as
-//      f16 (if != 0): the store keeps keys before RoPE;
+//      f16 (if != 0): the store keeps keys before RoPE; queries before RoPE copied to
+//      store_queries [tokens, heads, head_dim] (float, if != 0): what searches take;
 //   5. queries and keys rotated at position first_position + token: angle in double,
 //      cos/sin rounded to float, pairs (i, i + d/2) or (2i, 2i + 1) if interleaved;
 //   6. queries written to queries [tokens, heads, head_dim] (KV_T), keys and values to row
@@ -177,7 +178,8 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs(
     u32 head_dim, const float* __restrict__ q_weight, float q_eps, float q_offset,
     const float* __restrict__ k_weight, float k_eps, float k_offset,
     const double* __restrict__ inv_freq, u32 interleaved, u64 first_position, u32 round_kv,
-    __half* __restrict__ store_keys, __half* __restrict__ store_values, KV_T* __restrict__ queries,
+    __half* __restrict__ store_keys, __half* __restrict__ store_values,
+    float* __restrict__ store_queries, KV_T* __restrict__ queries,
     KV_T* __restrict__ keys, KV_T* __restrict__ values, u32 capacity) {
     __shared__ float cos_t[MAX_HEAD_DIM / 2], sin_t[MAX_HEAD_DIM / 2];
     __shared__ float buffer[WARPS][MAX_HEAD_DIM];
@@ -212,6 +214,10 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs(
             const float r = rms(warp_sum(ss), head_dim, is_query ? q_eps : k_eps);
             const float offset = is_query ? q_offset : k_offset;
             for (u32 j = lane; j < head_dim; j += 32) x[j] = normed(x[j], r, weight[j], offset);
+        }
+        if (is_query && store_queries) {
+            float* dst = store_queries + ((u64)token * heads + h) * head_dim;
+            for (u32 j = lane; j < head_dim; j += 32) dst[j] = x[j];
         }
         if (!is_query) {
             const u64 store_row = ((u64)token * kv_heads + kv_head) * head_dim;

@@ -324,8 +324,9 @@ impl<'g> Bench<'g> {
         let (gpu, n, scale) = (self.gpu, self.n, self.scale());
         let (copies, ws, out) = (&self.copies, &mut self.workspace, &mut self.out);
         let mut step = |i: usize| -> Result<()> {
+            let heads = sets[i % sets.len()].as_view();
             let query = Query {
-                heads: &sets[i % sets.len()],
+                heads: &heads,
                 scale,
             };
             Ok(flash_decode(
@@ -334,7 +335,7 @@ impl<'g> Bench<'g> {
                 query,
                 &copies[i % copies.len()],
                 n,
-                out,
+                &mut out.as_view_mut(),
             )?)
         };
         let events = time_events(gpu, self.iters, &mut step)?;
@@ -374,8 +375,9 @@ impl<'g> Bench<'g> {
         let mut step = |i: usize| -> Result<()> {
             let set = &sets[i % sets.len()];
             let kv = &caches[set.copy];
+            let heads = set.queries.as_view();
             let query = Query {
-                heads: &set.queries,
+                heads: &heads,
                 scale,
             };
             let dense = Dense {
@@ -388,7 +390,7 @@ impl<'g> Bench<'g> {
                 query,
                 dense,
                 Selected::resident(kv, &set.ids),
-                out,
+                &mut out.as_view_mut(),
             )?)
         };
         let events = time_events(gpu, self.iters, &mut step)?;
@@ -427,8 +429,9 @@ impl<'g> Bench<'g> {
                 let selected = cache.gather(self.gpu, &set.lists)?;
                 // The CPU's part: block lookups, queueing the row upload and the copies.
                 let host_us = start.elapsed().as_secs_f64() * 1e6;
+                let heads = set.queries.as_view();
                 let query = Query {
-                    heads: &set.queries,
+                    heads: &heads,
                     scale: self.scale(),
                 };
                 let dense = Dense {
@@ -441,7 +444,7 @@ impl<'g> Bench<'g> {
                     query,
                     dense,
                     selected,
-                    &mut self.out,
+                    &mut self.out.as_view_mut(),
                 )?;
                 self.gpu.synchronize()?;
                 let us = start.elapsed().as_secs_f64() * 1e6;

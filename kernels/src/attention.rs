@@ -3,7 +3,9 @@
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 
 use crate::buffers::{Csr, KvCache};
 use crate::error::{driver, length, KernelError, Result};
@@ -13,8 +15,9 @@ use crate::gpu::{Gpu, KvElement, Variant, MAX_GROUP, MAX_MERGE, THREADS, UNROLL}
 /// attends with KV head `h`), and the logit scale (usually `1 / sqrt(head_dim)`).
 #[derive(Debug)]
 pub struct Query<'a, T> {
-    /// The query heads, rotated like the keys.
-    pub heads: &'a CudaSlice<T>,
+    /// The query heads, rotated like the keys (a view, so that one row of a batch of
+    /// tokens' queries can be a step's).
+    pub heads: &'a CudaView<'a, T>,
     /// Scale of `q · k`.
     pub scale: f32,
 }
@@ -143,7 +146,7 @@ pub fn flash_decode<T: KvElement>(
     query: Query<'_, T>,
     kv: &KvCache<T>,
     len: usize,
-    out: &mut CudaSlice<f32>,
+    out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     if len > kv.tokens() {
         return Err(KernelError::OutOfRange {
@@ -172,7 +175,7 @@ pub fn retrieval_attention<T: KvElement>(
     query: Query<'_, T>,
     dense: Dense<'_, T>,
     selected: Selected<'_, T>,
-    out: &mut CudaSlice<f32>,
+    out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     let plan = plan(query, dense, Some((selected.rows, selected.lists)), None)?;
     launch(gpu, workspace, plan, out)
@@ -191,7 +194,7 @@ pub fn bucket_attention<T: KvElement>(
     dense: Dense<'_, T>,
     buckets: &Csr,
     visited: &Csr,
-    out: &mut CudaSlice<f32>,
+    out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     buckets.check("bucket token ids", buckets.lists(), dense.kv.tokens())?;
     let list = Some((dense.kv.into(), visited));
@@ -264,7 +267,7 @@ fn launch<T: KvElement>(
     gpu: &Gpu,
     workspace: &mut Workspace,
     launch: Launch<'_, T>,
-    out: &mut CudaSlice<f32>,
+    out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     let head_dim = launch.dense.head_dim;
     let group = launch.query.heads.len() / (launch.kv_heads * head_dim);
@@ -353,7 +356,7 @@ fn launch<T: KvElement>(
         .buckets
         .map_or((0, 0), |b| (address(&b.offsets), address(&b.items)));
     let args = Args {
-        q: gpu.address(launch.query.heads),
+        q: launch.query.heads.device_ptr(gpu.stream()).0,
         scale_log2: launch.query.scale * std::f32::consts::LOG2_E,
         dense_keys: gpu.address(launch.dense.keys),
         dense_values: gpu.address(launch.dense.values),
@@ -372,7 +375,7 @@ fn launch<T: KvElement>(
         group_size: group_size as u32,
         partials: gpu.address(&workspace.partials),
         counters: gpu.address(&workspace.counters),
-        out: gpu.address(out),
+        out: out.device_ptr_mut(gpu.stream()).0,
     };
     let config = LaunchConfig {
         grid_dim: (items_u32, heads_u32, 1),

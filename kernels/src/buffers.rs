@@ -194,6 +194,14 @@ impl Csr {
         })
     }
 
+    /// Replaces the lists with `lists`, reusing the device buffers when they are large
+    /// enough (a decode step's selection, rewritten every step without an allocation). The
+    /// copies are queued behind the launches that read the previous lists.
+    pub fn write_lists<L: AsRef<[u32]>>(&mut self, gpu: &Gpu, lists: &[L]) -> Result<()> {
+        let (offsets, items) = flatten(lists)?;
+        self.rewrite(gpu, &offsets, &items)
+    }
+
     /// Replaces the lists, reusing the device buffers when they are large enough.
     pub(crate) fn rewrite(&mut self, gpu: &Gpu, offsets: &[u32], items: &[u32]) -> Result<()> {
         write_into(gpu, &mut self.offsets, offsets)?;

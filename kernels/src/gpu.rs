@@ -257,6 +257,15 @@ impl Gpu {
         self.multiprocessors
     }
 
+    /// Bytes of device memory free now.
+    pub fn free_memory(&self) -> Result<usize> {
+        let (free, _total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(driver("reading the free device memory"))?;
+        Ok(free)
+    }
+
     /// Copies `data` to a new device buffer (at least one element long, so that an empty
     /// list still has an address).
     pub fn upload<T: DeviceRepr + ValidAsZeroBits>(&self, data: &[T]) -> Result<CudaSlice<T>> {

@@ -93,13 +93,16 @@ impl QkvShape {
 }
 
 /// Where [`attention_inputs`] writes the store's copy: keys before RoPE and values, rounded to
-/// f16, `[tokens, kv_heads, head_dim]` each.
+/// f16, `[tokens, kv_heads, head_dim]` each, and optionally the queries before RoPE (f32,
+/// `[tokens, heads, head_dim]`), which an index searches with.
 #[derive(Debug)]
 pub struct StoreRows<'a, 'b> {
     /// Pre-RoPE keys.
     pub keys: &'a mut CudaViewMut<'b, half::f16>,
     /// Values.
     pub values: &'a mut CudaViewMut<'b, half::f16>,
+    /// Pre-RoPE queries, if wanted.
+    pub queries: Option<&'a mut CudaViewMut<'b, f32>>,
 }
 
 /// `out` row `i` (f32, `[ids, hidden]`) = row `ids[i]` of `table` (`[vocab, hidden]`) times
@@ -289,7 +292,19 @@ pub fn attention_inputs<A: Float>(
                 store_len,
                 rows.values.len(),
             )?;
-            Some((address_mut(gpu, rows.keys), address_mut(gpu, rows.values)))
+            if let Some(queries) = &rows.queries {
+                length(
+                    "attention_inputs store queries [tokens, heads, head_dim]",
+                    tokens * heads * head_dim,
+                    queries.len(),
+                )?;
+            }
+            let queries = rows.queries.map_or(0, |q| address_mut(gpu, q));
+            Some((
+                address_mut(gpu, rows.keys),
+                address_mut(gpu, rows.values),
+                queries,
+            ))
         }
         None => None,
     };
@@ -317,7 +332,7 @@ pub fn attention_inputs<A: Float>(
         interleaved: u32::from(rotary.pairs == RopePairs::Interleaved),
         first_position: first_position as u64,
         round_kv: u32::from(round_kv_to_f16),
-        store: store.unwrap_or((0, 0)),
+        store: store.unwrap_or((0, 0, 0)),
         capacity: kv.tokens() as u32,
     };
     launch_attention(gpu, &kernel, qkv, rotary, &args, queries, kv, tokens)
@@ -373,7 +388,7 @@ struct AttentionArgs {
     interleaved: u32,
     first_position: u64,
     round_kv: u32,
-    store: (u64, u64),
+    store: (u64, u64, u64),
     capacity: u32,
 }
 
@@ -412,13 +427,14 @@ fn launch_attention<A: Float>(
         .arg(&args.round_kv)
         .arg(&args.store.0)
         .arg(&args.store.1)
+        .arg(&args.store.2)
         .arg(queries)
         .arg(&mut kv.keys)
         .arg(&mut kv.values)
         .arg(&args.capacity);
     // Safety: the arguments match `ops_attention_inputs` in order and type; every buffer's
     // length was checked against the shape (qkv, bias, norm weights, inv_freq, queries, store
-    // rows), the KV buffer has `kv_heads` heads of `capacity >= tokens` rows of `head_dim`,
+    // rows and queries), the KV buffer has `kv_heads` heads of `capacity >= tokens` rows of `head_dim`,
     // and head_dim is even and at most MAX_HEAD_DIM.
     unsafe { builder.launch(rows_config(tokens)?) }
         .map_err(driver("launching ops_attention_inputs"))?;

@@ -18,7 +18,7 @@ mod on_gpu {
     use anyhow::{ensure, Result};
     use kvdb_attention::reference::attention_over_f64;
     use kvdb_attention::DensePolicy;
-    use kvdb_kernels::cudarc::driver::CudaSlice;
+    use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
     use kvdb_kernels::{
         bucket_attention, flash_decode, retrieval_attention, BlockCache, Csr, Dense, Gpu, HostKv,
         KernelError, KvCache, KvElement, Query, Selected, Workspace,
@@ -145,7 +145,7 @@ mod on_gpu {
         }
 
         /// The queries on the GPU with this layer's scale.
-        fn query<'a>(&self, queries: &'a CudaSlice<T>) -> Query<'a, T> {
+        fn query<'a>(&self, queries: &'a CudaView<'a, T>) -> Query<'a, T> {
             Query {
                 heads: queries,
                 scale: self.scale,
@@ -216,11 +216,12 @@ mod on_gpu {
             queries,
             mut workspace,
         } = layer.upload(gpu)?;
+        let queries = queries.as_view();
         let query = layer.query(&queries);
         // The whole cache and a random prefix of it.
         for len in [tokens, rng.random_range(1..=tokens)] {
             let mut out = poisoned(gpu, layer.queries.len())?;
-            flash_decode(gpu, &mut workspace, query, &kv, len, &mut out)?;
+            flash_decode(gpu, &mut workspace, query, &kv, len, &mut out.as_view_mut())?;
             let want = layer.reference(&vec![(0..len as u32).collect(); kv_heads])?;
             close(
                 &format!("flash_decode {:?} {shape:?} len {len}", T::DTYPE),
@@ -284,9 +285,17 @@ mod on_gpu {
             queries,
             mut workspace,
         } = layer.upload(gpu)?;
+        let queries = queries.as_view();
         let query = layer.query(&queries);
         let mut full = poisoned(gpu, layer.queries.len())?;
-        flash_decode(gpu, &mut workspace, query, &kv, tokens, &mut full)?;
+        flash_decode(
+            gpu,
+            &mut workspace,
+            query,
+            &kv,
+            tokens,
+            &mut full.as_view_mut(),
+        )?;
         let full = written(gpu, &full)?;
         // Empty, partial (one head may differ from another) and full selections.
         for fraction in [0.0, rng.random_range(0.0..0.2), 1.0] {
@@ -303,7 +312,7 @@ mod on_gpu {
                 query,
                 dense,
                 Selected::resident(&kv, &ids),
-                &mut out,
+                &mut out.as_view_mut(),
             )?;
             let got = written(gpu, &out)?;
             let attended: Vec<Vec<u32>> = lists
@@ -368,6 +377,7 @@ mod on_gpu {
             queries,
             mut workspace,
         } = layer.upload(gpu)?;
+        let queries = queries.as_view();
         let query = layer.query(&queries);
         let count = rng.random_range(1..=64);
         let bucket_lists = random_buckets(rng, kv_heads, tokens, count);
@@ -398,7 +408,7 @@ mod on_gpu {
                 dense,
                 &buckets,
                 &visited_csr,
-                &mut out,
+                &mut out.as_view_mut(),
             )?;
             let got = written(gpu, &out)?;
             let attended: Vec<Vec<u32>> = visited
@@ -443,6 +453,7 @@ mod on_gpu {
             queries,
             mut workspace,
         } = layer.upload(&gpu)?;
+        let queries = queries.as_view();
         let query = layer.query(&queries);
         let host = HostKv::new(&gpu, &layer.keys, &layer.values, kv_heads, head_dim, 64)?;
         let block_bytes = 2 * 64 * head_dim * 2;
@@ -475,14 +486,21 @@ mod on_gpu {
                 query,
                 dense,
                 Selected::resident(&kv, &ids),
-                &mut want,
+                &mut want.as_view_mut(),
             )?;
             let want: Vec<f64> = written(&gpu, &want)?.iter().map(|&x| x.into()).collect();
             for pass in ["cold", "warm"] {
                 let before = cache.stats();
                 let selected = cache.gather(&gpu, &lists)?;
                 let mut got = poisoned(&gpu, layer.queries.len())?;
-                retrieval_attention(&gpu, &mut workspace, query, dense, selected, &mut got)?;
+                retrieval_attention(
+                    &gpu,
+                    &mut workspace,
+                    query,
+                    dense,
+                    selected,
+                    &mut got.as_view_mut(),
+                )?;
                 close(
                     &format!("block cache step {step} {pass}"),
                     &written(&gpu, &got)?,
@@ -529,6 +547,7 @@ mod on_gpu {
             queries,
             workspace: mut ws,
         } = layer.upload(&gpu)?;
+        let queries = queries.as_view();
         let query = layer.query(&queries);
         let mut out = poisoned(&gpu, layer.queries.len())?;
         let mut short = poisoned(&gpu, 3)?;
@@ -539,14 +558,25 @@ mod on_gpu {
         let wrong_length =
             |r: kvdb_kernels::Result<()>| matches!(r, Err(KernelError::Length { .. }));
         ensure!(out_of_range(flash_decode(
-            &gpu, &mut ws, query, &kv, 101, &mut out
+            &gpu,
+            &mut ws,
+            query,
+            &kv,
+            101,
+            &mut out.as_view_mut()
         )));
         ensure!(wrong_length(flash_decode(
-            &gpu, &mut ws, query, &kv, 100, &mut short
+            &gpu,
+            &mut ws,
+            query,
+            &kv,
+            100,
+            &mut short.as_view_mut()
         )));
         // Nine query heads per KV head: no kernel for that group size.
         let nine = gpu.upload(&vec![half::f16::ZERO; 2 * 9 * 64])?;
         let mut nine_out = poisoned(&gpu, 2 * 9 * 64)?;
+        let nine = nine.as_view();
         let nine = Query {
             heads: &nine,
             scale: 0.125,
@@ -557,16 +587,26 @@ mod on_gpu {
             nine,
             &kv,
             100,
-            &mut nine_out
+            &mut nine_out.as_view_mut()
         )));
         let runs = [0..1, 50..100, 10..20];
         ensure!(unsupported(flash_or_dense(
-            &gpu, &mut ws, query, &kv, &runs, &mut out
+            &gpu,
+            &mut ws,
+            query,
+            &kv,
+            &runs,
+            &mut out.as_view_mut()
         )));
         let past_end = 0..101;
         let past_end = std::slice::from_ref(&past_end);
         ensure!(out_of_range(flash_or_dense(
-            &gpu, &mut ws, query, &kv, past_end, &mut out
+            &gpu,
+            &mut ws,
+            query,
+            &kv,
+            past_end,
+            &mut out.as_view_mut()
         )));
         let ids = Csr::from_lists(&gpu, &[vec![1u32, 100], vec![]])?;
         let dense = Dense { kv: &kv, runs: &[] };
@@ -576,7 +616,7 @@ mod on_gpu {
             query,
             dense,
             Selected::resident(&kv, &ids),
-            &mut out
+            &mut out.as_view_mut()
         )));
         let one_head = Csr::from_lists(&gpu, &[vec![1u32]])?;
         ensure!(wrong_length(retrieval_attention(
@@ -585,7 +625,7 @@ mod on_gpu {
             query,
             dense,
             Selected::resident(&kv, &one_head),
-            &mut out
+            &mut out.as_view_mut()
         )));
         ensure!(matches!(
             Csr::from_csr(&gpu, &[0, 2, 1], &[1, 2]),
@@ -598,7 +638,13 @@ mod on_gpu {
         let buckets = Csr::from_lists(&gpu, &[vec![1u32, 2], vec![3]])?;
         let visited = Csr::from_lists(&gpu, &[vec![0u32], vec![2]])?;
         ensure!(out_of_range(bucket_attention(
-            &gpu, &mut ws, query, dense, &buckets, &visited, &mut out
+            &gpu,
+            &mut ws,
+            query,
+            dense,
+            &buckets,
+            &visited,
+            &mut out.as_view_mut()
         )));
         let host = HostKv::new(&gpu, &layer.keys, &layer.values, 2, 64, 64)?;
         let no_cache = BlockCache::new(&gpu, host, 10);
@@ -613,7 +659,7 @@ mod on_gpu {
             );
         }
         // Nothing to attend to: zeros, every output written.
-        flash_decode(&gpu, &mut ws, query, &kv, 0, &mut out)?;
+        flash_decode(&gpu, &mut ws, query, &kv, 0, &mut out.as_view_mut())?;
         ensure!(written(&gpu, &out)?.iter().all(|&x| x == 0.0));
         Ok(())
     }
@@ -625,7 +671,7 @@ mod on_gpu {
         query: Query<'_, half::f16>,
         kv: &KvCache<half::f16>,
         runs: &[Range<u32>],
-        out: &mut CudaSlice<f32>,
+        out: &mut CudaViewMut<'_, f32>,
     ) -> kvdb_kernels::Result<()> {
         let none = Csr::from_lists(gpu, &vec![Vec::<u32>::new(); kv.kv_heads()])?;
         let dense = Dense { kv, runs };

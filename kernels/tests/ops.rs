@@ -389,6 +389,8 @@ mod on_gpu {
         values: HashMap<(usize, usize), Vec<f64>>,
         store_keys: Vec<f64>,
         store_values: Vec<f64>,
+        /// Pre-RoPE queries `[tokens, heads, d]`.
+        store_queries: Vec<f64>,
     }
 
     /// The inputs of one case.
@@ -433,6 +435,7 @@ mod on_gpu {
             values: HashMap::new(),
             store_keys: vec![0.0; tokens * kv_heads * d],
             store_values: vec![0.0; tokens * kv_heads * d],
+            store_queries: Vec::new(),
         };
         for t in 0..tokens {
             let p = case.first_position + t;
@@ -456,6 +459,7 @@ mod on_gpu {
                     }
                 }
                 if h < heads {
+                    out.store_queries.extend(&x);
                     rotate(&mut x, p, &inputs.inv_freq, case.pairs);
                     out.queries.extend(x);
                 } else if h < heads + kv_heads {
@@ -598,10 +602,13 @@ mod on_gpu {
         let mut kv = KvCache::<A>::zeros(gpu, kv_heads, case.capacity, d)?;
         let mut store_keys = poisoned::<f16>(gpu, tokens * kv_heads * d)?;
         let mut store_values = poisoned::<f16>(gpu, tokens * kv_heads * d)?;
+        let mut store_queries = poisoned::<f32>(gpu, tokens * heads * d)?;
         let (mut sk, mut sv) = (store_keys.as_view_mut(), store_values.as_view_mut());
+        let mut sq = store_queries.as_view_mut();
         let store = case.store.then_some(StoreRows {
             keys: &mut sk,
             values: &mut sv,
+            queries: Some(&mut sq),
         });
         ops::attention_inputs(
             gpu,
@@ -684,6 +691,14 @@ mod on_gpu {
                 let family = format!("attention_inputs {part}");
                 worst.check(&family, &what, &download(gpu, data)?, reference, F16_TOL)?;
             }
+            // f32 copies of the normed queries: only the rounding of the norm.
+            worst.check(
+                "attention_inputs store queries",
+                &format!("store queries {label}"),
+                &download(gpu, &store_queries)?,
+                &want.store_queries,
+                F32_TOL,
+            )?;
         } else {
             ensure!(
                 download(gpu, &store_keys)?.iter().all(|x| x.is_nan()),
@@ -1078,6 +1093,7 @@ mod on_gpu {
                 store.map(|_| StoreRows {
                     keys: &mut sk,
                     values: &mut sv,
+                    queries: None,
                 }),
             )
         };
