@@ -63,6 +63,21 @@ impl DensePolicy {
         let (sink_end, window_start, _) = self.bounds(position);
         sink_end..window_start.max(sink_end)
     }
+
+    /// The ids of `selection` a query at `position` attends to besides the dense part: its
+    /// candidates (the dense ids and later ones are dropped, so no token counts twice). The
+    /// one filter of the CPU and GPU paths.
+    pub fn retrieved<'s>(
+        &self,
+        position: usize,
+        selection: &'s [u32],
+    ) -> impl Iterator<Item = u32> + 's {
+        let candidates = self.candidates(position);
+        selection
+            .iter()
+            .copied()
+            .filter(move |id| candidates.contains(id))
+    }
 }
 
 #[cfg(test)]
@@ -75,6 +90,10 @@ mod tests {
         assert_eq!(p(4, 256).dense_ranges(0), vec![0..1]);
         assert_eq!(p(4, 256).dense_ranges(1000), vec![0..4, 745..1001]);
         assert_eq!(p(4, 256).candidates(1000), 4..745);
+        let picked: Vec<u32> = p(4, 256)
+            .retrieved(1000, &[0, 3, 4, 500, 744, 745, 1000, 2000])
+            .collect();
+        assert_eq!(picked, vec![4, 500, 744]);
         // Touching ranges merge.
         assert_eq!(p(4, 3).dense_ranges(6), vec![0..7]);
         assert_eq!(p(4, 3).candidates(6), 4..4);

@@ -91,7 +91,8 @@ pub struct Attended {
 pub fn retrieval_attention(query: &RetrievalQuery<'_>, source: &dyn KvSource) -> Result<Attended> {
     let d = query.rope.head_dim();
     let heads = some_rows("queries", query.queries.len(), d)?;
-    let last = u32::try_from(query.position)
+    // Ids are u32 and the window's end is `position + 1`.
+    u32::try_from(query.position)
         .ok()
         .filter(|&p| p < u32::MAX)
         .ok_or(AttentionError::Position {
@@ -103,11 +104,8 @@ pub fn retrieval_attention(query: &RetrievalQuery<'_>, source: &dyn KvSource) ->
     let dense_ranges = query.policy.dense_ranges(query.position);
     let dense: Vec<u32> = dense_ranges.iter().cloned().flatten().collect();
     let retrieved: Vec<u32> = query
-        .selection
-        .ids()
-        .iter()
-        .copied()
-        .filter(|&id| id <= last && !dense_ranges.iter().any(|r| r.contains(&id)))
+        .policy
+        .retrieved(query.position, query.selection.ids())
         .collect();
 
     let (dense_partial, dense_logits) = attend(query, &queries, heads, &dense, source)?;
