@@ -114,10 +114,115 @@ impl GpuModel {
     /// A fresh sequence state on the GPU.
     pub fn sequence(&self, options: &SequenceOptions) -> Result<Box<dyn Forward + '_>> {
         Ok(match &self.weights {
-            Weights::Bf16(m) => Box::new(Sequence::new(m, options)?),
-            Weights::F32(m) => Box::new(Sequence::new(m, options)?),
+            Weights::Bf16(m) => Box::new(Sequence::new(m, options, None)?),
+            Weights::F32(m) => Box::new(Sequence::new(m, options, None)?),
         })
     }
+
+    /// A sequence that continues a context of `external.first_position` tokens held
+    /// elsewhere: at `external.layers` the caller's [`LayerAttention`] attends (a stored
+    /// corpus's retrieval layers), and the sequence keeps only its own tokens' rows there;
+    /// the other layers must be preloaded as usual. Needs [`Precision::Bf16`] (the retrieval
+    /// kernels take f16 keys) and no [`SequenceOptions::store_kv`].
+    pub fn sequence_with<'s>(
+        &'s self,
+        options: &SequenceOptions,
+        external: ExternalAttention<'s>,
+    ) -> Result<Box<dyn Forward + 's>> {
+        let refuse = |reason: &str| ModelError::Backend {
+            layer: external.layers.first().copied().unwrap_or(0),
+            reason: reason.into(),
+        };
+        if options.store_kv {
+            return Err(refuse(
+                "a sequence with external attention cannot store its rows",
+            ));
+        }
+        match &self.weights {
+            Weights::Bf16(m) => Ok(Box::new(Sequence::new(m, options, Some(external))?)),
+            Weights::F32(_) => Err(refuse(
+                "external attention needs bf16 precision (the retrieval kernels take f16 keys)",
+            )),
+        }
+    }
+
+    /// Layer `layer`'s pre-RoPE keys and values (`[tokens, n_kv_heads, head_dim]` f32 each)
+    /// at `positions`, rotated there and rounded to f16 in a buffer of their own
+    /// (`[n_kv_heads, tokens, head_dim]`): the corpus side of [`ExternalAttention`]. The same
+    /// kernel places them as a sequence's own rows, so both attend to the same numbers.
+    pub fn rotated_kv(
+        &self,
+        layer: usize,
+        keys: &[f32],
+        values: &[f32],
+        positions: Range<usize>,
+    ) -> Result<KvCache<f16>> {
+        let Weights::Bf16(m) = &self.weights else {
+            return Err(ModelError::Backend {
+                layer,
+                reason: "f16 keys come from a bf16 model".into(),
+            });
+        };
+        let c = &m.config;
+        let mut kv = KvCache::zeros(&m.gpu, c.n_kv_heads, positions.len().max(1), c.head_dim)?;
+        place_rows(m, layer, &mut kv, keys, values, positions)?;
+        Ok(kv)
+    }
+}
+
+/// Attention that the caller of [`GpuModel::sequence_with`] computes at some layers.
+pub trait LayerAttention {
+    /// One forward call's attention at a claimed layer: writes `call.out`.
+    fn attend(&mut self, call: LayerCall<'_>) -> Result<()>;
+}
+
+/// Which layers a [`LayerAttention`] computes, and where the sequence starts.
+pub struct ExternalAttention<'h> {
+    /// The claimed layers (global layers only: a sliding-window layer keeps its ring).
+    pub layers: Vec<usize>,
+    /// Rows the sequence keeps per claimed layer: its own tokens (e.g. a question and its
+    /// answer) at most.
+    pub tail_capacity: usize,
+    /// The position of the sequence's first token (the tokens before it are elsewhere).
+    pub first_position: usize,
+    /// The attention of the claimed layers.
+    pub attention: &'h mut dyn LayerAttention,
+}
+
+impl std::fmt::Debug for ExternalAttention<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExternalAttention")
+            .field("layers", &self.layers)
+            .field("tail_capacity", &self.tail_capacity)
+            .field("first_position", &self.first_position)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One forward call at a claimed layer: the call's tokens at `positions`.
+#[derive(Debug)]
+pub struct LayerCall<'a> {
+    /// The device.
+    pub gpu: &'a Gpu,
+    /// The layer.
+    pub layer: usize,
+    /// The positions of the call's tokens.
+    pub positions: Range<usize>,
+    /// Scale of `q · k`.
+    pub scale: f32,
+    /// Queries rotated at their positions, `[tokens, heads, head_dim]`.
+    pub queries: CudaView<'a, f16>,
+    /// The same queries before RoPE (what indexes search with), f32.
+    pub raw_queries: CudaView<'a, f32>,
+    /// The call's keys before RoPE and values, `[tokens, kv_heads, head_dim]` each.
+    pub raw_keys: CudaView<'a, f16>,
+    /// See `raw_keys`.
+    pub raw_values: CudaView<'a, f16>,
+    /// The sequence's own rows at this layer, rotated: position `p` (from the first
+    /// position on, this call's included) at row `p % tail.tokens()` of every KV head.
+    pub tail: &'a KvCache<f16>,
+    /// The attention output, `[tokens, heads, head_dim]`.
+    pub out: CudaViewMut<'a, f32>,
 }
 
 /// An attention element type: f16 attends decode steps of global layers with the
@@ -137,6 +242,24 @@ trait AttentionType: Float {
         len: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<()>;
+
+    /// Hands a claimed layer's call to `attention` (f16 only; [`GpuModel::sequence_with`]
+    /// makes no other).
+    fn external(attention: &mut dyn LayerAttention, call: ExternalCall<'_, Self>) -> Result<()>;
+}
+
+/// A claimed layer's call before it is typed as f16.
+struct ExternalCall<'a, A> {
+    gpu: &'a Gpu,
+    layer: usize,
+    positions: Range<usize>,
+    scale: f32,
+    queries: CudaView<'a, A>,
+    raw_queries: CudaView<'a, f32>,
+    raw_keys: CudaView<'a, f16>,
+    raw_values: CudaView<'a, f16>,
+    tail: &'a KvCache<A>,
+    out: CudaViewMut<'a, f32>,
 }
 
 impl AttentionType for f16 {
@@ -151,11 +274,34 @@ impl AttentionType for f16 {
         len: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let heads = query.as_view();
         let query = Query {
-            heads: query,
+            heads: &heads,
             scale,
         };
-        Ok(flash_decode(gpu, workspace, query, kv, len, out)?)
+        Ok(flash_decode(
+            gpu,
+            workspace,
+            query,
+            kv,
+            len,
+            &mut out.as_view_mut(),
+        )?)
+    }
+
+    fn external(attention: &mut dyn LayerAttention, call: ExternalCall<'_, Self>) -> Result<()> {
+        attention.attend(LayerCall {
+            gpu: call.gpu,
+            layer: call.layer,
+            positions: call.positions,
+            scale: call.scale,
+            queries: call.queries,
+            raw_queries: call.raw_queries,
+            raw_keys: call.raw_keys,
+            raw_values: call.raw_values,
+            tail: call.tail,
+            out: call.out,
+        })
     }
 }
 
@@ -174,6 +320,13 @@ impl AttentionType for f32 {
         Err(ModelError::Backend {
             layer: 0,
             reason: "no flash decoding for f32 keys".into(),
+        })
+    }
+
+    fn external(_: &mut dyn LayerAttention, call: ExternalCall<'_, Self>) -> Result<()> {
+        Err(ModelError::Backend {
+            layer: call.layer,
+            reason: "external attention takes f16 keys".into(),
         })
     }
 }
@@ -383,9 +536,82 @@ struct StoredChunk {
     taken: bool,
 }
 
+/// A sequence's claimed layers ([`ExternalAttention`]) and the buffers of their calls.
+struct External<'h> {
+    attention: &'h mut dyn LayerAttention,
+    /// Per layer of the model.
+    claimed: Vec<bool>,
+    /// Positions past this one do not fit the claimed layers' rings.
+    end: usize,
+    /// One call's pre-RoPE queries, keys and values, and its output, for `rows` tokens.
+    raw_queries: CudaSlice<f32>,
+    raw_keys: CudaSlice<f16>,
+    raw_values: CudaSlice<f16>,
+    out: CudaSlice<f32>,
+    rows: usize,
+}
+
+impl<'h> External<'h> {
+    fn new(
+        gpu: &Gpu,
+        c: &ModelConfig,
+        windows: &[Option<usize>],
+        external: ExternalAttention<'h>,
+    ) -> Result<Self> {
+        let mut claimed = vec![false; c.n_layers()];
+        for &layer in &external.layers {
+            match windows.get(layer) {
+                Some(None) => claimed[layer] = true,
+                found => {
+                    return Err(ModelError::Backend {
+                        layer,
+                        reason: match found {
+                            Some(Some(_)) => {
+                                "a sliding-window layer's attention cannot be external".into()
+                            }
+                            _ => format!("the model has {} layers", c.n_layers()),
+                        },
+                    })
+                }
+            }
+        }
+        if external.tail_capacity == 0 {
+            return Err(ModelError::Backend {
+                layer: external.layers.first().copied().unwrap_or(0),
+                reason: "external attention needs room for at least one token".into(),
+            });
+        }
+        Ok(Self {
+            attention: external.attention,
+            claimed,
+            end: external.first_position + external.tail_capacity,
+            raw_queries: gpu.zeros(1)?,
+            raw_keys: gpu.zeros(1)?,
+            raw_values: gpu.zeros(1)?,
+            out: gpu.zeros(1)?,
+            rows: 0,
+        })
+    }
+
+    /// Makes the call buffers hold `t` tokens.
+    fn reserve(&mut self, gpu: &Gpu, c: &ModelConfig, t: usize) -> Result<()> {
+        if self.rows < t {
+            let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+            self.raw_queries = gpu.zeros(t * q)?;
+            self.raw_keys = gpu.zeros(t * kv)?;
+            self.raw_values = gpu.zeros(t * kv)?;
+            self.out = gpu.zeros(t * q)?;
+            self.rows = t;
+        }
+        Ok(())
+    }
+}
+
 /// The GPU's [`Forward`].
 struct Sequence<'m, T, A> {
     model: &'m Inner<T, A>,
+    /// Attention the caller computes at some layers.
+    external: Option<External<'m>>,
     position: usize,
     kv: Vec<KvCache<A>>,
     scratch: Option<Scratch<T, A>>,
@@ -396,15 +622,28 @@ struct Sequence<'m, T, A> {
 }
 
 impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
-    fn new(model: &'m Inner<T, A>, options: &SequenceOptions) -> Result<Self> {
+    fn new(
+        model: &'m Inner<T, A>,
+        options: &SequenceOptions,
+        external: Option<ExternalAttention<'m>>,
+    ) -> Result<Self> {
         let c = &model.config;
         let gpu = &*model.gpu;
+        let windows: Vec<Option<usize>> = model.layers.iter().map(|l| l.window).collect();
+        let position = external.as_ref().map_or(0, |e| e.first_position);
+        let tail = external.as_ref().map_or(0, |e| e.tail_capacity);
+        let external = external
+            .map(|e| External::new(gpu, c, &windows, e))
+            .transpose()?;
         let kv = model
             .layers
             .iter()
-            .map(|l| {
+            .enumerate()
+            .map(|(i, l)| {
+                let claimed = external.as_ref().is_some_and(|e| e.claimed[i]);
                 let capacity = match l.window {
                     Some(w) => w + MAX_CHUNK,
+                    None if claimed => tail,
                     None => MAX_CHUNK.min(c.context_length),
                 };
                 KvCache::zeros(gpu, c.n_kv_heads, capacity, c.head_dim)
@@ -427,7 +666,8 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
             .transpose()?;
         Ok(Self {
             model,
-            position: 0,
+            external,
+            position,
             kv,
             scratch: None,
             decode: None,
@@ -440,8 +680,9 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
     fn reserve(&mut self, end: usize) -> Result<()> {
         let gpu = &*self.model.gpu;
         let context = self.model.config.context_length;
-        for (kv, layer) in self.kv.iter_mut().zip(&self.model.layers) {
-            if layer.window.is_none() && kv.tokens() < end {
+        let claimed = |i: usize| self.external.as_ref().is_some_and(|e| e.claimed[i]);
+        for (i, (kv, layer)) in self.kv.iter_mut().zip(&self.model.layers).enumerate() {
+            if layer.window.is_none() && !claimed(i) && kv.tokens() < end {
                 let capacity = end.max(2 * kv.tokens()).min(context).max(end);
                 kv.grow(gpu, capacity, self.position)?;
             }
@@ -467,6 +708,15 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                 queries: gpu.zeros(q_dim)?,
                 out: gpu.zeros(q_dim)?,
             });
+        }
+        if let Some(external) = self.external.as_mut() {
+            if start + t > external.end {
+                return Err(ModelError::ContextOverflow {
+                    tokens: start + t,
+                    context: external.end,
+                });
+            }
+            external.reserve(gpu, c, t)?;
         }
         let store = self.stored.is_some();
         if let Some(stored) = self.stored.as_mut() {
@@ -543,27 +793,70 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                 let n = t * kv_heads * d;
                 (chunk.keys.slice_mut(..n), chunk.values.slice_mut(..n))
             });
-            let store_rows = store_views
-                .as_mut()
-                .map(|(k, v)| StoreRows { keys: k, values: v });
+            let store_rows = store_views.as_mut().map(|(k, v)| StoreRows {
+                keys: k,
+                values: v,
+                queries: None,
+            });
             let kv = &mut self.kv[i];
+            // The chunk's first `rows` tokens' queries into `queries`, keys and values into
+            // `kv` (rounded to f16 first if `round`) and `store`.
+            let qkv = &s.qkv;
+            let place = |rows: usize,
+                         round: bool,
+                         queries: &mut CudaViewMut<'_, A>,
+                         kv: &mut KvCache<A>,
+                         store: Option<StoreRows<'_, '_>>| {
+                ops::attention_inputs(
+                    gpu,
+                    &qkv.slice(..rows * qkv_dim),
+                    &shape,
+                    bias.as_ref(),
+                    q_norm.as_ref(),
+                    k_norm.as_ref(),
+                    &rotary,
+                    start,
+                    round,
+                    queries,
+                    kv,
+                    store,
+                )
+            };
             let flash = decode.filter(|_| layer.window.is_none());
-            match flash {
-                Some(buffers) => {
-                    ops::attention_inputs(
-                        gpu,
-                        &s.qkv.slice(..qkv_dim),
-                        &shape,
-                        bias.as_ref(),
-                        q_norm.as_ref(),
-                        k_norm.as_ref(),
-                        &rotary,
-                        start,
-                        store,
-                        &mut buffers.queries.as_view_mut(),
+            let external = self.external.as_mut().filter(|e| e.claimed[i]);
+            match (external, flash) {
+                (Some(e), _) => {
+                    let (n, kv_n) = (t * q_dim, t * kv_heads * d);
+                    place(
+                        t,
+                        false,
+                        &mut s.queries.slice_mut(..n),
                         kv,
-                        store_rows,
+                        Some(StoreRows {
+                            keys: &mut e.raw_keys.slice_mut(..kv_n),
+                            values: &mut e.raw_values.slice_mut(..kv_n),
+                            queries: Some(&mut e.raw_queries.slice_mut(..n)),
+                        }),
                     )?;
+                    A::external(
+                        &mut *e.attention,
+                        ExternalCall {
+                            gpu,
+                            layer: i,
+                            positions: start..start + t,
+                            scale: c.attention_scale,
+                            queries: s.queries.slice(..n),
+                            raw_queries: e.raw_queries.slice(..n),
+                            raw_keys: e.raw_keys.slice(..kv_n),
+                            raw_values: e.raw_values.slice(..kv_n),
+                            tail: kv,
+                            out: e.out.slice_mut(..n),
+                        },
+                    )?;
+                    ops::convert(gpu, &e.out.slice(..n), &mut s.attention.slice_mut(..n))?;
+                }
+                (None, Some(buffers)) => {
+                    place(1, store, &mut buffers.queries.as_view_mut(), kv, store_rows)?;
                     A::flash_decode(
                         gpu,
                         &mut buffers.workspace,
@@ -579,16 +872,9 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                         &mut s.attention.slice_mut(..q_dim),
                     )?;
                 }
-                None => {
-                    ops::attention_inputs(
-                        gpu,
-                        &s.qkv.slice(..t * qkv_dim),
-                        &shape,
-                        bias.as_ref(),
-                        q_norm.as_ref(),
-                        k_norm.as_ref(),
-                        &rotary,
-                        start,
+                (None, None) => {
+                    place(
+                        t,
                         store,
                         &mut s.queries.slice_mut(..t * q_dim),
                         kv,
@@ -691,6 +977,86 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         }
         Ok(logits)
     }
+}
+
+/// Places pre-RoPE keys and values (`[tokens, n_kv_heads, head_dim]` f32 each) at
+/// `positions` into `kv`, rotated and rounded to f16 (a ring keeps the last ones). The rows
+/// go through the kernel that places a chunk's own keys (no norms: they are stored normed),
+/// so a corpus continued from the store attends to bit for bit the keys an uninterrupted
+/// ingest held.
+fn place_rows<T: Float, A: AttentionType>(
+    model: &Inner<T, A>,
+    layer: usize,
+    kv: &mut KvCache<A>,
+    keys: &[f32],
+    values: &[f32],
+    positions: Range<usize>,
+) -> Result<()> {
+    let (gpu, c) = (&*model.gpu, &model.config);
+    let gpu_layer = &model.layers[layer];
+    let (heads, kv_heads, d) = (c.n_heads, c.n_kv_heads, c.head_dim);
+    let row = kv_heads * d;
+    if keys.len() != positions.len() * row || values.len() != keys.len() {
+        return Err(ModelError::Backend {
+            layer,
+            reason: format!(
+                "preload of {} positions needs {} key and value floats, got {} and {}",
+                positions.len(),
+                positions.len() * row,
+                keys.len(),
+                values.len()
+            ),
+        });
+    }
+    // A ring keeps its last `capacity` positions.
+    let skip = positions.len().saturating_sub(kv.tokens());
+    let qkv_dim = (heads + 2 * kv_heads) * d;
+    let mut scratch_q: CudaSlice<A> = gpu.zeros(MAX_CHUNK.min(positions.len()) * heads * d)?;
+    let mut qkv_device: CudaSlice<f32> = gpu.zeros(MAX_CHUNK.min(positions.len()) * qkv_dim)?;
+    let inv_freq = gpu_layer.inv_freq.as_view();
+    let rotary = Rotary {
+        inv_freq: &inv_freq,
+        pairs: gpu_layer.pairs,
+    };
+    let mut i = skip;
+    while i < positions.len() {
+        let t = MAX_CHUNK.min(positions.len() - i);
+        let mut qkv = vec![0f32; t * qkv_dim];
+        for (j, token) in qkv.chunks_exact_mut(qkv_dim).enumerate() {
+            let at = (i + j) * row;
+            token[heads * d..heads * d + row].copy_from_slice(&keys[at..at + row]);
+            token[heads * d + row..].copy_from_slice(&values[at..at + row]);
+        }
+        gpu.stream()
+            .memcpy_htod(&qkv, &mut qkv_device.slice_mut(..t * qkv_dim))
+            .map_err(|e| KernelError::Driver {
+                op: "copying stored keys and values",
+                source: e,
+            })?;
+        ops::attention_inputs(
+            gpu,
+            &qkv_device.slice(..t * qkv_dim),
+            &QkvShape {
+                tokens: t,
+                heads,
+                kv_heads,
+                head_dim: d,
+            },
+            None,
+            None,
+            None,
+            &rotary,
+            positions.start + i,
+            true,
+            &mut scratch_q.slice_mut(..t * heads * d),
+            kv,
+            None,
+        )?;
+        // `qkv` is a temporary the copy reads.
+        gpu.synchronize()?;
+        i += t;
+    }
+    Ok(())
 }
 
 /// `out[..rows]` = RMSNorm of `x[..rows]`.
@@ -861,24 +1227,17 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
     ) -> Result<()> {
         let model = self.model;
         let (gpu, c) = (&*model.gpu, &model.config);
+        let claimed = self.external.as_ref().is_some_and(|e| e.claimed[layer]);
         let (Some(gpu_layer), Some(kv)) = (model.layers.get(layer), self.kv.get_mut(layer)) else {
             return Err(ModelError::Backend {
                 layer,
                 reason: format!("the model has {} layers", c.n_layers()),
             });
         };
-        let (heads, kv_heads, d) = (c.n_heads, c.n_kv_heads, c.head_dim);
-        let row = kv_heads * d;
-        if keys.len() != positions.len() * row || values.len() != keys.len() {
+        if claimed {
             return Err(ModelError::Backend {
                 layer,
-                reason: format!(
-                    "preload of {} positions needs {} key and value floats, got {} and {}",
-                    positions.len(),
-                    positions.len() * row,
-                    keys.len(),
-                    values.len()
-                ),
+                reason: "the layer's attention is external: it takes no preload".into(),
             });
         }
         if gpu_layer.window.is_none() {
@@ -890,57 +1249,7 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
             }
             kv.grow(gpu, positions.end, 0)?;
         }
-        // A ring keeps its last `capacity` positions.
-        let skip = positions.len().saturating_sub(kv.tokens());
-        // The rows go through the kernel that places a chunk's own keys (no norms: they are
-        // stored normed), so a corpus continued from the store attends to bit for bit the
-        // keys an uninterrupted ingest held.
-        let qkv_dim = (heads + 2 * kv_heads) * d;
-        let mut scratch_q: CudaSlice<A> = gpu.zeros(MAX_CHUNK.min(positions.len()) * heads * d)?;
-        let mut qkv_device: CudaSlice<f32> = gpu.zeros(MAX_CHUNK.min(positions.len()) * qkv_dim)?;
-        let inv_freq = gpu_layer.inv_freq.as_view();
-        let rotary = Rotary {
-            inv_freq: &inv_freq,
-            pairs: gpu_layer.pairs,
-        };
-        let mut i = skip;
-        while i < positions.len() {
-            let t = MAX_CHUNK.min(positions.len() - i);
-            let mut qkv = vec![0f32; t * qkv_dim];
-            for (j, token) in qkv.chunks_exact_mut(qkv_dim).enumerate() {
-                let at = (i + j) * row;
-                token[heads * d..heads * d + row].copy_from_slice(&keys[at..at + row]);
-                token[heads * d + row..].copy_from_slice(&values[at..at + row]);
-            }
-            gpu.stream()
-                .memcpy_htod(&qkv, &mut qkv_device.slice_mut(..t * qkv_dim))
-                .map_err(|e| KernelError::Driver {
-                    op: "copying stored keys and values",
-                    source: e,
-                })?;
-            ops::attention_inputs(
-                gpu,
-                &qkv_device.slice(..t * qkv_dim),
-                &QkvShape {
-                    tokens: t,
-                    heads,
-                    kv_heads,
-                    head_dim: d,
-                },
-                None,
-                None,
-                None,
-                &rotary,
-                positions.start + i,
-                true,
-                &mut scratch_q.slice_mut(..t * heads * d),
-                kv,
-                None,
-            )?;
-            // `qkv` is a temporary the copy reads.
-            gpu.synchronize()?;
-            i += t;
-        }
+        place_rows(model, layer, kv, keys, values, positions.clone())?;
         self.position = self.position.max(positions.end);
         Ok(())
     }

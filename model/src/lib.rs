@@ -48,7 +48,9 @@ pub use forward::{
 };
 pub use gguf::GgufFile;
 #[cfg(feature = "gpu")]
-pub use gpu::{GpuModel, Precision, MAX_CHUNK as GPU_MAX_CHUNK};
+pub use gpu::{
+    ExternalAttention, GpuModel, LayerAttention, LayerCall, Precision, MAX_CHUNK as GPU_MAX_CHUNK,
+};
 #[cfg(feature = "gpu")]
 pub use kvdb_kernels::{Gemm, Gpu, KernelError};
 pub use model::{LoadOptions, Logits, Model, WeightMode, DENSE_MIN_ROWS};
