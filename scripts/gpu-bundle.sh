@@ -2,7 +2,8 @@
 # Builds everything the GPU machine runs, with feature `gpu`, into .gpu-bundle/ (ignored by
 # git) as one xz archive small enough for the device tool to carry (`carry:
 # [".gpu-bundle"]`, 64 MiB a call): the `kvdb` binary, the GPU test binaries (kernels' gpu,
-# ops and prefill tests, the model's gpu_model test, the GPU ingest test), the kernels'
+# ops and prefill tests, the model's gpu_model test, the GPU ingest and query tests, the
+# needle retrieval test, run there with KVDB_TEST_DEVICE=cuda), the kernels'
 # benches, the store's commit bench, the random-model writer, and the shared libraries `kvdb` links that the GPU machine's image lacks (OpenBLAS
 # and its Fortran runtime). libcuda, NVRTC and cuBLASLt are loaded there at run time.
 #
@@ -26,18 +27,22 @@ target_binary() {
     cargo "$kind" $release --workspace --features "$features" --no-run --message-format=json \
         -p "$package" "--$kind" "$target" |
         python3 -c 'import json, sys
-name = sys.argv[1]
+package, name = sys.argv[1:]
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == name and m.get("executable"):
-        print(m["executable"])' "$target"
+    # `--workspace` builds every package'"'"'s target of that name: keep the package'"'"'s own
+    # (its id ends `#name@version`, or `#version` where the folder is the name).
+    pid = m.get("package_id", "")
+    own = f"#{package}@" in pid or pid.split("#")[0].endswith("/" + package)
+    if m.get("reason") == "compiler-artifact" and own and m["target"]["name"] == name and m.get("executable"):
+        print(m["executable"])' "$package" "$target"
 }
 
 cargo build --release --workspace --features "$features" --bins --examples
 target=${CARGO_TARGET_DIR:-target}
 cp "$target/release/kvdb" "$target/release/random_model" "$target/release/gpu_model_bench" "$stage/bin/"
 cp "$target/release/examples/gpu_bench" "$target/release/examples/prefill_bench" "$stage/bin/"
-for t in kvdb-kernels:gpu kvdb-kernels:ops kvdb-kernels:prefill kvdb-tests:gpu_model kvdb-cli:gpu_ingest; do
+for t in kvdb-kernels:gpu kvdb-kernels:ops kvdb-kernels:prefill kvdb-tests:gpu_model kvdb-cli:gpu_ingest kvdb-cli:gpu_query kvdb:retrieval; do
     cp "$(target_binary test "${t%%:*}" "${t##*:}")" "$stage/bin/test-${t##*:}"
 done
 cp "$(target_binary bench kvdb-benches store)" "$stage/bin/bench-store"
@@ -50,7 +55,7 @@ for lib in $(ldd "$stage/bin/kvdb" | awk '/=>/ {print $3}'); do
     *) cp -L "$lib" "$stage/lib/" ;;
     esac
 done
-cp scripts/bench_model_torch.py scripts/bench_prefill_sdpa.py scripts/bench_sdpa.py scripts/gpu-model-bench.sh scripts/gpu-ingest-bench.sh scripts/gpu-default-model.sh "$stage/"
+cp scripts/bench_model_torch.py scripts/bench_prefill_sdpa.py scripts/bench_sdpa.py scripts/gpu-model-bench.sh scripts/gpu-ingest-bench.sh scripts/gpu-query-bench.sh scripts/gpu-default-model.sh "$stage/"
 
 rm -rf "$out"
 mkdir -p "$out"

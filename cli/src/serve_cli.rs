@@ -44,8 +44,8 @@ pub(crate) struct ServeArgs {
     /// Seconds a shutdown gives requests in flight before it closes their connections.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=3600))]
     shutdown_grace: u64,
-    /// Where ingests' prefill runs: `cpu`, or `cuda` / `cuda:N` (an NVIDIA GPU; needs a build
-    /// with feature `gpu`). Queries run on the CPU.
+    /// Where ingests' prefill and queries' decoding run: `cpu`, or `cuda` / `cuda:N` (an
+    /// NVIDIA GPU; needs a build with feature `gpu`; indexes are still searched on the CPU).
     #[arg(long, default_value = "cpu")]
     device: kvdb::models::ComputeDevice,
 }

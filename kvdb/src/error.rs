@@ -61,6 +61,26 @@ pub enum Error {
          (`cargo build --release --features gpu`) or use `--device cpu`"
     )]
     NoGpuSupport,
+    /// A corpus's retrieval layers do not fit the GPU's free memory.
+    #[error(
+        "corpus `{corpus}`'s retrieval layers take {needed} bytes on the GPU and {free} are free: \
+         ask with `--device cpu` (keys and values behind a GPU cache of host memory are not \
+         wired into queries yet)"
+    )]
+    GpuMemory {
+        /// The corpus.
+        corpus: String,
+        /// Bytes its keys and values take there.
+        needed: usize,
+        /// Bytes free on the device.
+        free: usize,
+    },
+    /// A query option the GPU path does not have yet.
+    #[error("{what} is not available on the GPU yet: use `--device cpu` for it")]
+    NotOnGpu {
+        /// The option.
+        what: &'static str,
+    },
     /// No corpus of this name.
     #[error("no corpus `{name}` in the store{}", available_list(.available))]
     CorpusMissing {

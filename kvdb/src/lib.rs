@@ -9,7 +9,10 @@
 //!   corpus and every retrieval layer attends to the keys its index selects plus a dense part
 //!   (sinks and recent tokens), reading keys and values through the [`ram_tier`]; the answer
 //!   comes with provenance.
-//! - [`generate`] is the decoding loop both plain generation and queries share.
+//! - [`generate`] is the decoding loop both plain generation and queries share. With a model
+//!   on the GPU (feature `gpu`), a query's forward runs there and its retrieval layers attend
+//!   through the retrieval kernels over the corpus's keys and values on the GPU, searched on
+//!   CPU threads; the session's selection, dense policy and provenance are the CPU's.
 //! - [`saap_training`] trains the SAAP artifact a model's `saap` indexes route with.
 //!
 //! Keys and values are `[tokens, head_dim]` rows per layer and KV head, pre-RoPE keys, f16 in
@@ -21,6 +24,8 @@
 pub mod documents;
 pub mod error;
 pub mod generate;
+#[cfg(feature = "gpu")]
+mod gpu_session;
 pub mod indexes;
 pub mod ingest;
 pub mod models;

@@ -15,13 +15,13 @@ use kvdb_attention::{
 };
 use kvdb_index::{Found, GroupQuery, IndexSpec, SearchParams, Searcher};
 use kvdb_model::{
-    AttentionBackend, AttentionInput, BackendSequence, EncodeOptions, FullAttention, Logits,
+    AttentionBackend, AttentionInput, BackendSequence, EncodeOptions, FullAttention, Logits, Rope,
 };
 use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::generate::{continue_generation, GenerateOptions, StopReason};
+use crate::generate::{continue_generation, GenerateOptions, Generation, StopReason};
 use crate::indexes::{load_indexes, IndexSet, LayerIndexes};
 use crate::ingest::{check_model, ModelRef};
 use crate::ram_tier::{RamTier, TierStats};
@@ -94,6 +94,14 @@ pub struct RetrievalStats {
     pub selected: usize,
     /// Keys the searches could have selected (corpus tokens outside the dense part).
     pub eligible: usize,
+    /// Wall seconds the searches took (all KV heads of a layer in parallel).
+    pub search_seconds: f64,
+    /// Wall seconds of attention on the CPU over the selections: the whole retrieval
+    /// attention on the CPU; on the GPU only the answer tokens' recomputation for provenance.
+    pub cpu_attention_seconds: f64,
+    /// Wall seconds a GPU query waited for its queries to reach the host, once per retrieval
+    /// layer and call (the GPU's work queued before them included).
+    pub transfer_seconds: f64,
 }
 
 impl RetrievalStats {
@@ -204,6 +212,9 @@ pub struct Corpus {
     retrieval_layers: Vec<usize>,
     /// Loaded indexes by spec (canonical spelling).
     indexes: Mutex<HashMap<String, Arc<IndexSet>>>,
+    /// The retrieval layers' keys and values on the GPU, uploaded by the first GPU query.
+    #[cfg(feature = "gpu")]
+    gpu_kv: Mutex<Option<Arc<crate::gpu_session::GpuCorpusKv>>>,
 }
 
 impl Corpus {
@@ -262,6 +273,8 @@ impl Corpus {
             tier,
             windows,
             indexes: Mutex::default(),
+            #[cfg(feature = "gpu")]
+            gpu_kv: Mutex::default(),
         };
         corpus.index(model, &corpus.default_index()?)?;
         Ok(corpus)
@@ -292,6 +305,64 @@ impl Corpus {
         self.indexes
             .lock()
             .map_err(|_| Error::Internal("an earlier query panicked while loading an index".into()))
+    }
+
+    /// The retrieval layers' keys and values on `gpu`'s device, uploaded on first use (by
+    /// one query at a time: the others wait rather than upload them again).
+    #[cfg(feature = "gpu")]
+    pub(crate) fn gpu_kv(
+        &self,
+        model: ModelRef<'_>,
+        gpu: &kvdb_model::GpuModel,
+    ) -> Result<Arc<crate::gpu_session::GpuCorpusKv>> {
+        let mut cached = self.gpu_kv.lock().map_err(|_| {
+            Error::Internal("an earlier query panicked uploading the corpus".into())
+        })?;
+        if let Some(kv) = cached.as_ref().filter(|kv| kv.is_on(gpu)) {
+            return Ok(kv.clone());
+        }
+        let kv = Arc::new(crate::gpu_session::GpuCorpusKv::build(
+            self,
+            model,
+            gpu,
+            &self.retrieval_layers,
+            self.manifest.tokens,
+        )?);
+        *cached = Some(kv.clone());
+        Ok(kv)
+    }
+
+    /// Bytes of keys and values the corpus holds on the GPU (0 before its first GPU query).
+    #[cfg(feature = "gpu")]
+    pub fn gpu_bytes(&self) -> usize {
+        self.gpu_kv
+            .lock()
+            .ok()
+            .and_then(|kv| kv.as_ref().map(|kv| kv.bytes()))
+            .unwrap_or(0)
+    }
+
+    /// Rows `range` of `layer`'s keys and values, f32 `[rows, n_kv_heads, head_dim]` each,
+    /// read straight from the store.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn layer_kv(
+        &self,
+        layer: usize,
+        range: Range<usize>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.store.layer_kv(&self.manifest, layer, range)
+    }
+
+    /// The layers that retrieve.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn retrieval_layers(&self) -> &[usize] {
+        &self.retrieval_layers
+    }
+
+    /// The sliding-window layers' stored windows.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn windows(&self) -> &[StoredWindow] {
+        &self.windows
     }
 
     /// The manifest the corpus was opened at.
@@ -357,7 +428,7 @@ impl Corpus {
         let set = self.index_for(model, &options.mode)?;
         // The question's last token produces the first answer token: mass counts from there.
         let answer_from = Some(n + ids.len() - 1);
-        let mut backend = self.session(model, &options.mode, set.as_deref(), answer_from)?;
+        let session = self.session(model, &options.mode, set.as_deref(), answer_from)?;
         let started = Instant::now();
         let mut first_token = None;
         let mut stream = |piece: &str| {
@@ -366,9 +437,10 @@ impl Corpus {
             }
             on_text(piece)
         };
-        let generation = continue_generation(
-            &mut BackendSequence::new(model.model, &mut backend, n),
-            model.tokenizer,
+        let (generation, mut session) = self.generate(
+            model,
+            session,
+            &options.mode,
             &ids,
             &options.generate,
             &mut stream,
@@ -376,10 +448,10 @@ impl Corpus {
         let first = first_token.unwrap_or(generation.prefill_seconds);
         let total = started.elapsed().as_secs_f64();
         let provenance = match &options.mode {
-            AttentionMode::Retrieval(r) => self.provenance(model, &backend.mass, r.policy.sink)?,
+            AttentionMode::Retrieval(r) => self.provenance(model, &session.mass, r.policy.sink)?,
             AttentionMode::Full => Provenance::default(),
         };
-        let retrieval = backend.retriever.take().map(|r| r.stats);
+        let retrieval = session.retriever.take().map(|r| r.stats);
         let later = generation.tokens.len().saturating_sub(1);
         Ok(Answer {
             answer: generation.text,
@@ -397,21 +469,53 @@ impl Corpus {
         })
     }
 
+    /// Answers `ids` after the corpus on the model's device: the GPU when the model has
+    /// one, else the CPU. Returns the generation and the session, which holds the attention
+    /// mass and retrieval statistics.
+    fn generate<'c>(
+        &'c self,
+        model: ModelRef<'_>,
+        session: Session<'c>,
+        mode: &AttentionMode,
+        ids: &[u32],
+        options: &GenerateOptions,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<(Generation, Session<'c>)> {
+        #[cfg(feature = "gpu")]
+        if let Some(gpu) = model.gpu {
+            return crate::gpu_session::generate(self, model, gpu, session, ids, options, on_text);
+        }
+        let mut cpu = CpuSession {
+            full: self.dense_attention(model, mode)?,
+            session,
+        };
+        let n = self.manifest.tokens;
+        let generation = continue_generation(
+            &mut BackendSequence::new(model.model, &mut cpu, n),
+            model.tokenizer,
+            ids,
+            options,
+            on_text,
+        )?;
+        Ok((generation, cpu.session))
+    }
+
     /// Runs `ids` after the corpus in one chunk and returns the logits `[ids, vocab]` of every
     /// position: scoring text against the corpus (equivalence tests, perplexity).
+    /// On the GPU when the model has one.
     pub fn score(&self, model: ModelRef<'_>, ids: &[u32], mode: AttentionMode) -> Result<Tensor> {
+        #[cfg(feature = "gpu")]
+        if let Some(gpu) = model.gpu {
+            self.check_score(model, ids)?;
+            let set = self.index_for(model, &mode)?;
+            let session = self.session(model, &mode, set.as_deref(), None)?;
+            return crate::gpu_session::score(self, model, gpu, session, ids);
+        }
         self.score_observed(model, ids, mode, &mut |_| Ok(()))
     }
 
-    /// [`Corpus::score`], showing `observe` every layer's attention input first (the model's
-    /// own queries on real text, for benches that measure retrieval on them).
-    pub fn score_observed(
-        &self,
-        model: ModelRef<'_>,
-        ids: &[u32],
-        mode: AttentionMode,
-        observe: &mut dyn FnMut(&AttentionInput<'_>) -> Result<()>,
-    ) -> Result<Tensor> {
+    /// Checks that `ids` can be scored after the corpus.
+    fn check_score(&self, model: ModelRef<'_>, ids: &[u32]) -> Result<()> {
         check_model(&self.manifest, model.record)?;
         let n = self.manifest.tokens;
         let context = model.model.config().context_length;
@@ -430,8 +534,25 @@ impl Corpus {
                 room: context.saturating_sub(n),
             });
         }
+        Ok(())
+    }
+
+    /// [`Corpus::score`] on the CPU, showing `observe` every layer's attention input first
+    /// (the model's own queries on real text, for benches that measure retrieval on them).
+    pub fn score_observed(
+        &self,
+        model: ModelRef<'_>,
+        ids: &[u32],
+        mode: AttentionMode,
+        observe: &mut dyn FnMut(&AttentionInput<'_>) -> Result<()>,
+    ) -> Result<Tensor> {
+        self.check_score(model, ids)?;
+        let n = self.manifest.tokens;
         let set = self.index_for(model, &mode)?;
-        let mut session = self.session(model, &mode, set.as_deref(), None)?;
+        let mut session = CpuSession {
+            full: self.dense_attention(model, &mode)?,
+            session: self.session(model, &mode, set.as_deref(), None)?,
+        };
         let mut observed = |input: &AttentionInput<'_>| -> kvdb_model::Result<Tensor> {
             observe(input).map_err(|e| kvdb_model::ModelError::Backend {
                 layer: input.layer.index,
@@ -463,10 +584,9 @@ impl Corpus {
         }
     }
 
-    /// A fresh per-query attention state: sliding windows (and, for full attention, every
-    /// retrieval layer) preloaded, and under retrieval an empty tail and a searcher per
-    /// retrieval layer and KV head. Attention mass counts for provenance from position
-    /// `answer_from` on (`None`: not at all).
+    /// A fresh per-query state: under retrieval an empty tail and a searcher per retrieval
+    /// layer and KV head. Attention mass counts for provenance from position `answer_from`
+    /// on (`None`: not at all).
     fn session<'c>(
         &'c self,
         model: ModelRef<'_>,
@@ -474,7 +594,6 @@ impl Corpus {
         set: Option<&'c IndexSet>,
         answer_from: Option<usize>,
     ) -> Result<Session<'c>> {
-        let full = self.dense_attention(model, mode)?;
         let config = model.model.config();
         let mut layers: Vec<LayerState<'c>> =
             (0..config.n_layers()).map(|_| LayerState::Dense).collect();
@@ -499,7 +618,6 @@ impl Corpus {
         };
         Ok(Session {
             corpus: self,
-            full,
             layers,
             retriever,
             mass: vec![0.0; self.manifest.tokens],
@@ -734,11 +852,11 @@ struct Retriever {
 /// A sliding-window layer's stored window: pre-RoPE keys and values `[t, n_kv, d]` of the
 /// positions `positions`.
 #[derive(Debug)]
-struct StoredWindow {
-    layer: usize,
-    keys: Tensor,
-    values: Tensor,
-    positions: Range<usize>,
+pub(crate) struct StoredWindow {
+    pub(crate) layer: usize,
+    pub(crate) keys: Tensor,
+    pub(crate) values: Tensor,
+    pub(crate) positions: Range<usize>,
 }
 
 /// A query's state at one KV head of a retrieval layer.
@@ -759,18 +877,165 @@ enum LayerState<'c> {
     Retrieval(Vec<RetrievalHead<'c>>),
 }
 
-/// One query's attention state.
-struct Session<'c> {
-    corpus: &'c Corpus,
-    full: FullAttention,
+/// One query's state, whatever device it runs on: how each layer attends, the retrieval
+/// budget and statistics, and the attention mass the corpus received.
+pub(crate) struct Session<'c> {
+    pub(crate) corpus: &'c Corpus,
     /// Per layer of the model.
     layers: Vec<LayerState<'c>>,
     /// `None` under full attention.
     retriever: Option<Retriever>,
     /// Attention mass each corpus token received while answering.
-    mass: Vec<f64>,
+    pub(crate) mass: Vec<f64>,
     /// Mass counts from this position on (`None`: not at all).
     answer_from: Option<usize>,
+}
+
+impl Session<'_> {
+    /// Whether `layer` retrieves (else it attends densely, or to the whole corpus).
+    pub(crate) fn retrieves(&self, layer: usize) -> bool {
+        self.retriever.is_some() && matches!(self.layers.get(layer), Some(LayerState::Retrieval(_)))
+    }
+
+    /// The dense part of a query at `position` (`None` under full attention).
+    #[cfg(feature = "gpu")]
+    pub(crate) fn policy_at(&self, position: usize) -> Option<DensePolicy> {
+        let n = self.corpus.manifest.tokens;
+        self.retriever
+            .as_ref()
+            .map(|r| r.budget.policy_at(position, n))
+    }
+
+    /// Whether the query estimates unvisited buckets.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn estimates(&self) -> bool {
+        self.layers.iter().any(|l| match l {
+            LayerState::Retrieval(heads) => heads.iter().any(|h| h.bucket_means.is_some()),
+            LayerState::Dense => false,
+        })
+    }
+
+    /// A retrieval layer's chunk: its keys and values join the tail, and every KV head's
+    /// searcher selects per token (`[kv head][token]`), counted in the statistics. `None` for
+    /// a layer that does not retrieve.
+    pub(crate) fn select(&mut self, step: &Step<'_>) -> Result<Option<Vec<Vec<Found>>>> {
+        let (Some(LayerState::Retrieval(heads)), Some(retriever)) =
+            (self.layers.get_mut(step.layer), self.retriever.as_mut())
+        else {
+            return Ok(None);
+        };
+        for i in 0..step.t {
+            for (g, head) in heads.iter_mut().enumerate() {
+                head.tail
+                    .push(step.row(&step.keys, i, g), step.row(&step.values, i, g))?;
+            }
+        }
+        let started = Instant::now();
+        let found = search(heads, &retriever.budget, step)?;
+        retriever.stats.search_seconds += started.elapsed().as_secs_f64();
+        record(&mut retriever.stats, &found, &retriever.budget, step);
+        Ok(Some(found))
+    }
+
+    /// Counts `seconds` of waiting for a GPU's queries in the statistics.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn add_transfer(&mut self, seconds: f64) {
+        if let Some(r) = self.retriever.as_mut() {
+            r.stats.transfer_seconds += seconds;
+        }
+    }
+
+    /// Whether attention at `step` counts for provenance.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn counts_mass(&self, step: &Step<'_>) -> bool {
+        self.answer_from
+            .is_some_and(|from| step.position(step.t.saturating_sub(1)) >= from)
+    }
+
+    /// The CPU's attention of a retrieval layer's chunk over its selections `found`; the
+    /// mass the corpus received counts for provenance.
+    pub(crate) fn attend(
+        &mut self,
+        step: &Step<'_>,
+        found: &[Vec<Found>],
+    ) -> Result<ChunkAttention> {
+        let started = Instant::now();
+        let attended = {
+            let (rows, budget) = self.head_rows(step.layer)?;
+            attend_selected(self.corpus, &rows, &budget, step, found)?
+        };
+        self.count_attention(started);
+        if let Some(from) = self.answer_from {
+            attended.add_mass(from, step, &mut self.mass);
+        }
+        Ok(attended)
+    }
+
+    /// The mass the corpus received at `steps` (each a retrieval layer's chunk and its
+    /// selections), computed by the CPU's attention, the steps in parallel: a GPU query's
+    /// provenance, computed once its answer is complete rather than on each token's path.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn add_mass_of(&mut self, steps: &[(Step<'_>, Vec<Vec<Found>>)]) -> Result<()> {
+        let Some(from) = self.answer_from else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let attended = {
+            // The searchers stay behind: they need not be shared between threads.
+            let rows = steps
+                .iter()
+                .map(|(step, _)| self.head_rows(step.layer))
+                .collect::<Result<Vec<_>>>()?;
+            let corpus = self.corpus;
+            steps
+                .par_iter()
+                .zip(rows.par_iter())
+                .map(|((step, found), (rows, budget))| {
+                    attend_selected(corpus, rows, budget, step, found)
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        self.count_attention(started);
+        for ((step, _), attended) in steps.iter().zip(&attended) {
+            attended.add_mass(from, step, &mut self.mass);
+        }
+        Ok(())
+    }
+
+    /// What a retrieval layer's CPU attention reads besides the corpus, and the budget.
+    fn head_rows(&self, layer: usize) -> Result<(HeadRows<'_>, Budget)> {
+        let (Some(LayerState::Retrieval(heads)), Some(retriever)) =
+            (self.layers.get(layer), self.retriever.as_ref())
+        else {
+            return Err(Error::Internal(format!("layer {layer} does not retrieve")));
+        };
+        let rows = HeadRows {
+            tails: heads.iter().map(|head| &head.tail).collect(),
+            means: heads.iter().map(|h| h.bucket_means.as_deref()).collect(),
+        };
+        Ok((rows, retriever.budget))
+    }
+
+    fn count_attention(&mut self, started: Instant) {
+        if let Some(r) = self.retriever.as_mut() {
+            r.stats.cpu_attention_seconds += started.elapsed().as_secs_f64();
+        }
+    }
+}
+
+/// Each KV head's tail and bucket means (with estimation) at a retrieval layer: what its
+/// CPU attention reads besides the corpus. The searchers stay behind, so that these can be
+/// shared between threads.
+struct HeadRows<'s> {
+    tails: Vec<&'s DenseKv>,
+    means: Vec<Option<&'s [f32]>>,
+}
+
+/// The CPU's query state: the shared [`Session`] for retrieval layers, [`FullAttention`]
+/// (stored windows preloaded, and every corpus token under full attention) for the others.
+struct CpuSession<'c> {
+    session: Session<'c>,
+    full: FullAttention,
 }
 
 /// Corpus rows through the RAM tier, tail rows from memory.
@@ -811,73 +1076,118 @@ impl KvSource for SessionSource<'_> {
     }
 }
 
-impl AttentionBackend for Session<'_> {
+impl AttentionBackend for CpuSession<'_> {
     fn attend(&mut self, input: &AttentionInput<'_>) -> kvdb_model::Result<Tensor> {
         let layer = input.layer.index;
-        let Session {
-            corpus,
-            full,
-            layers,
-            retriever,
-            mass,
-            answer_from,
-        } = self;
-        match (layers.get_mut(layer), retriever) {
-            (Some(LayerState::Retrieval(heads)), Some(retriever)) => {
-                let step = Step::new(input, corpus.manifest.tokens)?;
-                retrieve(corpus, heads, retriever, &step)
-                    .and_then(|attended| {
-                        if let Some(from) = *answer_from {
-                            attended.add_mass(from, &step, mass);
-                        }
-                        attended.output(&step, input.queries.device())
-                    })
-                    .map_err(|e| kvdb_model::ModelError::Backend {
-                        layer,
-                        reason: e.to_string(),
-                    })
-            }
-            _ => full.attend(input),
+        if !self.session.retrieves(layer) {
+            return self.full.attend(input);
         }
+        let session = &mut self.session;
+        Step::new(input, session.corpus.manifest.tokens)
+            .and_then(|step| {
+                let found = session.select(&step)?.unwrap_or_default();
+                session
+                    .attend(&step, &found)?
+                    .output(&step, input.queries.device())
+            })
+            .map_err(|e| kvdb_model::ModelError::Backend {
+                layer,
+                reason: e.to_string(),
+            })
     }
 }
 
 /// A retrieval layer's input for a chunk of query tokens, as flat host rows.
-struct Step<'a> {
-    input: &'a AttentionInput<'a>,
+pub(crate) struct Step<'a> {
+    pub(crate) layer: usize,
+    /// The position of the chunk's first token.
+    first: usize,
+    scale: f32,
+    rope: &'a Rope,
     /// Query tokens, query heads, head dim, KV heads, query heads per KV head.
-    t: usize,
+    pub(crate) t: usize,
     h: usize,
     d: usize,
     n_kv: usize,
     group: usize,
     /// Corpus tokens.
     n: usize,
+    /// Pre-RoPE queries `[t, h, d]`, keys and values `[t, n_kv, d]`.
     queries: Vec<f32>,
     keys: Vec<f32>,
     values: Vec<f32>,
 }
 
+/// Where a [`Step`] is: its layer, the position of its first token, and the layer's
+/// attention scale and RoPE.
+pub(crate) struct StepPlace<'a> {
+    pub(crate) layer: usize,
+    pub(crate) first: usize,
+    pub(crate) scale: f32,
+    pub(crate) rope: &'a Rope,
+}
+
 impl<'a> Step<'a> {
-    fn new(input: &'a AttentionInput<'a>, n: usize) -> kvdb_model::Result<Self> {
+    fn new(input: &AttentionInput<'a>, n: usize) -> Result<Self> {
         let (t, h, d) = input.queries.dims3()?;
         let n_kv = input.keys.dim(1)?;
+        let rows = |x: &Tensor| -> Result<Vec<f32>> { Ok(x.flatten_all()?.to_vec1()?) };
+        let place = StepPlace {
+            layer: input.layer.index,
+            first: input.positions.start,
+            scale: input.scale,
+            rope: input.rope,
+        };
+        Self::from_rows(
+            place,
+            (t, h, n_kv, d),
+            n,
+            rows(input.queries)?,
+            rows(input.keys)?,
+            rows(input.values)?,
+        )
+    }
+
+    /// A step of `t` tokens from host rows: pre-RoPE `queries` `[t, h, d]`, `keys` and
+    /// `values` `[t, n_kv, d]`, after `n` corpus tokens.
+    pub(crate) fn from_rows(
+        place: StepPlace<'a>,
+        (t, h, n_kv, d): (usize, usize, usize, usize),
+        n: usize,
+        queries: Vec<f32>,
+        keys: Vec<f32>,
+        values: Vec<f32>,
+    ) -> Result<Self> {
+        if n_kv == 0
+            || !h.is_multiple_of(n_kv)
+            || queries.len() != t * h * d
+            || keys.len() != t * n_kv * d
+            || values.len() != keys.len()
+        {
+            return Err(Error::Internal(format!(
+                "a step of {t} tokens, {h} heads, {n_kv} KV heads of {d} got {} query, {} key and {} value floats",
+                queries.len(), keys.len(), values.len()
+            )));
+        }
         Ok(Self {
-            input,
+            layer: place.layer,
+            first: place.first,
+            scale: place.scale,
+            rope: place.rope,
             t,
             h,
             d,
             n_kv,
             group: h / n_kv,
             n,
-            queries: input.queries.flatten_all()?.to_vec1()?,
-            keys: input.keys.flatten_all()?.to_vec1()?,
-            values: input.values.flatten_all()?.to_vec1()?,
+            queries,
+            keys,
+            values,
         })
     }
 
-    fn position(&self, i: usize) -> usize {
-        self.input.positions.start + i
+    pub(crate) fn position(&self, i: usize) -> usize {
+        self.first + i
     }
 
     /// The queries of KV head `g`'s group at token `i`, `[group, d]`.
@@ -895,7 +1205,7 @@ impl<'a> Step<'a> {
 
 /// What one retrieval layer attended to for a chunk: per (token, KV head), in token-major
 /// order.
-struct ChunkAttention(Vec<Attended>);
+pub(crate) struct ChunkAttention(Vec<Attended>);
 
 impl ChunkAttention {
     /// Adds the attention the corpus tokens received from positions `from` on to `mass`.
@@ -922,26 +1232,6 @@ impl ChunkAttention {
         }
         Ok(Tensor::from_vec(out, (step.t, step.h, step.d), device)?)
     }
-}
-
-/// One retrieval layer's attention for a chunk: the chunk's keys and values join the tail,
-/// every KV head's searcher selects per token, and each (token, KV head) attends to its
-/// selection plus the dense part.
-fn retrieve(
-    corpus: &Corpus,
-    heads: &mut [RetrievalHead<'_>],
-    retriever: &mut Retriever,
-    step: &Step<'_>,
-) -> Result<ChunkAttention> {
-    for i in 0..step.t {
-        for (g, head) in heads.iter_mut().enumerate() {
-            head.tail
-                .push(step.row(&step.keys, i, g), step.row(&step.values, i, g))?;
-        }
-    }
-    let found = search(heads, &retriever.budget, step)?;
-    record(&mut retriever.stats, &found, &retriever.budget, step);
-    attend_selected(corpus, heads, &retriever.budget, step, &found)
 }
 
 /// Every KV head's selections, `[kv head][token]`: searches run in token order per KV head (a
@@ -996,14 +1286,12 @@ fn record(stats: &mut RetrievalStats, found: &[Vec<Found>], budget: &Budget, ste
 /// estimate of unvisited buckets where the query asked for one.
 fn attend_selected(
     corpus: &Corpus,
-    heads: &[RetrievalHead<'_>],
+    rows: &HeadRows<'_>,
     budget: &Budget,
     step: &Step<'_>,
     found: &[Vec<Found>],
 ) -> Result<ChunkAttention> {
-    // The searchers stay behind: they need not be shared between threads.
-    let tails: Vec<&DenseKv> = heads.iter().map(|head| &head.tail).collect();
-    let means: Vec<Option<&[f32]>> = heads.iter().map(|h| h.bucket_means.as_deref()).collect();
+    let HeadRows { tails, means } = rows;
     let jobs: Vec<(usize, usize)> = (0..step.t)
         .flat_map(|i| (0..step.n_kv).map(move |g| (i, g)))
         .collect();
@@ -1018,13 +1306,13 @@ fn attend_selected(
                     means,
                     step.group,
                     step.d,
-                    step.input.scale,
+                    step.scale,
                 )?),
                 None => None,
             };
             let source = SessionSource {
                 tier: &corpus.tier,
-                layer: step.input.layer.index,
+                layer: step.layer,
                 head: g,
                 corpus_tokens: step.n,
                 tail: tails[g],
@@ -1033,8 +1321,8 @@ fn attend_selected(
                 &RetrievalQuery {
                     queries: step.group_queries(i, g),
                     position,
-                    rope: step.input.rope,
-                    scale: step.input.scale,
+                    rope: step.rope,
+                    scale: step.scale,
                     policy: budget.policy_at(position, step.n),
                     selection: &found.selection,
                     estimate: estimate.as_ref(),

@@ -2,6 +2,9 @@
 //! real text (the GPL-3 licence): with every token selected it equals full attention, and a
 //! needle planted at five depths is found by flat top-k retrieval with k ≤ 1% of the corpus
 //! wherever full attention finds it, with provenance pointing at it.
+//!
+//! `KVDB_TEST_DEVICE=cuda` (a build with feature `gpu`, on a machine with a GPU) ingests and
+//! asks on the GPU: the same questions must get the same answers there.
 
 use std::sync::Arc;
 
@@ -28,7 +31,11 @@ fn default_model(weights: WeightMode) -> Result<LoadedModel> {
         weights,
         ..LoadOptions::default()
     };
-    Ok(load(Some(&path), &options, ComputeDevice::Cpu)?)
+    let device: ComputeDevice = match std::env::var("KVDB_TEST_DEVICE") {
+        Ok(device) => device.parse().map_err(anyhow::Error::msg)?,
+        Err(_) => ComputeDevice::Cpu,
+    };
+    Ok(load(Some(&path), &options, device)?)
 }
 
 fn gpl() -> Result<String> {

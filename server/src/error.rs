@@ -237,6 +237,7 @@ impl From<kvdb::Error> for ApiError {
             | E::TooManyIndexes { .. }
             | E::TooManyDrills { .. }
             | E::NoRetrievalLayers
+            | E::NotOnGpu { .. }
             | E::CorpusEmpty { .. }
             | E::IndexNotSaved { .. } => Self::invalid(e.to_string()),
             // Nobody is listening any more; said as nginx says it, for the log.
@@ -246,7 +247,10 @@ impl From<kvdb::Error> for ApiError {
                 e.to_string(),
             ),
             E::Index(spec @ kvdb_index::IndexError::Spec { .. }) => Self::from(spec),
-            E::StoreBusy { .. } | E::StoreOwned { .. } => Self::unavailable(e.to_string()),
+            // The server's GPU cannot hold the corpus: not the request's fault.
+            E::StoreBusy { .. } | E::StoreOwned { .. } | E::GpuMemory { .. } => {
+                Self::unavailable(e.to_string())
+            }
             _ => Self::internal(e),
         }
     }
@@ -411,6 +415,13 @@ mod tests {
             assert_eq!(status(e), 422);
         }
         assert_eq!(status(E::Abandoned), 499);
+        assert_eq!(status(E::NotOnGpu { what: "estimate" }), 422);
+        let too_big = E::GpuMemory {
+            corpus: "c".into(),
+            needed: 2 << 30,
+            free: 1 << 30,
+        };
+        assert_eq!(status(too_big), 503);
         let bug = ApiError::from(E::Internal("the model returned no logits".into()));
         assert_eq!(bug.status.as_u16(), 500);
         assert!(!bug.message.contains("logits"), "{}", bug.message);

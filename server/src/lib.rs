@@ -123,7 +123,8 @@ pub struct Config {
     /// How long a shutdown waits for in-flight requests (streams included) before it closes
     /// their connections; idle connections close at once.
     pub shutdown_grace: Duration,
-    /// Where models run ingest's forward passes (`cuda` needs a build with feature `gpu`).
+    /// Where models run ingest's forward passes and queries' decoding (`cuda` needs a build
+    /// with feature `gpu`).
     pub device: ComputeDevice,
 }
 

@@ -1,0 +1,270 @@
+//! Queries decoded on the GPU (feature `gpu`) answer as the CPU session does: on a tiny
+//! random-weight model, a corpus ingested once is asked through every index type and with
+//! full attention on both devices. Selecting every token on the GPU gives GPU full
+//! attention's answer (the same keys, another summation order); the GPU's answers through
+//! flat, ivf and saap equal the CPU's (bf16 weights against f32, so greedy answers are
+//! compared, and the ranking of provenance); every other index type answers on the GPU.
+//!
+//! Needs a GPU: on a machine without one (CI) each test prints `SKIPPED` and passes.
+
+use std::io::Write;
+
+mod common;
+
+/// Says that a test skipped, on stderr itself: libtest captures `eprintln!`, not this.
+fn skip(test: &str, reason: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "SKIPPED {test}: {reason}");
+}
+
+#[cfg(not(feature = "gpu"))]
+#[test]
+fn gpu_query_tests() {
+    skip("gpu_query_tests", "built without feature `gpu`");
+}
+
+#[cfg(feature = "gpu")]
+mod on_gpu {
+    use std::sync::Arc;
+
+    use anyhow::{ensure, Result};
+    use kvdb::documents::read_documents;
+    use kvdb::generate::GenerateOptions;
+    use kvdb::ingest::ingest;
+    use kvdb::models::{ComputeDevice, LoadedModel};
+    use kvdb::saap_training::{train_artifact, SaapTraining};
+    use kvdb::session::{Answer, AskOptions, AttentionMode, Corpus, Retrieval};
+    use kvdb::store::{Access, Store};
+    use kvdb_attention::DensePolicy;
+    use kvdb_index::IndexSpec;
+    use kvdb_model::EncodeOptions;
+    use kvdb_tests::relative_max_error;
+
+    use super::common::{tiny, tiny_on, write_documents};
+    use super::skip;
+
+    /// The dense part of every retrieval question here.
+    const POLICY: DensePolicy = DensePolicy {
+        sink: 4,
+        window: 32,
+    };
+
+    /// Largest relative logit difference between two GPU runs over the same keys in another
+    /// summation order.
+    const SAME_KEYS: f32 = 1e-3;
+
+    /// Largest relative logit difference between the GPU (bf16 weights) and the CPU (f32).
+    const DEVICES: f32 = 0.1;
+
+    /// Answer tokens per question.
+    const TOKENS: usize = 12;
+
+    /// The specs asked through besides flat: the CPU and GPU must agree on the first ones.
+    const SAME_ANSWER: &[&str] = &["flat", "ivf16,np4", "saap16,l4"];
+    const ANSWERS: &[&str] = &[
+        "hnsw8,ef32",
+        "lsh:L=8,K=6,min=1",
+        "hip:k16,bq1,bk4",
+        "ihip:1k",
+    ];
+
+    fn ask(model: &LoadedModel, corpus: &Corpus, mode: AttentionMode) -> Result<Answer> {
+        let options = AskOptions {
+            mode,
+            generate: GenerateOptions {
+                max_tokens: TOKENS,
+                ..Default::default()
+            },
+            template: None,
+        };
+        let question = "the river and the stone of the old town are";
+        Ok(corpus.ask(model.as_ref(), question, &options, &mut |_| Ok(()))?)
+    }
+
+    fn retrieval(spec: &str, k: Option<usize>) -> Result<AttentionMode> {
+        Ok(AttentionMode::Retrieval(Retrieval {
+            index: Some(spec.parse::<IndexSpec>()?),
+            k,
+            policy: POLICY,
+            estimate: false,
+            breadth: None,
+        }))
+    }
+
+    /// The documents of the top passages of an answer's provenance.
+    fn top_documents(answer: &Answer) -> Vec<usize> {
+        answer
+            .provenance
+            .passages
+            .iter()
+            .map(|p| p.document)
+            .collect()
+    }
+
+    #[test]
+    fn gpu_answers_match_cpu_and_full_attention() -> Result<()> {
+        let test = "gpu_answers_match_cpu_and_full_attention";
+        let (_gpu_file, gpu) = match tiny_on(ComputeDevice::Cuda { ordinal: 0 }) {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                skip(test, &e.to_string());
+                return Ok(());
+            }
+        };
+        // The same file's bytes: the corpus's model record matches both.
+        let (_cpu_file, cpu) = tiny()?;
+        ensure!(cpu.record == gpu.record, "the tiny models differ");
+        let dir = tempfile::tempdir()?;
+        let docs = read_documents(&write_documents(&dir.path().join("docs"), 4, 1500, 11)?)?;
+        let store = Arc::new(Store::open(dir.path().join("s"), Access::Write)?);
+        ingest(&store, "c", cpu.as_ref(), &docs, &mut |_| {})?;
+        let text: String = docs.iter().map(|d| d.text.as_str()).collect();
+        let artifact = dir.path().join("tiny.saap");
+        // No drills: the tiny corpus is all the training text there is.
+        let training = SaapTraining {
+            options: kvdb_index::saap::TrainOptions {
+                centroids: 16,
+                seed: 3,
+                ..Default::default()
+            },
+            tokens: 32_768,
+            drills: 0,
+        };
+        train_artifact(&cpu, &text, &training, &mut |_| {})?.write(&artifact)?;
+        let specs = SAME_ANSWER
+            .iter()
+            .chain(ANSWERS)
+            .map(|s| s.parse::<IndexSpec>())
+            .collect::<Result<Vec<_>, _>>()?;
+        kvdb::indexes::update_indexes(
+            &store,
+            "c",
+            cpu.as_ref(),
+            &specs,
+            Some(&artifact),
+            &mut |_| {},
+        )?;
+        let on_cpu = Corpus::open(store.clone(), "c", cpu.as_ref(), 1 << 30)?;
+        let on_gpu = Corpus::open(store, "c", gpu.as_ref(), 1 << 30)?;
+        let n = on_cpu.manifest().tokens;
+        println!("corpus of {n} tokens");
+
+        // Logits of a text after the corpus: every token selected on the GPU is GPU full
+        // attention but for summation order; the GPU's retrieval is the CPU's but for bf16.
+        let ids = gpu.tokenizer.encode(
+            "the old town by the river was quiet and the stone bridge stood over the water",
+            EncodeOptions {
+                add_bos: false,
+                add_eos: false,
+                parse_special: false,
+            },
+        )?;
+        let score =
+            |model: &LoadedModel, corpus: &Corpus, mode| corpus.score(model.as_ref(), &ids, mode);
+        let gpu_full = score(&gpu, &on_gpu, AttentionMode::Full)?;
+        let gpu_everything = score(&gpu, &on_gpu, retrieval("flat", Some(n))?)?;
+        let err = relative_max_error(&gpu_everything, &gpu_full)?;
+        println!("GPU, every token selected against GPU full attention: {err:.2e}");
+        ensure!(err < SAME_KEYS, "every token selected: {err}");
+        let cpu_full = score(&cpu, &on_cpu, AttentionMode::Full)?;
+        let err = relative_max_error(&gpu_full, &cpu_full)?;
+        println!("full attention, GPU (bf16) against CPU (f32): {err:.2e}");
+        ensure!(err < DEVICES, "full attention across devices: {err}");
+        for spec in SAME_ANSWER {
+            let mode = || retrieval(spec, None);
+            let err = relative_max_error(
+                &score(&gpu, &on_gpu, mode()?)?,
+                &score(&cpu, &on_cpu, mode()?)?,
+            )?;
+            println!("{spec}, GPU against CPU: {err:.2e}");
+            ensure!(err < DEVICES, "{spec} across devices: {err}");
+        }
+
+        // Every token selected on the GPU is GPU full attention.
+        let full = ask(&gpu, &on_gpu, AttentionMode::Full)?;
+        let everything = ask(&gpu, &on_gpu, retrieval("flat", Some(n))?)?;
+        println!("GPU full attention: {:?}", full.answer);
+        ensure!(
+            everything.tokens == full.tokens,
+            "every token selected {:?} against full attention {:?}",
+            everything.answer,
+            full.answer
+        );
+        let stats = everything.retrieval.clone().unwrap_or_default();
+        ensure!(
+            stats.selected == stats.eligible && stats.eligible > 0,
+            "not every token selected: {stats:?}"
+        );
+        ensure!(
+            on_gpu.gpu_bytes() > 0,
+            "the corpus's rows are not on the GPU"
+        );
+        let cpu_full = ask(&cpu, &on_cpu, AttentionMode::Full)?;
+        println!("CPU full attention: {:?}", cpu_full.answer);
+        ensure!(
+            cpu_full.tokens == full.tokens,
+            "full attention differs across devices"
+        );
+
+        for spec in SAME_ANSWER {
+            let (c, g) = (
+                ask(&cpu, &on_cpu, retrieval(spec, None)?)?,
+                ask(&gpu, &on_gpu, retrieval(spec, None)?)?,
+            );
+            let share = |a: &Answer| a.retrieval.as_ref().map_or(0.0, |s| s.selectivity());
+            println!(
+                "{spec}: CPU {:?} ({:.3} selected), GPU {:?} ({:.3} selected), top passages \
+                 CPU {:?} GPU {:?}",
+                c.answer,
+                share(&c),
+                g.answer,
+                share(&g),
+                top_documents(&c),
+                top_documents(&g)
+            );
+            ensure!(
+                c.tokens == g.tokens,
+                "{spec}: the devices answer differently"
+            );
+            ensure!(
+                !g.provenance.passages.is_empty()
+                    && g.provenance.documents.first().map(|d| d.number)
+                        == c.provenance.documents.first().map(|d| d.number),
+                "{spec}: provenance ranks another document first"
+            );
+        }
+        for spec in ANSWERS {
+            let g = ask(&gpu, &on_gpu, retrieval(spec, None)?)?;
+            let stats = g.retrieval.clone().unwrap_or_default();
+            println!(
+                "{spec}: GPU {:?}, {:.3} selected",
+                g.answer,
+                stats.selectivity()
+            );
+            ensure!(
+                g.tokens.len() == TOKENS || g.stop != kvdb::generate::StopReason::MaxTokens,
+                "{spec}: answer cut short"
+            );
+            ensure!(stats.searches > 0, "{spec}: nothing searched");
+            ensure!(!g.provenance.passages.is_empty(), "{spec}: no provenance");
+        }
+        // What the GPU path lacks says so.
+        let estimate = AttentionMode::Retrieval(Retrieval {
+            index: Some("ivf16,np4".parse()?),
+            estimate: true,
+            policy: POLICY,
+            ..Retrieval::default()
+        });
+        let refused = ask(&gpu, &on_gpu, estimate);
+        ensure!(
+            matches!(
+                refused
+                    .as_ref()
+                    .map_err(|e| e.downcast_ref::<kvdb::Error>()),
+                Err(Some(kvdb::Error::NotOnGpu { .. }))
+            ),
+            "estimation on the GPU: {:?}",
+            refused.map(|a| a.answer)
+        );
+        Ok(())
+    }
+}
