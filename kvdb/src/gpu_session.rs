@@ -4,29 +4,35 @@
 //! by every query), and the query's own tail, which the sequence keeps. Selection, the dense
 //! policy and provenance are the CPU's [`Session`]; only the attention runs here.
 //!
-//! Top-k indexes search on CPU threads: each retrieval layer copies its queries to the host
-//! once per call and uploads the selection. Under full attention every corpus row is
-//! attended densely, with the tail as the list.
+//! Every index type searches on CPU threads for now (bucket routing on the GPU is to come):
+//! each retrieval layer copies its queries to the host once per call and uploads the
+//! selection, with the corpus's part of the dense policy, as each KV head's list; the tail is
+//! the dense part. Under full attention every corpus row is attended densely, with the tail
+//! as the list. Provenance reruns the answer's retrieval steps on the CPU once the answer is
+//! complete, so that it ranks passages exactly as the CPU path does.
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::Tensor;
 use half::f16;
+use kvdb_index::Found;
 use kvdb_kernels::cudarc::driver::CudaView;
 use kvdb_kernels::{retrieval_attention, Csr, Dense, KvCache, Query, Selected, Workspace};
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
     SequenceOptions,
 };
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::generate::{continue_generation, GenerateOptions, Generation};
 use crate::ingest::ModelRef;
-use kvdb_index::Found;
-use rayon::prelude::*;
-
 use crate::session::{Corpus, Session, Step, StepPlace};
+
+/// Retrieval steps (a layer's call each) whose provenance waits for the answer's end at
+/// most; more are computed in a batch on the way.
+const PROVENANCE_STEPS: usize = 512;
 
 /// Host bytes of f32 rows a corpus upload reads ahead of the GPU at most.
 const READ_BYTES: usize = 4 << 30;
@@ -218,7 +224,8 @@ struct GpuSession<'c, 'm> {
     /// Query heads, KV heads, head dim.
     heads: (usize, usize, usize),
     /// The answer's retrieval steps and their selections, whose attention the CPU
-    /// recomputes for provenance once the answer is complete (off each token's path).
+    /// recomputes for provenance once the answer is complete (off each token's path), or
+    /// every [`PROVENANCE_STEPS`].
     provenance: Vec<(Step<'m>, Vec<Vec<Found>>)>,
 }
 
@@ -323,6 +330,11 @@ impl GpuSession<'_, '_> {
         // selections later, so that it ranks passages exactly as the CPU path does.
         if let Some((step, found)) = found.filter(|(step, _)| self.session.counts_mass(step)) {
             self.provenance.push((step, found));
+            // Bounds the rows held for a long answer, still in parallel batches.
+            if self.provenance.len() >= PROVENANCE_STEPS {
+                self.session.add_mass_of(&self.provenance)?;
+                self.provenance.clear();
+            }
         }
         Ok(())
     }
