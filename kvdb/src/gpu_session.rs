@@ -349,9 +349,12 @@ fn host_step<'r>(
 ) -> Result<Step<'r>> {
     let t = call.positions.len();
     let queries = download(call.gpu, &call.raw_queries)?;
-    let wide = |v: &CudaView<'_, f16>| -> Result<Vec<f32>> {
-        Ok(download(call.gpu, v)?.iter().map(|x| x.to_f32()).collect())
-    };
+    let (keys, values) = (
+        download(call.gpu, &call.raw_keys)?,
+        download(call.gpu, &call.raw_values)?,
+    );
+    call.gpu.synchronize().map_err(ModelError::from)?;
+    let wide = |v: Vec<f16>| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
     let place = StepPlace {
         layer: call.layer,
         first: call.positions.start,
@@ -363,12 +366,13 @@ fn host_step<'r>(
         (t, h, kv_heads, d),
         n,
         queries,
-        wide(&call.raw_keys)?,
-        wide(&call.raw_values)?,
+        wide(keys),
+        wide(values),
     )
 }
 
-/// A view's elements on the host (waits for the stream).
+/// Queues a copy of a view's elements to the host; the caller waits for the stream once
+/// after all of a step's copies.
 fn download<T: kvdb_kernels::cudarc::driver::DeviceRepr + Default + Clone>(
     gpu: &kvdb_model::Gpu,
     view: &CudaView<'_, T>,
@@ -376,11 +380,10 @@ fn download<T: kvdb_kernels::cudarc::driver::DeviceRepr + Default + Clone>(
     let mut host = vec![T::default(); view.len()];
     gpu.stream().memcpy_dtoh(view, &mut host).map_err(|e| {
         ModelError::from(kvdb_model::KernelError::Driver {
-            op: "copying queries to the host",
+            op: "copying a retrieval step's queries, keys and values to the host",
             source: e,
         })
     })?;
-    gpu.synchronize().map_err(ModelError::from)?;
     Ok(host)
 }
 
