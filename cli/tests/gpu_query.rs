@@ -240,10 +240,6 @@ mod on_gpu {
                 g.answer,
                 stats.selectivity()
             );
-            ensure!(
-                g.tokens.len() == TOKENS || g.stop != kvdb::generate::StopReason::MaxTokens,
-                "{spec}: answer cut short"
-            );
             ensure!(stats.searches > 0, "{spec}: nothing searched");
             ensure!(!g.provenance.passages.is_empty(), "{spec}: no provenance");
         }
