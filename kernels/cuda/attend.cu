@@ -13,12 +13,18 @@
 // their buffer; out [kv_heads, GROUP, HEAD_DIM] f32.
 //
 // Grid: (items, kv_heads). Item x < dense_items attends to a slice of the dense part (up to
-// two runs of consecutive rows: sinks and window). The other items attend to the head's
-// list: in list mode a slice of `list_chunk` rows of it, in bucket mode one bucket whose ids
-// (rows of the same buffer as the dense part) come from CSR offsets; bucket ids inside the
-// dense runs are skipped, so no token counts twice. Each item writes a partial (unnormalised
-// output, max, sum of exponentials, in base 2); the last block of a head to finish merges
-// the head's partials into `out` and resets its counter for the next launch.
+// two runs of consecutive rows of the dense buffer: sinks and window, or a query's own
+// tail). The other items are the list part, rows of the list buffer: first slices of its
+// own runs (up to two: a stored corpus's sinks and window), then the head's list: in list
+// mode a slice of `list_chunk` rows of it, in bucket mode one bucket whose ids come from CSR
+// offsets; bucket ids inside the list buffer's runs are skipped, so no token counts twice.
+// Each item writes a partial (unnormalised output, max, sum of exponentials, in base 2); the
+// last block of a head to finish merges the head's partials into `out` (and, when asked, each
+// query head's log-sum-exp into `lse`) and resets its counter for the next launch.
+//
+// `attention_mass` walks the list part again after `attend`: each row's attention weight
+// (summed over the group's heads, from the logits and `lse`) is added to `mass[row]`, the
+// attention each stored token received: what provenance ranks passages by.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -78,7 +84,7 @@ struct ListRows {
     __device__ __forceinline__ u32 operator()(u32 t) const { return rows[t]; }
 };
 
-// Token ids of a bucket; those inside the dense runs are skipped.
+// Token ids of a bucket; those inside the list buffer's runs are skipped.
 struct BucketRows {
     const u32* ids;
     u32 run0_row, run0_len, run1_row, run1_len;
@@ -88,6 +94,56 @@ struct BucketRows {
         return dense ? NO_ROW : id;
     }
 };
+
+// The list part of a launch, for one KV head: its runs, then its list or buckets.
+struct ListPart {
+    u32 run0_row, run0_len, run1_row, run1_len, run_chunk, run_items;
+    const u32* list_off;
+    const u32* list;
+    u32 list_chunk;
+    const u32* bucket_off;
+    const u32* bucket_ids;
+
+    // Calls visit(rows, n) with the rows of the list part's item i of head h (nothing for
+    // an item past the head's list: heads' lists differ in length).
+    template <class Visit>
+    __device__ __forceinline__ void item(u32 i, u32 h, Visit visit) const {
+        if (i < run_items) {
+            const u32 first = i * run_chunk, len = run0_len + run1_len;
+            const DenseRows rows = {first, run0_row, run0_len, run1_row};
+            visit(rows, min_u32(run_chunk, len - first));
+            return;
+        }
+        if (list_off == nullptr) return;
+        i -= run_items;
+        const u32 begin = list_off[h], end = list_off[h + 1];
+        if (bucket_off == nullptr) {
+            if (i < (end - begin + list_chunk - 1) / list_chunk) {
+                const u32 first = begin + i * list_chunk;
+                const ListRows rows = {list + first};
+                visit(rows, min_u32(list_chunk, end - first));
+            }
+        } else if (i < end - begin) {
+            const u32 bucket = list[begin + i];
+            const u32 a = bucket_off[bucket], z = bucket_off[bucket + 1];
+            const BucketRows rows = {bucket_ids + a, run0_row, run0_len, run1_row, run1_len};
+            visit(rows, z - a);
+        }
+    }
+};
+
+// This thread's 8 columns of every group query of KV head h, pre-scaled to base-2 logits.
+__device__ __forceinline__ void load_queries(const u16* __restrict__ q, u32 h, float scale_log2,
+                                             float (&qf)[GROUP][8]) {
+    const u32 lane = threadIdx.x % LANES;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const u64 at = ((u64)h * GROUP + g) * HEAD_DIM + lane * 8;
+        unpack8(__ldg(reinterpret_cast<const uint4*>(q + at)), qf[g]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qf[g][i] *= scale_log2;
+    }
+}
 
 // Attends the thread's team to rows row_of(0..n) of k/v, updating its state. Teams of LANES
 // threads share a row, each thread 8 columns; every thread of the block runs the same number
@@ -235,8 +291,9 @@ __device__ __forceinline__ void load_batch(float4 (&x)[MERGE_BATCH][MERGE_VECS],
 // on the critical path after the other blocks, so its time is a few L2 round trips: the
 // first batch of outputs is in flight while the maxima and weights are computed, each batch
 // has all its loads in flight at once, and each weight is computed once by a warp. Reads
-// bypass L1: other blocks wrote the partials.
-__device__ void merge(const float* src, u32 count, float* dst, float* out) {
+// bypass L1: other blocks wrote the partials. Into `out`, it also writes each group head's
+// log-sum-exp (base 2) to `lse` unless that is null.
+__device__ void merge(const float* src, u32 count, float* dst, float* out, float* lse) {
     __shared__ float sm_w[MAX_MERGE * GROUP];
     __shared__ float sm_l[MAX_MERGE * GROUP];
     __shared__ float sm_stat[2][GROUP];
@@ -303,7 +360,22 @@ __device__ void merge(const float* src, u32 count, float* dst, float* out) {
         dst[GROUP * HEAD_DIM + threadIdx.x] = sm_stat[0][threadIdx.x];
         dst[GROUP * HEAD_DIM + GROUP + threadIdx.x] = sm_stat[1][threadIdx.x];
     }
+    if (dst == nullptr && lse != nullptr && threadIdx.x < GROUP) {
+        lse[threadIdx.x] = sm_stat[0][threadIdx.x] + log2f(sm_stat[1][threadIdx.x]);
+    }
 }
+
+// ListPart::item's visitor for `attend`.
+struct AttendVisit {
+    const u16* k;
+    const u16* v;
+    const float (*qf)[GROUP][8];
+    State* st;
+    template <class RowOf>
+    __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
+        attend_rows(rows, n, k, v, *qf, *st);
+    }
+};
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 attend(const u16* __restrict__ q, float scale_log2,
@@ -311,24 +383,18 @@ attend(const u16* __restrict__ q, float scale_log2,
        const u16* __restrict__ dk, const u16* __restrict__ dv, u64 d_stride, u32 run0_row,
        u32 run0_len, u32 run1_row, u32 run1_len, u32 dense_chunk, u32 dense_items,
        // list part
-       const u16* __restrict__ lk, const u16* __restrict__ lv, u64 l_stride,
+       const u16* __restrict__ lk, const u16* __restrict__ lv, u64 l_stride, u32 lrun0_row,
+       u32 lrun0_len, u32 lrun1_row, u32 lrun1_len, u32 lrun_items,
        const u32* __restrict__ list_off, const u32* __restrict__ list, u32 list_chunk,
        const u32* __restrict__ bucket_off, const u32* __restrict__ bucket_ids,
        // results
        u32 group_size, float* __restrict__ partials, u32* __restrict__ counters,
-       float* __restrict__ out) {
+       float* __restrict__ out, float* __restrict__ lse) {
     const u32 h = blockIdx.y, x = blockIdx.x;
     const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
 
-    // This thread's 8 columns of every group query, pre-scaled to base-2 logits.
     float qf[GROUP][8];
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-        const u64 at = ((u64)h * GROUP + g) * HEAD_DIM + lane * 8;
-        unpack8(__ldg(reinterpret_cast<const uint4*>(q + at)), qf[g]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) qf[g][i] *= scale_log2;
-    }
+    load_queries(q, h, scale_log2, qf);
     State st;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
@@ -344,21 +410,11 @@ attend(const u16* __restrict__ q, float scale_log2,
         const DenseRows rows = {first, run0_row, run0_len, run1_row};
         const u64 head = (u64)h * d_stride * HEAD_DIM;
         attend_rows(rows, n, dk + head, dv + head, qf, st);
-    } else if (list_off != nullptr) {
-        const u32 i = x - dense_items, begin = list_off[h], end = list_off[h + 1];
+    } else {
+        const ListPart part = {lrun0_row, lrun0_len, lrun1_row, lrun1_len, dense_chunk, lrun_items,
+                               list_off, list, list_chunk, bucket_off, bucket_ids};
         const u64 head = (u64)h * l_stride * HEAD_DIM;
-        if (bucket_off == nullptr) {
-            if (i < (end - begin + list_chunk - 1) / list_chunk) {
-                const u32 first = begin + i * list_chunk;
-                const ListRows rows = {list + first};
-                attend_rows(rows, min_u32(list_chunk, end - first), lk + head, lv + head, qf, st);
-            }
-        } else if (i < end - begin) {
-            const u32 bucket = list[begin + i];
-            const u32 a = bucket_off[bucket], z = bucket_off[bucket + 1];
-            const BucketRows rows = {bucket_ids + a, run0_row, run0_len, run1_row, run1_len};
-            attend_rows(rows, z - a, lk + head, lv + head, qf, st);
-        }
+        part.item(x - dense_items, h, AttendVisit{lk + head, lv + head, &qf, &st});
     }
 
     // Combine the teams of the block into this item's partial.
@@ -405,11 +461,71 @@ attend(const u16* __restrict__ q, float scale_log2,
     float* head_out = out + (u64)h * GROUP * HEAD_DIM;
     if (!last_to_finish(&head_counters[group], min_u32(group_size, items - first))) return;
     const float* item_partials = partials + ((u64)h * items + first) * PARTIAL;
+    float* head_lse = lse == nullptr ? nullptr : lse + (u64)h * GROUP;
     if (groups == 1) {
-        merge(item_partials, items, nullptr, head_out);
+        merge(item_partials, items, nullptr, head_out, head_lse);
     } else {
-        merge(item_partials, min_u32(group_size, items - first), group_partials + (u64)group * PARTIAL, nullptr);
+        merge(item_partials, min_u32(group_size, items - first), group_partials + (u64)group * PARTIAL, nullptr, nullptr);
         if (!last_to_finish(&head_counters[groups], groups)) return;
-        merge(group_partials, groups, nullptr, head_out);
+        merge(group_partials, groups, nullptr, head_out, head_lse);
     }
+}
+
+// Adds to mass[row] the attention weight of each row of the list part (rows row_of(0..n) of
+// keys k), summed over the group's heads: exp2(logit - lse) for each, as `attend` weighed it.
+// Rows are token ids, so every KV head adds to the same `mass`.
+template <class RowOf>
+__device__ __forceinline__ void mass_rows(const RowOf& row_of, u32 n, const u16* __restrict__ k,
+                                          const float (&qf)[GROUP][8], const float (&lse)[GROUP],
+                                          float* __restrict__ mass) {
+    const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+    // Every thread runs the same iterations, so that the shuffles see whole warps.
+    for (u32 base = 0; base < n; base += TEAMS) {
+        const u32 t = base + team;
+        const u32 row = t < n ? row_of(t) : NO_ROW;
+        float kf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (row != NO_ROW) unpack8(__ldg(reinterpret_cast<const uint4*>(k + (u64)row * HEAD_DIM + lane * 8)), kf);
+        float w = 0.f;
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s = fmaf(qf[g][i], kf[i], s);
+#pragma unroll
+            for (int off = LANES / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+            w += exp2f(s - lse[g]);
+        }
+        if (row != NO_ROW && lane == 0) atomicAdd(mass + row, w);
+    }
+}
+
+// ListPart::item's visitor for `attention_mass`.
+struct MassVisit {
+    const u16* k;
+    const float (*qf)[GROUP][8];
+    const float (*lse)[GROUP];
+    float* mass;
+    template <class RowOf>
+    __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
+        mass_rows(rows, n, k, *qf, *lse, mass);
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+attention_mass(const u16* __restrict__ q, float scale_log2, const u16* __restrict__ lk,
+               u64 l_stride, u32 lrun0_row, u32 lrun0_len, u32 lrun1_row, u32 lrun1_len,
+               u32 lrun_chunk, u32 lrun_items, const u32* __restrict__ list_off,
+               const u32* __restrict__ list, u32 list_chunk, const u32* __restrict__ bucket_off,
+               const u32* __restrict__ bucket_ids, const float* __restrict__ lse,
+               float* __restrict__ mass) {
+    const u32 h = blockIdx.y;
+    float qf[GROUP][8];
+    load_queries(q, h, scale_log2, qf);
+    float head_lse[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) head_lse[g] = lse[(u64)h * GROUP + g];
+    const ListPart part = {lrun0_row, lrun0_len, lrun1_row, lrun1_len, lrun_chunk, lrun_items,
+                           list_off, list, list_chunk, bucket_off, bucket_ids};
+    const u64 head = (u64)h * l_stride * HEAD_DIM;
+    part.item(blockIdx.x, h, MassVisit{lk + head, &qf, &head_lse, mass});
 }

@@ -22,11 +22,13 @@ pub struct Query<'a, T> {
     pub scale: f32,
 }
 
-/// Scratch of the launches: one partial per work item and per group of items, and counters
-/// that the kernel leaves at zero. Grows on demand; reuse one across steps.
+/// Scratch of the launches: one partial per work item and per group of items, counters that
+/// the kernel leaves at zero, and the last launch's log-sum-exp of every query head (what
+/// [`attention_mass`] weighs rows with). Grows on demand; reuse one across steps.
 pub struct Workspace {
     partials: CudaSlice<f32>,
     counters: CudaSlice<u32>,
+    lse: CudaSlice<f32>,
 }
 
 impl std::fmt::Debug for Workspace {
@@ -34,6 +36,7 @@ impl std::fmt::Debug for Workspace {
         f.debug_struct("Workspace")
             .field("partial_floats", &self.partials.len())
             .field("counters", &self.counters.len())
+            .field("lse", &self.lse.len())
             .finish()
     }
 }
@@ -44,15 +47,25 @@ impl Workspace {
         Ok(Self {
             partials: gpu.zeros(1)?,
             counters: gpu.zeros(1)?,
+            lse: gpu.zeros(1)?,
         })
     }
 
-    fn reserve(&mut self, gpu: &Gpu, partial_floats: usize, heads: usize) -> Result<()> {
+    fn reserve(
+        &mut self,
+        gpu: &Gpu,
+        partial_floats: usize,
+        counters: usize,
+        query_heads: usize,
+    ) -> Result<()> {
         if self.partials.len() < partial_floats {
             self.partials = gpu.zeros(partial_floats)?;
         }
-        if self.counters.len() < heads {
-            self.counters = gpu.zeros(heads)?;
+        if self.counters.len() < counters {
+            self.counters = gpu.zeros(counters)?;
+        }
+        if self.lse.len() < query_heads {
+            self.lse = gpu.zeros(query_heads)?;
         }
         Ok(())
     }
@@ -82,11 +95,13 @@ impl<'a, T> From<&'a KvCache<T>> for KvRows<'a, T> {
 }
 
 /// The selected tokens of a step, per KV head: rows of a [`KvCache`] ([`Selected::resident`])
-/// or of a [`crate::BlockCache`] ([`crate::BlockCache::gather`]).
+/// or of a [`crate::BlockCache`] ([`crate::BlockCache::gather`]), with up to two runs of rows
+/// of the same buffer ([`Selected::with_runs`]).
 #[derive(Debug)]
 pub struct Selected<'a, T> {
     pub(crate) rows: KvRows<'a, T>,
     pub(crate) lists: &'a Csr,
+    pub(crate) runs: &'a [Range<u32>],
 }
 
 impl<'a, T> Selected<'a, T> {
@@ -97,12 +112,46 @@ impl<'a, T> Selected<'a, T> {
         Self {
             rows: kv.into(),
             lists,
+            runs: &[],
         }
+    }
+
+    /// The same selection plus `runs` (at most two, disjoint, none of them in the lists) of
+    /// consecutive rows of the same buffer for every KV head: a stored corpus's sinks and the
+    /// part of the window before a query's own tokens.
+    pub fn with_runs(self, runs: &'a [Range<u32>]) -> Self {
+        Self { runs, ..self }
     }
 }
 
+/// Every key of each KV head's visited buckets, rows of a [`KvCache`] (a stored corpus), with
+/// up to two runs of its rows (sinks and window) attended whole and skipped inside the
+/// buckets, so that no token counts twice.
+#[derive(Debug)]
+pub struct Buckets<'a, T> {
+    /// Where the rows are.
+    pub kv: &'a KvCache<T>,
+    /// Disjoint runs of rows, at most two, attended whole.
+    pub runs: &'a [Range<u32>],
+    /// Each bucket's token ids, ascending (CSR; the buckets of all KV heads numbered
+    /// together).
+    pub ids: &'a Csr,
+    /// One list of bucket numbers per KV head.
+    pub visited: &'a Csr,
+}
+
+/// What a launch attends to besides its dense part, and what [`attention_mass`] weighs.
+#[derive(Debug)]
+pub enum ListPart<'a, T> {
+    /// Selected rows.
+    Selected(Selected<'a, T>),
+    /// Visited buckets.
+    Buckets(Buckets<'a, T>),
+}
+
 /// The dense part of a step: up to two runs of rows of a [`KvCache`] (sinks and recent
-/// window, as `DensePolicy::dense_ranges` gives them), the same for every KV head.
+/// window, as `DensePolicy::dense_ranges` gives them, or a query's own tail), the same for
+/// every KV head.
 #[derive(Debug)]
 pub struct Dense<'a, T> {
     /// Where the rows are.
@@ -122,18 +171,45 @@ macro_rules! impl_copy {
         impl<T> Copy for $name<'_, T> {}
     )*};
 }
-impl_copy!(Query, KvRows, Selected, Dense);
+impl_copy!(Query, KvRows, Selected, Buckets, ListPart, Dense);
 
 /// Work items per head merged by one block in one level (see `launch`).
 const SINGLE_MERGE: usize = 32;
+
+/// Rows per work item of [`attention_mass`]'s runs and lists.
+const MASS_CHUNK: usize = 256;
+
+/// The list part of a launch after validation: rows of one buffer, up to two runs of them,
+/// and a list per KV head (of rows, or of buckets whose ids are rows).
+#[derive(Clone, Copy)]
+struct Rows<'a, T> {
+    rows: KvRows<'a, T>,
+    runs: [(u32, u32); 2],
+    lists: Option<&'a Csr>,
+    buckets: Option<&'a Csr>,
+}
+
+impl<T> Rows<'_, T> {
+    fn run_rows(&self) -> usize {
+        self.runs[0].1 as usize + self.runs[1].1 as usize
+    }
+
+    /// Work items of the lists alone: one per bucket, else chunks of `chunk` rows.
+    fn list_items(&self, chunk: usize) -> usize {
+        let longest = self.lists.map_or(0, Csr::longest);
+        match self.buckets {
+            Some(_) => longest,
+            None => longest.div_ceil(chunk),
+        }
+    }
+}
 
 /// One launch's arguments after validation.
 struct Launch<'a, T> {
     query: Query<'a, T>,
     dense: KvRows<'a, T>,
     runs: [(u32, u32); 2],
-    list: Option<(KvRows<'a, T>, &'a Csr)>,
-    buckets: Option<&'a Csr>,
+    list: Option<Rows<'a, T>>,
     kv_heads: usize,
 }
 
@@ -160,7 +236,7 @@ pub fn flash_decode<T: KvElement>(
         kv,
         runs: std::slice::from_ref(&all),
     };
-    launch(gpu, workspace, plan(query, dense, None, None)?, out)
+    launch(gpu, workspace, plan(query, dense, None)?, out)
 }
 
 /// Retrieval attention of one decode step: every query head over its KV head's dense part
@@ -177,74 +253,193 @@ pub fn retrieval_attention<T: KvElement>(
     selected: Selected<'_, T>,
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
-    let plan = plan(query, dense, Some((selected.rows, selected.lists)), None)?;
+    let plan = plan(query, dense, Some(ListPart::Selected(selected)))?;
     launch(gpu, workspace, plan, out)
 }
 
 /// Bucket attention of one decode step (SAAP / IVF with every key of the visited buckets):
-/// `buckets` holds each bucket's token ids (CSR; the buckets of all KV heads numbered
-/// together), `visited` one list of bucket numbers per KV head. One block attends to each
-/// visited bucket, skipping ids of the dense part, whose runs are token ids of `kv` here;
-/// all merged with the dense part in the same launch. Writes `out` `[kv_heads, group,
-/// head_dim]` (f32).
+/// one block attends to each visited bucket, skipping the ids inside `buckets.runs`, which
+/// are attended whole; all merged with the dense part (another buffer's rows, such as a
+/// query's own tail, or none) in the same launch. Writes `out` `[kv_heads, group, head_dim]`
+/// (f32).
 pub fn bucket_attention<T: KvElement>(
     gpu: &Gpu,
     workspace: &mut Workspace,
     query: Query<'_, T>,
     dense: Dense<'_, T>,
-    buckets: &Csr,
-    visited: &Csr,
+    buckets: Buckets<'_, T>,
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
-    buckets.check("bucket token ids", buckets.lists(), dense.kv.tokens())?;
-    let list = Some((dense.kv.into(), visited));
-    let plan = plan(query, dense, list, Some(buckets))?;
+    let plan = plan(query, dense, Some(ListPart::Buckets(buckets)))?;
     launch(gpu, workspace, plan, out)
 }
 
-/// Checks shapes and ranges.
-fn plan<'a, T>(
-    query: Query<'a, T>,
-    dense: Dense<'a, T>,
-    list: Option<(KvRows<'a, T>, &'a Csr)>,
-    buckets: Option<&'a Csr>,
-) -> Result<Launch<'a, T>> {
-    let kv = dense.kv;
-    let (kv_heads, head_dim) = (kv.kv_heads(), kv.head_dim());
-    if dense.runs.len() > 2 {
+/// Adds to `mass[id]` the attention weight that row `id` of `part`'s buffer received in the
+/// workspace's last launch (summed over each KV head's query heads, and over the KV heads):
+/// the attention mass of stored tokens that provenance ranks passages by. `query` and
+/// `part` must be the last launch's.
+pub fn attention_mass<T: KvElement>(
+    gpu: &Gpu,
+    workspace: &Workspace,
+    query: Query<'_, T>,
+    part: ListPart<'_, T>,
+    mass: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let rows = list_rows(part)?;
+    let (kv_heads, head_dim) = (rows.lists.map_or(0, Csr::lists), rows.rows.head_dim);
+    check_rows(&rows, kv_heads)?;
+    length(
+        "mass (one per row of a KV head)",
+        rows.rows.rows,
+        mass.len(),
+    )?;
+    let group = group_of(query, kv_heads, head_dim)?;
+    if workspace.lse.len() < kv_heads * group {
+        return Err(KernelError::Length {
+            what: "the workspace's log-sum-exp (no launch before the mass)",
+            expected: kv_heads * group,
+            found: workspace.lse.len(),
+        });
+    }
+    let run_items = rows.run_rows().div_ceil(MASS_CHUNK);
+    let items = run_items + rows.list_items(MASS_CHUNK);
+    if items == 0 {
+        return Ok(());
+    }
+    let variant = Variant {
+        dtype: T::DTYPE,
+        head_dim,
+        group,
+    };
+    let function = gpu.attend_source_kernel(variant, "attention_mass")?;
+    let too_large = |what, value| KernelError::TooLarge { what, value };
+    let items_u32 = u32::try_from(items).map_err(|_| too_large("mass work items", items))?;
+    let heads_u32 = heads_u32(kv_heads)?;
+    let (list_off, list) = rows
+        .lists
+        .map_or((0, 0), |l| (gpu.address(&l.offsets), gpu.address(&l.items)));
+    let (bucket_off, bucket_ids) = rows
+        .buckets
+        .map_or((0, 0), |b| (gpu.address(&b.offsets), gpu.address(&b.items)));
+    let (q, keys, lse) = (
+        query.heads.device_ptr(gpu.stream()).0,
+        gpu.address(rows.rows.keys),
+        gpu.address(&workspace.lse),
+    );
+    let scale_log2 = query.scale * std::f32::consts::LOG2_E;
+    let (chunk, run_items) = (MASS_CHUNK as u32, run_items as u32);
+    let mass_ptr = gpu.address(mass);
+    let mut builder = gpu.stream().launch_builder(&function);
+    builder
+        .arg(&q)
+        .arg(&scale_log2)
+        .arg(&keys)
+        .arg(&rows.rows.head_stride)
+        .arg(&rows.runs[0].0)
+        .arg(&rows.runs[0].1)
+        .arg(&rows.runs[1].0)
+        .arg(&rows.runs[1].1)
+        .arg(&chunk)
+        .arg(&run_items)
+        .arg(&list_off)
+        .arg(&list)
+        .arg(&chunk)
+        .arg(&bucket_off)
+        .arg(&bucket_ids)
+        .arg(&lse)
+        .arg(&mass_ptr);
+    let config = LaunchConfig {
+        grid_dim: (items_u32, heads_u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // Safety: the arguments match `attention_mass`'s signature in order and type; every
+    // address is of a live buffer whose length was checked against the rows the kernel
+    // reads, and `mass` holds one float per row id.
+    unsafe { builder.launch(config) }.map_err(driver("launching attention_mass"))?;
+    Ok(())
+}
+
+fn heads_u32(kv_heads: usize) -> Result<u32> {
+    u32::try_from(kv_heads)
+        .ok()
+        .filter(|&h| h <= 65_535)
+        .ok_or(KernelError::TooLarge {
+            what: "KV heads",
+            value: kv_heads,
+        })
+}
+
+/// Up to two disjoint runs of rows within `rows`.
+fn runs_of(ranges: &[Range<u32>], rows: usize) -> Result<[(u32, u32); 2]> {
+    if ranges.len() > 2 {
         return Err(KernelError::Unsupported {
             what: "number of dense runs",
-            value: dense.runs.len(),
+            value: ranges.len(),
             supported: "0 to 2 (sinks and window)",
         });
     }
     let mut runs = [(0u32, 0u32); 2];
-    for (run, range) in runs.iter_mut().zip(dense.runs) {
-        if range.start > range.end || range.end as usize > kv.tokens() {
+    for (run, range) in runs.iter_mut().zip(ranges) {
+        if range.start > range.end || range.end as usize > rows {
             return Err(KernelError::OutOfRange {
-                what: "dense run end",
+                what: "run end",
                 index: range.end.into(),
-                len: kv.tokens() as u64,
+                len: rows as u64,
             });
         }
         *run = (range.start, range.end - range.start);
     }
-    let dense_len = runs[0].1 as usize + runs[1].1 as usize;
-    if dense_len > kv.tokens() {
+    let len = runs[0].1 as usize + runs[1].1 as usize;
+    let overlap =
+        ranges.len() == 2 && ranges[0].start < ranges[1].end && ranges[1].start < ranges[0].end;
+    if len > rows || overlap {
         return Err(KernelError::OutOfRange {
-            what: "dense rows (runs must be disjoint)",
-            index: dense_len as u64,
-            len: kv.tokens() as u64,
+            what: "run rows (runs must be disjoint)",
+            index: len as u64,
+            len: rows as u64,
         });
     }
-    if let Some((rows, lists)) = list {
-        length("list row length (head_dim)", head_dim, rows.head_dim)?;
-        let bound = match buckets {
+    Ok(runs)
+}
+
+/// A list part's rows, runs and lists, checked against its buffer.
+fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
+    match part {
+        ListPart::Selected(selected) => Ok(Rows {
+            rows: selected.rows,
+            runs: runs_of(selected.runs, selected.rows.rows)?,
+            lists: Some(selected.lists),
+            buckets: None,
+        }),
+        ListPart::Buckets(b) => {
+            b.ids
+                .check("bucket token ids", b.ids.lists(), b.kv.tokens())?;
+            Ok(Rows {
+                rows: b.kv.into(),
+                runs: runs_of(b.runs, b.kv.tokens())?,
+                lists: Some(b.visited),
+                buckets: Some(b.ids),
+            })
+        }
+    }
+}
+
+/// Checks that the list part has one list per KV head of `kv_heads`, each item a row of
+/// its buffer or one of its buckets.
+fn check_rows<T>(rows: &Rows<'_, T>, kv_heads: usize) -> Result<()> {
+    if let Some(lists) = rows.lists {
+        let bound = match rows.buckets {
             Some(buckets) => buckets.lists(),
-            None => rows.rows,
+            None => rows.rows.rows,
         };
         lists.check("selected rows or visited buckets", kv_heads, bound)?;
     }
+    Ok(())
+}
+
+/// The GQA group of `query` over `kv_heads` heads of `head_dim`.
+fn group_of<T>(query: Query<'_, T>, kv_heads: usize, head_dim: usize) -> Result<usize> {
     let per_group = kv_heads * head_dim;
     if per_group == 0 || !query.heads.len().is_multiple_of(per_group) {
         return Err(KernelError::Length {
@@ -253,12 +448,37 @@ fn plan<'a, T>(
             found: query.heads.len(),
         });
     }
+    let group = query.heads.len() / per_group;
+    if !(1..=MAX_GROUP).contains(&group) {
+        return Err(KernelError::Unsupported {
+            what: "GQA group size",
+            value: group,
+            supported: "1 to 8",
+        });
+    }
+    Ok(group)
+}
+
+/// Checks shapes and ranges.
+fn plan<'a, T>(
+    query: Query<'a, T>,
+    dense: Dense<'a, T>,
+    list: Option<ListPart<'a, T>>,
+) -> Result<Launch<'a, T>> {
+    let kv = dense.kv;
+    let (kv_heads, head_dim) = (kv.kv_heads(), kv.head_dim());
+    let runs = runs_of(dense.runs, kv.tokens())?;
+    let list = list.map(list_rows).transpose()?;
+    if let Some(rows) = &list {
+        length("list row length (head_dim)", head_dim, rows.rows.head_dim)?;
+        check_rows(rows, kv_heads)?;
+    }
+    group_of(query, kv_heads, head_dim)?;
     Ok(Launch {
         query,
         dense: dense.kv.into(),
         runs,
         list,
-        buckets,
         kv_heads,
     })
 }
@@ -270,14 +490,7 @@ fn launch<T: KvElement>(
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     let head_dim = launch.dense.head_dim;
-    let group = launch.query.heads.len() / (launch.kv_heads * head_dim);
-    if !(1..=MAX_GROUP).contains(&group) {
-        return Err(KernelError::Unsupported {
-            what: "GQA group size",
-            value: group,
-            supported: "1 to 8",
-        });
-    }
+    let group = group_of(launch.query, launch.kv_heads, head_dim)?;
     let lanes = head_dim / 8;
     if !head_dim.is_multiple_of(8) || !lanes.is_power_of_two() || lanes > 32 {
         return Err(KernelError::Unsupported {
@@ -301,18 +514,17 @@ fn launch<T: KvElement>(
     // (few partials to merge, no tail), but never less than two iterations of the block:
     // on the H100, fewer items of two iterations beat more of one (merging costs more).
     let dense_len = launch.runs[0].1 as usize + launch.runs[1].1 as usize;
-    let longest = launch.list.map_or(0, |(_, lists)| lists.longest());
+    let list_runs = launch.list.map_or(0, |l| l.run_rows());
+    let longest = launch.list.and_then(|l| l.lists).map_or(0, Csr::longest);
     let step = (THREADS as usize / lanes) * UNROLL as usize;
     let wave = (gpu.multiprocessors() * kernel.blocks_per_sm) as usize;
-    let rows = launch.kv_heads * (dense_len + longest);
+    let rows = launch.kv_heads * (dense_len + list_runs + longest);
     let chunk = rows.div_ceil(wave).next_multiple_of(step).max(2 * step);
     let dense_items = dense_len.div_ceil(chunk);
-    let list_items = match launch.buckets {
-        Some(_) => longest,
-        None => longest.div_ceil(chunk),
-    };
+    let list_run_items = list_runs.div_ceil(chunk);
+    let list_items = launch.list.map_or(0, |l| l.list_items(chunk));
     // At least one item, so that every head's output is written.
-    let items = (dense_items + list_items).max(1);
+    let items = (dense_items + list_run_items + list_items).max(1);
     let too_large = |what, value| KernelError::TooLarge { what, value };
     // A merge is one block reading partials on the critical path: up to SINGLE_MERGE items
     // it reads them all; past that in two levels, groups of about sqrt(items) items.
@@ -329,30 +541,36 @@ fn launch<T: KvElement>(
     }
     let items_u32 = items as u32;
     let chunk_u32 = u32::try_from(chunk).map_err(|_| too_large("rows per work item", chunk))?;
-    let heads_u32 = u32::try_from(launch.kv_heads)
-        .ok()
-        .filter(|&h| h <= 65_535)
-        .ok_or(too_large("KV heads", launch.kv_heads))?;
+    let heads_u32 = heads_u32(launch.kv_heads)?;
     // One partial: outputs, maxima and sums, padded to whole float4s (as in attend.cu).
     let partial = (group * (head_dim + 2)).next_multiple_of(4);
     workspace.reserve(
         gpu,
         launch.kv_heads * (items + groups) * partial,
         launch.kv_heads * (groups + 1),
+        launch.kv_heads * group,
     )?;
 
     let address = |data: &CudaSlice<u32>| gpu.address(data);
-    let (list_keys, list_values, list_stride, list_off, list_items_ptr) = match launch.list {
-        Some((rows, lists)) => (
-            gpu.address(rows.keys),
-            gpu.address(rows.values),
-            rows.head_stride,
-            address(&lists.offsets),
-            address(&lists.items),
-        ),
-        None => (0, 0, 0, 0, 0),
+    let none = Rows {
+        rows: launch.dense,
+        runs: [(0, 0); 2],
+        lists: None,
+        buckets: None,
     };
-    let (bucket_off, bucket_ids) = launch
+    let list = launch.list.unwrap_or(none);
+    let (list_keys, list_values, list_stride) = match launch.list {
+        Some(l) => (
+            gpu.address(l.rows.keys),
+            gpu.address(l.rows.values),
+            l.rows.head_stride,
+        ),
+        None => (0, 0, 0),
+    };
+    let (list_off, list_items_ptr) = list
+        .lists
+        .map_or((0, 0), |l| (address(&l.offsets), address(&l.items)));
+    let (bucket_off, bucket_ids) = list
         .buckets
         .map_or((0, 0), |b| (address(&b.offsets), address(&b.items)));
     let args = Args {
@@ -367,6 +585,8 @@ fn launch<T: KvElement>(
         list_keys,
         list_values,
         list_stride,
+        list_runs: list.runs,
+        list_run_items: list_run_items as u32,
         list_off,
         list: list_items_ptr,
         list_chunk: chunk_u32,
@@ -376,6 +596,7 @@ fn launch<T: KvElement>(
         partials: gpu.address(&workspace.partials),
         counters: gpu.address(&workspace.counters),
         out: out.device_ptr_mut(gpu.stream()).0,
+        lse: gpu.address(&workspace.lse),
     };
     let config = LaunchConfig {
         grid_dim: (items_u32, heads_u32, 1),
@@ -398,6 +619,11 @@ fn launch<T: KvElement>(
         .arg(&args.list_keys)
         .arg(&args.list_values)
         .arg(&args.list_stride)
+        .arg(&args.list_runs[0].0)
+        .arg(&args.list_runs[0].1)
+        .arg(&args.list_runs[1].0)
+        .arg(&args.list_runs[1].1)
+        .arg(&args.list_run_items)
         .arg(&args.list_off)
         .arg(&args.list)
         .arg(&args.list_chunk)
@@ -406,7 +632,8 @@ fn launch<T: KvElement>(
         .arg(&args.group_size)
         .arg(&args.partials)
         .arg(&args.counters)
-        .arg(&args.out);
+        .arg(&args.out)
+        .arg(&args.lse);
     // Safety: the arguments match `attend`'s signature in order and type; every address is
     // of a live buffer whose length was checked against the rows the kernel reads.
     unsafe { builder.launch(config) }.map_err(driver("launching attend"))?;
@@ -426,6 +653,8 @@ struct Args {
     list_keys: u64,
     list_values: u64,
     list_stride: u64,
+    list_runs: [(u32, u32); 2],
+    list_run_items: u32,
     list_off: u64,
     list: u64,
     list_chunk: u32,
@@ -435,4 +664,5 @@ struct Args {
     partials: u64,
     counters: u64,
     out: u64,
+    lse: u64,
 }

@@ -194,6 +194,26 @@ impl Csr {
         })
     }
 
+    /// `lists` lists of `per_list` items each, which a kernel writes (zeros until then), all
+    /// below `bound`.
+    pub(crate) fn uniform(gpu: &Gpu, lists: usize, per_list: usize, bound: u32) -> Result<Self> {
+        let total = lists
+            .checked_mul(per_list)
+            .filter(|&t| u32::try_from(t).is_ok())
+            .ok_or(KernelError::TooLarge {
+                what: "list items",
+                value: lists.saturating_mul(per_list),
+            })?;
+        let offsets: Vec<u32> = (0..=lists).map(|r| (r * per_list) as u32).collect();
+        Ok(Self {
+            offsets: gpu.upload(&offsets)?,
+            items: gpu.zeros(total.max(1))?,
+            lists,
+            longest: per_list,
+            max_item: (total > 0).then(|| bound.saturating_sub(1)),
+        })
+    }
+
     /// Replaces the lists with `lists`, reusing the device buffers when they are large
     /// enough (a decode step's selection, rewritten every step without an allocation). The
     /// copies are queued behind the launches that read the previous lists.
@@ -214,6 +234,17 @@ impl Csr {
             .unwrap_or(0);
         self.max_item = items.iter().copied().max();
         Ok(())
+    }
+
+    /// The lists, copied to the host (waits for the stream).
+    pub fn to_lists(&self, gpu: &Gpu) -> Result<Vec<Vec<u32>>> {
+        let offsets = gpu.download(&self.offsets)?;
+        let items = gpu.download(&self.items)?;
+        Ok(offsets
+            .windows(2)
+            .take(self.lists)
+            .map(|w| items[w[0] as usize..w[1] as usize].to_vec())
+            .collect())
     }
 
     /// Number of lists.

@@ -397,6 +397,7 @@ impl<T: KvElement> BlockCache<T> {
                 head_dim: self.host.head_dim,
             },
             lists: &self.rows,
+            runs: &[],
         })
     }
 

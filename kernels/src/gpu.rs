@@ -312,15 +312,7 @@ impl Gpu {
         if let Some(kernel) = kernels.get(&variant) {
             return Ok(kernel.clone());
         }
-        let defines = [
-            ("KV_BF16", u32::from(variant.dtype == KvDtype::Bf16)),
-            ("HEAD_DIM", variant.head_dim as u32),
-            ("GROUP", variant.group as u32),
-            ("THREADS", THREADS),
-            ("UNROLL", UNROLL),
-        ];
-        let name = format!("attend {variant:?}");
-        let function = self.compile(&name, ATTEND_SOURCE, &defines, "attend")?;
+        let function = self.attend_source_kernel(variant, "attend")?;
         let blocks_per_sm = function
             .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
             .map_err(driver("reading the attention kernel's occupancy"))?
@@ -333,13 +325,33 @@ impl Gpu {
         Ok(kernel)
     }
 
+    /// Kernel `entry` of `attend.cu` (`attend`, `attention_mass`) for `variant`, compiled
+    /// on first use.
+    pub(crate) fn attend_source_kernel(
+        &self,
+        variant: Variant,
+        entry: &'static str,
+    ) -> Result<CudaFunction> {
+        let defines = [
+            (
+                "KV_BF16",
+                u32::from(variant.dtype == KvDtype::Bf16).to_string(),
+            ),
+            ("HEAD_DIM", variant.head_dim.to_string()),
+            ("GROUP", variant.group.to_string()),
+            ("THREADS", THREADS.to_string()),
+            ("UNROLL", UNROLL.to_string()),
+        ];
+        self.kernel(ATTEND_SOURCE, entry, &defines)
+    }
+
     /// The block-cache fill kernel, compiled on first use.
     pub(crate) fn fill_kernel(&self) -> Result<CudaFunction> {
         let mut fill = self.fill.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(function) = fill.as_ref() {
             return Ok(function.clone());
         }
-        let function = self.compile("fill_slots", FILL_SOURCE, &[], "fill_slots")?;
+        let function = self.kernel(FILL_SOURCE, "fill_slots", &[])?;
         *fill = Some(function.clone());
         Ok(function)
     }
@@ -392,17 +404,6 @@ impl Gpu {
         let function = self.compile_with(&key, source, options, entry, arch)?;
         compiled.insert(key, function.clone());
         Ok(function)
-    }
-
-    fn compile(
-        &self,
-        name: &str,
-        source: &str,
-        defines: &[(&str, u32)],
-        entry: &str,
-    ) -> Result<CudaFunction> {
-        let options = defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect();
-        self.compile_with(name, source, options, entry, &self.arch)
     }
 
     fn compile_with(

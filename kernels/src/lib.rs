@@ -16,10 +16,12 @@
 //! | `flash_decode` | exact attention over every token: the baseline |
 //! | `retrieval_attention` | dense part (sinks + window) plus each KV head's selected ids, merged in one launch |
 //! | `bucket_attention` | dense part plus every key of each head's visited buckets, one block per bucket |
+//! | `attention_mass` | the attention each stored row received in the last launch, added up: provenance on the GPU |
+//! | `Partition`, `Visits` | a bucket index's centroids and buckets on the GPU; routing a step's queries to buckets there |
 //! | `HostKv`, `BlockCache` | keys and values in pinned host memory behind an LRU GPU cache of blocks |
 //! | `prefill_attention`, `Causal` | causal (sliding-window) attention of a chunk of queries `[tokens, heads, head_dim]` over a `KvCache` ring: flash attention on the tensor cores for f16/bf16, a plain kernel for f32 |
 //!
-//! All three launchers are one launch of one kernel (`cuda/attend.cu`): blocks attend to
+//! The three attention launchers are one launch of one kernel (`cuda/attend.cu`): blocks attend to
 //! work items (a slice of the dense rows, a slice of a selection or one bucket) for all query
 //! heads of a GQA group at once, each writing a `kvdb_attention::Partial`-like triple (unnormalised output,
 //! max, sum of exponentials); the last block of each KV head merges them by log-sum-exp, as
@@ -50,10 +52,13 @@ mod gpu;
 pub mod ops;
 #[cfg(feature = "gpu")]
 mod prefill;
+#[cfg(feature = "gpu")]
+mod route;
 
 #[cfg(feature = "gpu")]
 pub use attention::{
-    bucket_attention, flash_decode, retrieval_attention, Dense, Query, Selected, Workspace,
+    attention_mass, bucket_attention, flash_decode, retrieval_attention, Buckets, Dense, ListPart,
+    Query, Selected, Workspace,
 };
 #[cfg(feature = "gpu")]
 pub use buffers::{Csr, KvCache};
@@ -69,3 +74,5 @@ pub use gemm::Gemm;
 pub use gpu::{Float, Gpu, KvDtype, KvElement};
 #[cfg(feature = "gpu")]
 pub use prefill::{prefill_attention, Causal};
+#[cfg(feature = "gpu")]
+pub use route::{Partition, Visits};

@@ -20,8 +20,9 @@ mod on_gpu {
     use kvdb_attention::DensePolicy;
     use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
     use kvdb_kernels::{
-        bucket_attention, flash_decode, retrieval_attention, BlockCache, Csr, Dense, Gpu, HostKv,
-        KernelError, KvCache, KvElement, Query, Selected, Workspace,
+        attention_mass, bucket_attention, flash_decode, retrieval_attention, BlockCache, Buckets,
+        Csr, Dense, Gpu, HostKv, KernelError, KvCache, KvElement, ListPart, Partition, Query,
+        Selected, Workspace,
     };
     use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
     use rand::rngs::StdRng;
@@ -134,6 +135,35 @@ mod on_gpu {
                 out.extend(exact.output);
             }
             Ok(out)
+        }
+
+        /// The attention weight each of the first `n` rows received from every query head
+        /// over `ids[h]`, summed over the heads (exact, f64): what `attention_mass` adds up.
+        fn mass(&self, ids: &[Vec<u32>], n: usize) -> Result<Vec<f64>> {
+            let d = self.head_dim;
+            let mut mass = vec![0f64; n];
+            for (h, ids) in ids.iter().enumerate() {
+                let key = |id: u32| &self.keys_f32[(h * self.tokens + id as usize) * d..][..d];
+                for g in 0..self.group {
+                    let q = &self.queries_f32[(h * self.group + g) * d..][..d];
+                    let logits: Vec<f64> = ids
+                        .iter()
+                        .map(|&id| {
+                            let dot: f64 =
+                                q.iter().zip(key(id)).map(|(a, b)| f64::from(a * b)).sum();
+                            dot * f64::from(self.scale)
+                        })
+                        .collect();
+                    let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+                    for (&id, l) in ids.iter().zip(&logits) {
+                        if (id as usize) < n {
+                            mass[id as usize] += (l - max).exp() / sum;
+                        }
+                    }
+                }
+            }
+            Ok(mass)
         }
 
         fn upload(&self, gpu: &Gpu) -> Result<OnGpu<T>> {
@@ -325,6 +355,20 @@ mod on_gpu {
                 lists[0].len()
             );
             close(&what, &got, &layer.reference(&attended)?, TOLERANCE)?;
+            let mut mass = gpu.zeros::<f32>(tokens)?;
+            let part = ListPart::Selected(Selected::resident(&kv, &ids));
+            attention_mass(gpu, &workspace, query, part, &mut mass)?;
+            // The mass of the selected rows alone: the dense runs are not the list part.
+            let mut want = layer.mass(&attended, tokens)?;
+            ids_of(&runs)
+                .into_iter()
+                .for_each(|id| want[id as usize] = 0.0);
+            close(
+                &format!("{what}: mass"),
+                &gpu.download(&mass)?,
+                &want,
+                TOLERANCE,
+            )?;
             if fraction == 1.0 {
                 let full: Vec<f64> = full.iter().map(|&x| x.into()).collect();
                 close(
@@ -369,21 +413,63 @@ mod on_gpu {
         lists
     }
 
+    /// Rows `rows` of every KV head of `layer` as a cache of their own.
+    fn cache_of<T: KvElement>(
+        gpu: &Gpu,
+        layer: &Layer<T>,
+        rows: Range<usize>,
+    ) -> Result<KvCache<T>> {
+        let d = layer.head_dim;
+        let part = |data: &[T]| -> Vec<T> {
+            (0..layer.kv_heads)
+                .flat_map(|h| {
+                    &data[(h * layer.tokens + rows.start) * d..(h * layer.tokens + rows.end) * d]
+                })
+                .copied()
+                .collect()
+        };
+        Ok(KvCache::upload(
+            gpu,
+            &part(&layer.keys),
+            &part(&layer.values),
+            layer.kv_heads,
+            d,
+        )?)
+    }
+
+    /// Bucket attention over a stored corpus (the first `tokens - tail` rows: its runs and
+    /// visited buckets) and a query's own tail in another buffer (the last rows, as a ring
+    /// whose runs may wrap), against the reference over the same ids; then the attention
+    /// mass each corpus row received against the reference's weights.
     fn bucket_case<T: KvElement>(gpu: &Gpu, rng: &mut StdRng, shape: Shape) -> Result<()> {
         let (kv_heads, _, _, tokens) = shape;
         let layer = Layer::<T>::new(rng, shape);
-        let OnGpu {
-            kv,
-            queries,
-            mut workspace,
-        } = layer.upload(gpu)?;
+        let tail = rng.random_range(0..=tokens.min(40));
+        let n = tokens - tail;
+        let corpus = cache_of(gpu, &layer, 0..n)?;
+        let ring = cache_of(gpu, &layer, n..tokens)?;
+        let queries = gpu.upload(&layer.queries)?;
         let queries = queries.as_view();
         let query = layer.query(&queries);
+        let mut workspace = Workspace::new(gpu)?;
         let count = rng.random_range(1..=64);
-        let bucket_lists = random_buckets(rng, kv_heads, tokens, count);
+        let bucket_lists = random_buckets(rng, kv_heads, n, count);
         let buckets = Csr::from_lists(gpu, &bucket_lists)?;
-        let (runs, _) = selection(rng, kv_heads, tokens, 0.0);
-        let dense_ids = ids_of(&runs);
+        let (runs, _) = if n > 0 {
+            selection(rng, kv_heads, n, 0.0)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        // The tail's rows as a ring's two runs: its second half first.
+        let split = rng.random_range(0..=tail) as u32;
+        let tail_runs: Vec<Range<u32>> = [split..tail as u32, 0..split]
+            .into_iter()
+            .filter(|r| !r.is_empty())
+            .collect();
+        let dense_ids: Vec<u32> = ids_of(&runs)
+            .into_iter()
+            .chain(ids_of(&tail_runs).into_iter().map(|r| n as u32 + r))
+            .collect();
         // No bucket, some, and all of them.
         for fraction in [0.0, rng.random_range(0.0..0.5), 1.0] {
             let visited: Vec<Vec<u32>> = (0..kv_heads)
@@ -398,16 +484,21 @@ mod on_gpu {
             let visited_csr = Csr::from_lists(gpu, &visited)?;
             let mut out = poisoned(gpu, layer.queries.len())?;
             let dense = Dense {
-                kv: &kv,
+                kv: &ring,
+                runs: &tail_runs,
+            };
+            let part = Buckets {
+                kv: &corpus,
                 runs: &runs,
+                ids: &buckets,
+                visited: &visited_csr,
             };
             bucket_attention(
                 gpu,
                 &mut workspace,
                 query,
                 dense,
-                &buckets,
-                &visited_csr,
+                part,
                 &mut out.as_view_mut(),
             )?;
             let got = written(gpu, &out)?;
@@ -421,11 +512,22 @@ mod on_gpu {
                 })
                 .collect();
             let what = format!(
-                "buckets {:?} {shape:?} {count} buckets, visited {}",
+                "buckets {:?} {shape:?} tail {tail} {count} buckets, visited {}",
                 T::DTYPE,
                 visited[0].len()
             );
             close(&what, &got, &layer.reference(&attended)?, TOLERANCE)?;
+            let mut mass = gpu.zeros::<f32>(n.max(1))?;
+            if n > 0 {
+                attention_mass(gpu, &workspace, query, ListPart::Buckets(part), &mut mass)?;
+            }
+            let want = layer.mass(&attended, n)?;
+            close(
+                &format!("{what}: mass"),
+                &gpu.download(&mass)?[..n],
+                &want,
+                TOLERANCE,
+            )?;
         }
         Ok(())
     }
@@ -437,6 +539,82 @@ mod on_gpu {
             bucket_case::<half::f16>,
             bucket_case::<half::bf16>,
         )
+    }
+
+    /// GPU routing visits the buckets of best group score (the CPU's choice, up to float
+    /// ties) and counts the ids of the visited buckets inside the eligible range.
+    #[test]
+    fn routing_matches_reference() -> Result<()> {
+        let Some((gpu, mut rng)) = start("routing_matches_reference") else {
+            return Ok(());
+        };
+        for (kv_heads, group, head_dim, tokens, buckets) in [
+            (2, 4, 64, 5000, 64),
+            (1, 8, 128, 20_000, 1024),
+            (3, 1, 256, 300, 7),
+        ] {
+            let mut floats = |len: usize| -> Vec<f32> {
+                (0..len).map(|_| rng.random_range(-1.0..1.0)).collect()
+            };
+            let centroids = floats(kv_heads * buckets * head_dim);
+            let queries = floats(kv_heads * group * head_dim);
+            let lists = random_buckets(&mut rng, kv_heads, tokens, buckets);
+            let partition = Partition::new(&gpu, &centroids, &lists, kv_heads, head_dim)?;
+            let probes = rng.random_range(1..=buckets);
+            let mut visits = partition.visits(&gpu, probes)?;
+            let on_gpu = gpu.upload(&queries)?;
+            let lo = rng.random_range(0..tokens as u32);
+            let eligible = lo..rng.random_range(lo..=tokens as u32);
+            // Twice: the count adds up over steps.
+            for _ in 0..2 {
+                partition.route(&gpu, &on_gpu.as_view(), eligible.clone(), &mut visits)?;
+            }
+            let visited: Vec<u32> = visits.visited().to_lists(&gpu)?.concat();
+            let mut selected = 0u64;
+            for h in 0..kv_heads {
+                let score = |b: usize| -> f64 {
+                    let c = &centroids[(h * buckets + b) * head_dim..][..head_dim];
+                    (0..group)
+                        .map(|g| {
+                            let q = &queries[(h * group + g) * head_dim..][..head_dim];
+                            q.iter().zip(c).map(|(a, b)| f64::from(a * b)).sum::<f64>()
+                        })
+                        .fold(f64::NEG_INFINITY, f64::max)
+                };
+                let mine: Vec<usize> = visited[h * probes..(h + 1) * probes]
+                    .iter()
+                    .map(|&l| l as usize - h * buckets)
+                    .collect();
+                let mut seen = mine.clone();
+                seen.sort_unstable();
+                seen.dedup();
+                ensure!(
+                    seen.len() == probes && seen.iter().all(|&b| b < buckets),
+                    "head {h}: {mine:?}"
+                );
+                let worst_in = mine.iter().map(|&b| score(b)).fold(f64::INFINITY, f64::min);
+                let best_out = (0..buckets)
+                    .filter(|b| !mine.contains(b))
+                    .map(score)
+                    .fold(f64::NEG_INFINITY, f64::max);
+                ensure!(
+                    worst_in >= best_out - 1e-4,
+                    "head {h}: visited down to {worst_in}, left {best_out}"
+                );
+                selected += mine
+                    .iter()
+                    .flat_map(|&b| &lists[h * buckets + b])
+                    .filter(|id| eligible.contains(id))
+                    .count() as u64;
+            }
+            ensure!(
+                visits.selected(&gpu)? == 2 * selected,
+                "selected {} of {}",
+                visits.selected(&gpu)?,
+                2 * selected
+            );
+        }
+        Ok(())
     }
 
     /// Through the pinned-host block cache the outputs equal the resident ones, a repeated
@@ -637,15 +815,42 @@ mod on_gpu {
         ));
         let buckets = Csr::from_lists(&gpu, &[vec![1u32, 2], vec![3]])?;
         let visited = Csr::from_lists(&gpu, &[vec![0u32], vec![2]])?;
+        let part = Buckets {
+            kv: &kv,
+            runs: &[],
+            ids: &buckets,
+            visited: &visited,
+        };
         ensure!(out_of_range(bucket_attention(
             &gpu,
             &mut ws,
             query,
             dense,
-            &buckets,
-            &visited,
+            part,
             &mut out.as_view_mut()
         )));
+        let none = Csr::from_lists(&gpu, &[Vec::<u32>::new(), vec![]])?;
+        let overlapping = [0..10, 5..20];
+        ensure!(out_of_range(retrieval_attention(
+            &gpu,
+            &mut ws,
+            query,
+            dense,
+            Selected::resident(&kv, &none).with_runs(&overlapping),
+            &mut out.as_view_mut()
+        )));
+        let mut mass = gpu.zeros::<f32>(99)?;
+        ensure!(wrong_length(attention_mass(
+            &gpu,
+            &ws,
+            query,
+            ListPart::Selected(Selected::resident(&kv, &none)),
+            &mut mass
+        )));
+        let partition = Partition::new(&gpu, &[0.0; 2 * 3 * 64], &vec![vec![0u32]; 6], 2, 64);
+        ensure!(unsupported(partition?.visits(&gpu, 4).map(|_| ())));
+        let unsorted = Partition::new(&gpu, &[0.0; 2 * 64], &[vec![2u32, 1], vec![]], 2, 64);
+        ensure!(matches!(unsorted, Err(KernelError::Offsets { .. })));
         let host = HostKv::new(&gpu, &layer.keys, &layer.values, 2, 64, 64)?;
         let no_cache = BlockCache::new(&gpu, host, 10);
         ensure!(matches!(no_cache, Err(KernelError::TooLarge { .. })));

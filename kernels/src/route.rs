@@ -1,0 +1,211 @@
+//! [`Partition`]: a bucket index's partition on the GPU, routed there ([`Partition::route`],
+//! `cuda/route.cu`), so that a decode step's bucket attention needs no host round trip.
+
+use std::ops::Range;
+
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
+
+use crate::buffers::Csr;
+use crate::error::{driver, length, KernelError, Result};
+use crate::gpu::Gpu;
+
+const SOURCE: &str = include_str!("../cuda/route.cu");
+
+/// Threads of a routing block (one block per KV head).
+const ROUTE_THREADS: u32 = 256;
+
+/// One layer's bucket partition, every KV head's: the centroids that route a query
+/// (`[kv_heads, buckets, head_dim]`, f32; a bucket's score is its inner product with the
+/// query, the best over a GQA group's heads) and each bucket's token ids, ascending, as the
+/// CSR [`crate::Buckets::ids`] takes (KV head `h`'s bucket `b` is list `h * buckets + b`,
+/// and one empty list follows them).
+pub struct Partition {
+    centroids: CudaSlice<f32>,
+    ids: Csr,
+    kv_heads: usize,
+    buckets: usize,
+    head_dim: usize,
+}
+
+impl std::fmt::Debug for Partition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Partition")
+            .field("kv_heads", &self.kv_heads)
+            .field("buckets", &self.buckets)
+            .field("head_dim", &self.head_dim)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A query's visits to a [`Partition`]: the buckets of its last step per KV head (what
+/// [`crate::Buckets::visited`] takes), and the ids of all its steps' visited buckets inside
+/// their eligible ranges, counted on the GPU.
+pub struct Visits {
+    visited: Csr,
+    selected: CudaSlice<u64>,
+}
+
+impl std::fmt::Debug for Visits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Visits")
+            .field("visited", &self.visited)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Visits {
+    /// The buckets the last [`Partition::route`] visited, one list per KV head.
+    pub fn visited(&self) -> &Csr {
+        &self.visited
+    }
+
+    /// The ids the visits selected so far (waits for the stream).
+    pub fn selected(&self, gpu: &Gpu) -> Result<u64> {
+        Ok(gpu.download(&self.selected)?.first().copied().unwrap_or(0))
+    }
+}
+
+impl Partition {
+    /// Uploads `kv_heads` heads' partitions: `centroids` `[kv_heads, buckets, head_dim]` and
+    /// `lists[h * buckets + b]` the ascending token ids of head `h`'s bucket `b`.
+    pub fn new(
+        gpu: &Gpu,
+        centroids: &[f32],
+        lists: &[Vec<u32>],
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let buckets = lists.len() / kv_heads.max(1);
+        length(
+            "bucket lists (kv_heads * buckets)",
+            kv_heads * buckets,
+            lists.len(),
+        )?;
+        length(
+            "centroids [kv_heads, buckets, head_dim]",
+            kv_heads * buckets * head_dim,
+            centroids.len(),
+        )?;
+        if buckets == 0 || head_dim == 0 {
+            return Err(KernelError::Unsupported {
+                what: "partition without buckets or of head dim 0",
+                value: buckets,
+                supported: "at least one bucket of a non-empty head dim",
+            });
+        }
+        if let Some(unsorted) = lists
+            .iter()
+            .position(|l| l.windows(2).any(|w| w[0] >= w[1]))
+        {
+            return Err(KernelError::Offsets {
+                what: "bucket ids (ascending, no repeats)",
+                items: unsorted,
+            });
+        }
+        let mut all: Vec<&[u32]> = lists.iter().map(Vec::as_slice).collect();
+        all.push(&[]);
+        Ok(Self {
+            centroids: gpu.upload(centroids)?,
+            ids: Csr::from_lists(gpu, &all)?,
+            kv_heads,
+            buckets,
+            head_dim,
+        })
+    }
+
+    /// Every bucket's token ids.
+    pub fn ids(&self) -> &Csr {
+        &self.ids
+    }
+
+    /// Buckets per KV head.
+    pub fn buckets(&self) -> usize {
+        self.buckets
+    }
+
+    /// A query's empty visits of `probes` buckets per KV head (at most the buckets).
+    pub fn visits(&self, gpu: &Gpu, probes: usize) -> Result<Visits> {
+        if probes == 0 || probes > self.buckets {
+            return Err(KernelError::Unsupported {
+                what: "buckets probed",
+                value: probes,
+                supported: "1 to the partition's buckets",
+            });
+        }
+        Ok(Visits {
+            visited: Csr::uniform(gpu, self.kv_heads, probes, self.ids.lists() as u32)?,
+            selected: gpu.zeros(1)?,
+        })
+    }
+
+    /// Routes one decode step: each KV head's group of `queries` (`[kv_heads, group,
+    /// head_dim]`, f32, in the partition's space) visits the buckets of best score, written
+    /// to `visits`, whose count of ids inside `eligible` grows by the visited ones.
+    pub fn route(
+        &self,
+        gpu: &Gpu,
+        queries: &CudaView<'_, f32>,
+        eligible: Range<u32>,
+        visits: &mut Visits,
+    ) -> Result<()> {
+        let per_group = self.kv_heads * self.head_dim;
+        if !queries.len().is_multiple_of(per_group) || queries.is_empty() {
+            return Err(KernelError::Length {
+                what: "routing queries [kv_heads, group, head_dim]",
+                expected: per_group,
+                found: queries.len(),
+            });
+        }
+        let group = (queries.len() / per_group) as u32;
+        length(
+            "visited lists (one per KV head)",
+            self.kv_heads,
+            visits.visited.lists(),
+        )?;
+        let probes = visits.visited.longest() as u32;
+        let smem = self.buckets * size_of::<f32>();
+        if smem > 48 << 10 {
+            return Err(KernelError::TooLarge {
+                what: "buckets per KV head routed on the GPU (scores in shared memory)",
+                value: self.buckets,
+            });
+        }
+        let function = gpu.kernel(SOURCE, "route_buckets", &[])?;
+        let q = queries.device_ptr(gpu.stream()).0;
+        let (centroids, off, ids) = (
+            gpu.address(&self.centroids),
+            gpu.address(&self.ids.offsets),
+            gpu.address(&self.ids.items),
+        );
+        let (visited, selected) = (
+            gpu.address(&visits.visited.items),
+            gpu.address(&visits.selected),
+        );
+        let (head_dim, buckets) = (self.head_dim as u32, self.buckets as u32);
+        let mut builder = gpu.stream().launch_builder(&function);
+        builder
+            .arg(&q)
+            .arg(&centroids)
+            .arg(&group)
+            .arg(&head_dim)
+            .arg(&buckets)
+            .arg(&probes)
+            .arg(&off)
+            .arg(&ids)
+            .arg(&eligible.start)
+            .arg(&eligible.end)
+            .arg(&visited)
+            .arg(&selected);
+        let config = LaunchConfig {
+            grid_dim: (self.kv_heads as u32, 1, 1),
+            block_dim: (ROUTE_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // Safety: the arguments match `route_buckets`'s signature in order and type; the
+        // queries hold `kv_heads * group * head_dim` floats, the centroids
+        // `kv_heads * buckets * head_dim`, `visited` `kv_heads * probes` items with
+        // probes <= buckets, and the CSR `kv_heads * buckets + 1` lists.
+        unsafe { builder.launch(config) }.map_err(driver("launching route_buckets"))?;
+        Ok(())
+    }
+}
