@@ -47,6 +47,15 @@ pub enum IndexError {
     /// An error from faiss.
     #[error("faiss: {0}")]
     Faiss(String),
+    /// A tensor computation on the CPU failed (candle).
+    #[error("computing {what}")]
+    Compute {
+        /// What was being computed.
+        what: &'static str,
+        /// candle's error.
+        #[source]
+        source: candle_core::Error,
+    },
     /// SAAP training failed (candle).
     #[error("saap training: {0}")]
     Training(String),

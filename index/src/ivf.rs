@@ -31,7 +31,7 @@ use crate::key_index::{OneShot, StatelessSearch};
 use crate::kmeans::kmeans;
 use crate::{
     BucketIndex, BuildContext, BuildStats, FlatIndex, Found, GroupQuery, IndexError, IndexSpec,
-    IvfSpec, KeyIndex, Result, SearchParams, Searcher, Selection, UnvisitedBucket,
+    IvfSpec, KeyIndex, LinearRouting, Result, SearchParams, Searcher, Selection, UnvisitedBucket,
 };
 
 /// Fewest training keys per list: below this, k-means has too little to place a centroid
@@ -105,7 +105,7 @@ impl IvfIndex {
         } else {
             rotated.rows()
         };
-        let centroids = kmeans(space, d, effective.lists, KMEANS_ITERATIONS, context.seed);
+        let centroids = kmeans(space, d, effective.lists, KMEANS_ITERATIONS, context.seed)?;
         let mut index =
             Self::with_centroids(effective, *spec, rotated, centroids, BuildStats::default())?;
         index.assign(keys, 0)?;
@@ -354,5 +354,13 @@ impl BucketIndex for IvfIndex {
             }
         }
         of
+    }
+
+    fn linear_routing(&self) -> Option<LinearRouting<'_>> {
+        (self.spec.norope && self.spec.all).then_some(LinearRouting {
+            centroids: &self.centroids,
+            lists: &self.lists,
+            probes: self.spec.probes,
+        })
     }
 }

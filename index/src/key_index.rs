@@ -190,10 +190,29 @@ impl<T: StatelessSearch + ?Sized> Searcher for OneShot<'_, T> {
 }
 
 /// A bucket index (ivf, saap): every key belongs to one bucket. The engine uses this to
-/// compute each bucket's mean value for the estimate of unvisited buckets.
+/// compute each bucket's mean value for the estimate of unvisited buckets, and to route on
+/// the GPU where the index allows it ([`BucketIndex::linear_routing`]).
 pub trait BucketIndex: KeyIndex {
     /// Number of buckets.
     fn buckets(&self) -> usize;
     /// The bucket of every key, by id.
     fn assignments(&self) -> Vec<u32>;
+    /// How the index searches, when that is simple enough for a GPU to do it alone: every
+    /// key of the probed buckets is selected, and the buckets probed are those whose
+    /// centroid has the best inner product with the de-roped queries (the best over a GQA
+    /// group's heads), as `ivf…,norope,all` searches. `None` for any other search.
+    fn linear_routing(&self) -> Option<LinearRouting<'_>> {
+        None
+    }
+}
+
+/// A bucket index's search as the GPU repeats it (see [`BucketIndex::linear_routing`]).
+#[derive(Debug, Clone, Copy)]
+pub struct LinearRouting<'a> {
+    /// One centroid per bucket, `[buckets, head_dim]`, in the de-roped keys' space.
+    pub centroids: &'a [f32],
+    /// Each bucket's key ids, ascending.
+    pub lists: &'a [Vec<u32>],
+    /// Buckets probed per search, unless the query asks for another breadth.
+    pub probes: usize,
 }

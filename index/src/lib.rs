@@ -71,8 +71,8 @@ pub use ihip::IhipIndex;
 #[cfg(feature = "faiss")]
 pub use ivf::IvfIndex;
 pub use key_index::{
-    BucketIndex, BuildContext, BuildStats, Found, GroupQuery, KeyIndex, SearchParams, Searcher,
-    UnvisitedBucket,
+    BucketIndex, BuildContext, BuildStats, Found, GroupQuery, KeyIndex, LinearRouting,
+    SearchParams, Searcher, UnvisitedBucket,
 };
 pub use lsh::LshIndex;
 pub use saap::SaapIndex;

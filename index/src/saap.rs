@@ -168,7 +168,7 @@ impl SaapHead {
     }
 
     /// The bucket of each de-roped key: its nearest centroid (squared L2, as k-means).
-    pub fn assign(&self, keys: &[f32]) -> Vec<u32> {
+    pub fn assign(&self, keys: &[f32]) -> Result<Vec<u32>> {
         nearest(&self.centroids, keys, self.head_dim)
     }
 }
@@ -275,7 +275,7 @@ pub fn partition(keys: &[f32], d: usize, options: &TrainOptions) -> Result<Vec<f
         options.centroids,
         options.kmeans_iterations,
         options.seed,
-    );
+    )?;
     if centroids.len() / d < 2 {
         return Err(IndexError::Training(format!(
             "{n} keys are too few to train buckets"
@@ -314,7 +314,7 @@ pub fn train_classifier(
                 head_dim: d,
             });
         }
-        assigned.push(nearest(&centroids, data.keys, d));
+        assigned.push(nearest(&centroids, data.keys, d)?);
     }
     let (inputs, targets) = training_samples(sequences, &assigned, c, options);
     let m = inputs.len() / d;
@@ -833,7 +833,7 @@ impl KeyIndex for SaapIndex {
         let adding = check_add(keys, self.head_dim(), self.len())?;
         let first = self.len();
         let d = self.head_dim();
-        let assigned = self.head.assign(keys);
+        let assigned = self.head.assign(keys)?;
         let rotated = rotated_keys(&self.rope, keys, first);
         for ((i, &b), key) in assigned.iter().enumerate().zip(rotated.chunks_exact(d)) {
             let b = b as usize;
@@ -996,7 +996,7 @@ mod tests {
         position: usize,
     ) -> Vec<f64> {
         let (c, rope) = (head.buckets(), rope());
-        let assigned = head.assign(keys);
+        let assigned = head.assign(keys).expect("keys of whole rows");
         let mut sums = vec![vec![0f64; D]; c];
         let mut counts = vec![0usize; c];
         for (j, key) in keys.chunks_exact(D).enumerate() {
@@ -1058,7 +1058,7 @@ mod tests {
         queries: &[f32],
         position: usize,
     ) -> Result<HashSet<u32>> {
-        let assigned = index.head.assign(keys);
+        let assigned = index.head.assign(keys)?;
         let found = index.search_once(
             &GroupQuery { queries, position },
             &SearchParams::top(0, 0..index.len() as u32),
@@ -1118,7 +1118,7 @@ mod tests {
             },
         )?;
         let rope = rope();
-        let assigned = head.assign(&keys);
+        let assigned = head.assign(&keys)?;
         assert_eq!(found.unvisited.len(), c - 2, "every bucket holds keys here");
         for bucket in &found.unvisited {
             let members: Vec<usize> = (0..n).filter(|&j| assigned[j] == bucket.bucket).collect();

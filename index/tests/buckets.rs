@@ -261,3 +261,64 @@ fn saap_spends_its_visits_on_buckets_with_eligible_keys() -> anyhow::Result<()> 
     }
     Ok(())
 }
+
+/// `ivf…,norope,all` says how it searches (`linear_routing`), and that description selects
+/// exactly what its search selects: the GPU routes with it. Other ivf specs and saap give
+/// none.
+#[test]
+fn linear_routing_is_the_search() -> anyhow::Result<()> {
+    let (seed, mut rng) = seeded();
+    let data = clustered(&mut rng);
+    let context = BuildContext {
+        rope: data.rope.clone(),
+        seed,
+        saap: None,
+    };
+    for spec in ["ivf64,np2,norope", "ivf64,np2,all"] {
+        let index = kvdb_index::build(&spec.parse::<IndexSpec>()?, &context, &data.keys)?;
+        let buckets = index.as_buckets().expect("ivf is a bucket index");
+        assert!(buckets.linear_routing().is_none(), "{spec} routes linearly");
+    }
+    let index = kvdb_index::build(
+        &"ivf64,np3,norope,all".parse::<IndexSpec>()?,
+        &context,
+        &data.keys,
+    )?;
+    let routing = index
+        .as_buckets()
+        .and_then(|b| b.linear_routing())
+        .expect("ivf…,norope,all routes linearly");
+    assert_eq!(routing.probes, 3);
+    for position in last_quarter(N) {
+        let eligible = candidates(position);
+        let queries = &data.queries[position * GROUP * D..(position + 1) * GROUP * D];
+        let score = |c: &[f32]| -> f32 {
+            queries
+                .chunks_exact(D)
+                .map(|q| q.iter().zip(c).map(|(a, b)| a * b).sum::<f32>())
+                .fold(f32::NEG_INFINITY, f32::max)
+        };
+        let mut order: Vec<(f32, usize)> = routing
+            .centroids
+            .chunks_exact(D)
+            .map(score)
+            .zip(0..)
+            .collect();
+        order.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut want: Vec<u32> = order[..routing.probes]
+            .iter()
+            .flat_map(|&(_, b)| &routing.lists[b])
+            .copied()
+            .filter(|id| eligible.contains(id))
+            .collect();
+        want.sort_unstable();
+        let query = GroupQuery { queries, position };
+        let mut got = index
+            .select(&query, &SearchParams::top(0, eligible))?
+            .ids()
+            .to_vec();
+        got.sort_unstable();
+        assert_eq!(got, want, "seed {seed}, position {position}");
+    }
+    Ok(())
+}
