@@ -8,8 +8,10 @@
 # Usage (on the GPU machine, from the unpacked bundle of scripts/gpu-bundle.sh):
 #   scripts/gpu-query-bench.sh /tmp/kvdb [WORK_DIR]
 # COPIES_GEMMA / COPIES_LLAMA set how many copies of the text each corpus holds (0: skip); IVF_LLAMA
-# an IVF spec for Llama too (its build takes minutes: 32 layers x 8 KV heads); K the keys
-# flat top-k retrieves (default: 1% of the corpus).
+# an IVF spec for Llama too (its build takes minutes: 32 layers x 8 KV heads; with it, Llama skips
+# flat top-k, whose search on the CPU takes a fifth of a second a token there, and its index); K the keys flat top-k
+# retrieves (default: 1% of the corpus); GEMMA_DEVICES the devices Gemma is asked on (default
+# "cuda cpu").
 set -euo pipefail
 bundle=${1:?usage: gpu-query-bench.sh BUNDLE_DIR [WORK_DIR]}
 work=${2:-$(mktemp -d)}
@@ -54,15 +56,17 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         done
         indexes=(--index flat)
         [ "$ivf" = none ] || indexes+=(--index "$ivf")
+        [ "$preset" = llama3-8b ] && [ "$ivf" != none ] && indexes=(--index "$ivf")
         s=$(date +%s)
         "$kvdb" ingest --device cuda --model "$model" --store "$work/store-$preset" --corpus c \
             --progress none "${indexes[@]}" "$work/docs-$preset" 2>&1 | tail -1 | tee -a "$log"
         echo "$preset: ingest and index build $(($(date +%s) - s)) s" | tee -a "$log"
     fi
     devices=cuda
-    [ "$preset" = gemma3-270m ] && devices="cuda cpu"
+    [ "$preset" = gemma3-270m ] && devices=${GEMMA_DEVICES:-cuda cpu}
     for device in $devices; do
         modes=("--full-attention" "--index flat")
+        [ "$preset" = llama3-8b ] && [ "$ivf" != none ] && modes=("--full-attention")
         [ "$ivf" = none ] || modes+=("--index $ivf")
         for mode in "${modes[@]}"; do
             echo -n "$preset $device $mode: " | tee -a "$log"

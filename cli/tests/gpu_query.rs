@@ -2,8 +2,9 @@
 //! random-weight model, a corpus ingested once is asked through every index type and with
 //! full attention on both devices. Selecting every token on the GPU gives GPU full
 //! attention's answer (the same keys, another summation order); the GPU's answers through
-//! flat, ivf and saap equal the CPU's (bf16 weights against f32, so greedy answers are
-//! compared, and the ranking of provenance); every other index type answers on the GPU.
+//! flat, ivf (searched on the CPU, and `norope,all` routed on the GPU) and saap equal the
+//! CPU's (bf16 weights against f32, so greedy answers are compared, with the ranking of
+//! provenance and the search statistics); every other index type answers on the GPU.
 //!
 //! Needs a GPU: on a machine without one (CI) each test prints `SKIPPED` and passes.
 
@@ -59,7 +60,8 @@ mod on_gpu {
     const TOKENS: usize = 12;
 
     /// The specs asked through besides flat: the CPU and GPU must agree on the first ones.
-    const SAME_ANSWER: &[&str] = &["flat", "ivf16,np4", "saap16,l4"];
+    /// `ivf…,norope,all` is routed on the GPU (no CPU search), the others search on the CPU.
+    const SAME_ANSWER: &[&str] = &["flat", "ivf16,np4", "ivf16,np4,norope,all", "saap16,l4"];
     const ANSWERS: &[&str] = &[
         "hnsw8,ef32",
         "lsh:L=8,K=6,min=1",
@@ -224,6 +226,26 @@ mod on_gpu {
             ensure!(
                 c.tokens == g.tokens,
                 "{spec}: the devices answer differently"
+            );
+            // Both devices (the GPU's routing included) count the same searches over the
+            // same eligible keys; what they score and select may differ only where the
+            // devices' queries (bf16 weights against f32) rank two buckets or keys apart.
+            let (cs, gs) = (
+                c.retrieval.clone().unwrap_or_default(),
+                g.retrieval.clone().unwrap_or_default(),
+            );
+            ensure!(
+                (cs.searches, cs.eligible) == (gs.searches, gs.eligible),
+                "{spec}: searches counted differently: CPU {cs:?}, GPU {gs:?}"
+            );
+            let near = |a: usize, b: usize| (a as f64 - b as f64).abs() <= 0.05 * a as f64;
+            ensure!(
+                near(cs.scored, gs.scored) && near(cs.selected, gs.selected),
+                "{spec}: CPU scored {} and selected {}, GPU {} and {}",
+                cs.scored,
+                cs.selected,
+                gs.scored,
+                gs.selected
             );
             ensure!(
                 !g.provenance.passages.is_empty()

@@ -1,24 +1,34 @@
 //! Queries on the GPU (feature `gpu`): the model's forward pass runs on the device, and at
 //! every retrieval layer [`GpuSession`] attends with the retrieval kernels over the corpus's
 //! keys and values, resident on the GPU ([`GpuCorpusKv`]: rotated once per corpus and shared
-//! by every query), and the query's own tail, which the sequence keeps. Selection, the dense
-//! policy and provenance are the CPU's [`Session`]; only the attention runs here.
+//! by every query), and the query's own tail, which the sequence keeps. The selection
+//! statistics and the dense policy are the CPU's [`Session`].
 //!
-//! Every index type searches on CPU threads for now (bucket routing on the GPU is to come):
-//! each retrieval layer copies its queries to the host once per call and uploads the
-//! selection, with the corpus's part of the dense policy, as each KV head's list; the tail is
-//! the dense part. Under full attention every corpus row is attended densely, with the tail
-//! as the list. Provenance reruns the answer's retrieval steps on the CPU once the answer is
-//! complete, so that it ranks passages exactly as the CPU path does.
+//! How a retrieval layer selects depends on the index:
+//! - an index that says how to route on the GPU (`ivf…,norope,all`:
+//!   `BucketIndex::linear_routing`) is routed there: the step's pre-RoPE queries pick each
+//!   KV head's buckets (`Partition::route`), and `bucket_attention` attends to every key of
+//!   them, the corpus's sinks and window and the tail in one launch: no host round trip;
+//! - every other index searches on CPU threads: the layer's queries are copied to the host
+//!   once per call and the selection is uploaded as each KV head's list for
+//!   `retrieval_attention`, with the corpus's sinks and window as runs and the tail dense.
+//!
+//! Under full attention every corpus row is attended densely, with the tail as the list.
+//! Provenance is computed on the GPU as well: after each answer token's attention,
+//! `attention_mass` adds the weight every attended corpus token received to a buffer that is
+//! read once, when the answer is complete.
 
+use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
 use half::f16;
-use kvdb_index::Found;
-use kvdb_kernels::cudarc::driver::CudaView;
-use kvdb_kernels::{retrieval_attention, Csr, Dense, KvCache, Query, Selected, Workspace};
+use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView};
+use kvdb_kernels::{
+    attention_mass, bucket_attention, retrieval_attention, Buckets, Csr, Dense, KvCache, ListPart,
+    Partition, Query, Selected, Visits, Workspace,
+};
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
     SequenceOptions,
@@ -27,12 +37,9 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::generate::{continue_generation, GenerateOptions, Generation};
+use crate::indexes::IndexSet;
 use crate::ingest::ModelRef;
 use crate::session::{Corpus, Session, Step, StepPlace};
-
-/// Retrieval steps (a layer's call each) whose provenance waits for the answer's end at
-/// most; more are computed in a batch on the way.
-const PROVENANCE_STEPS: usize = 512;
 
 /// Host bytes of f32 rows a corpus upload reads ahead of the GPU at most.
 const READ_BYTES: usize = 4 << 30;
@@ -44,6 +51,57 @@ pub(crate) struct GpuCorpusKv {
     layers: Vec<Option<KvCache<f16>>>,
     /// The GPU they are on.
     gpu: Arc<kvdb_model::Gpu>,
+    /// The bucket partitions of index sets routed on the GPU, by the set's spec (`None`
+    /// for a set that cannot be), built by the first query through each.
+    partitions: Mutex<HashMap<String, Option<Arc<GpuPartitions>>>>,
+}
+
+/// An index set's partitions on the GPU, per layer of the model (`None` for layers that do
+/// not retrieve), each with the buckets a search probes.
+struct GpuPartitions {
+    layers: Vec<Option<(Partition, usize)>>,
+}
+
+impl GpuPartitions {
+    /// `set`'s partitions when every index of it routes linearly with the same buckets per
+    /// KV head within a layer; else `None`.
+    fn build(
+        set: &IndexSet,
+        gpu: &kvdb_model::Gpu,
+        n_layers: usize,
+        d: usize,
+    ) -> Result<Option<Self>> {
+        let mut layers: Vec<Option<(Partition, usize)>> = (0..n_layers).map(|_| None).collect();
+        for layer in set.layers() {
+            let routings = layer
+                .heads
+                .iter()
+                .map(|index| index.as_buckets().and_then(|b| b.linear_routing()))
+                .collect::<Option<Vec<_>>>();
+            let Some(routings) = routings else {
+                return Ok(None);
+            };
+            let Some(first) = routings.first() else {
+                return Ok(None);
+            };
+            let buckets = first.lists.len();
+            if routings
+                .iter()
+                .any(|r| r.lists.len() != buckets || r.probes != first.probes)
+            {
+                return Ok(None);
+            }
+            let centroids: Vec<f32> = routings.iter().flat_map(|r| r.centroids).copied().collect();
+            let lists: Vec<Vec<u32>> = routings.iter().flat_map(|r| r.lists).cloned().collect();
+            let partition = Partition::new(gpu, &centroids, &lists, routings.len(), d)
+                .map_err(ModelError::from)?;
+            let slot = layers.get_mut(layer.layer).ok_or_else(|| {
+                Error::Internal(format!("index of layer {} past the model", layer.layer))
+            })?;
+            *slot = Some((partition, first.probes));
+        }
+        Ok(Some(Self { layers }))
+    }
 }
 
 impl std::fmt::Debug for GpuCorpusKv {
@@ -97,7 +155,27 @@ impl GpuCorpusKv {
         Ok(Self {
             layers,
             gpu: gpu.gpu().clone(),
+            partitions: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// `set`'s bucket partitions on the GPU when the set routes there, built on first use.
+    fn partitions(
+        &self,
+        set: &IndexSet,
+        n_layers: usize,
+        d: usize,
+    ) -> Result<Option<Arc<GpuPartitions>>> {
+        let mut cached = self.partitions.lock().map_err(|_| {
+            Error::Internal("an earlier query panicked uploading a partition".into())
+        })?;
+        let spec = set.built_spec();
+        if let Some(partitions) = cached.get(&spec) {
+            return Ok(partitions.clone());
+        }
+        let partitions = GpuPartitions::build(set, &self.gpu, n_layers, d)?.map(Arc::new);
+        cached.insert(spec, partitions.clone());
+        Ok(partitions)
     }
 
     /// Whether these rows are on `gpu`'s device.
@@ -170,15 +248,23 @@ fn with_sequence<'c, R>(
         .map(|l| model.model.rope(l))
         .collect::<Option<Vec<&Rope>>>()
         .ok_or_else(|| Error::Internal("a layer of the model has no RoPE".into()))?;
+    let routes = match session.index_set() {
+        Some(set) => match kv.partitions(set, config.n_layers(), config.head_dim)? {
+            Some(partitions) => Some(Routes::new(partitions, gpu.gpu(), session.breadth())?),
+            None => None,
+        },
+        None => None,
+    };
     let mut attention = GpuSession {
         session,
         kv,
+        routes,
         ropes,
         workspace: Workspace::new(gpu.gpu()).map_err(ModelError::from)?,
         lists: Csr::from_lists::<&[u32]>(gpu.gpu(), &[]).map_err(ModelError::from)?,
         n,
         heads: (config.n_heads, config.n_kv_heads, config.head_dim),
-        provenance: Vec::new(),
+        mass: None,
     };
     let result = {
         let mut sequence = gpu.sequence_with(
@@ -203,18 +289,60 @@ fn with_sequence<'c, R>(
     };
     let GpuSession {
         mut session,
-        provenance,
+        mass,
+        routes,
         ..
     } = attention;
-    session.add_mass_of(&provenance)?;
+    let device = gpu.gpu();
+    if let Some(mass) = mass {
+        session.add_mass(&device.download(&mass).map_err(ModelError::from)?);
+    }
+    for visits in routes.iter().flat_map(|r| r.visits.iter().flatten()) {
+        let selected = visits.selected(device).map_err(ModelError::from)?;
+        session.add_selected(selected as usize);
+    }
     Ok((result, session))
+}
+
+/// A query's routing on the GPU: the index set's partitions and the query's visits of each.
+struct Routes {
+    partitions: Arc<GpuPartitions>,
+    /// Per layer of the model, as `partitions.layers`.
+    visits: Vec<Option<Visits>>,
+}
+
+impl Routes {
+    /// Visits of `breadth` buckets per search (else each layer's own probes).
+    fn new(
+        partitions: Arc<GpuPartitions>,
+        gpu: &kvdb_model::Gpu,
+        breadth: Option<usize>,
+    ) -> Result<Self> {
+        let visits = partitions
+            .layers
+            .iter()
+            .map(|layer| {
+                layer
+                    .as_ref()
+                    .map(|(partition, probes)| {
+                        let probes = breadth.unwrap_or(*probes).clamp(1, partition.buckets());
+                        partition.visits(gpu, probes)
+                    })
+                    .transpose()
+            })
+            .collect::<kvdb_kernels::Result<Vec<_>>>()
+            .map_err(ModelError::from)?;
+        Ok(Self { partitions, visits })
+    }
 }
 
 /// One query's attention at the retrieval layers of a GPU sequence.
 struct GpuSession<'c, 'm> {
     session: Session<'c>,
     kv: Arc<GpuCorpusKv>,
-    /// Per layer, the CPU's RoPE (the CPU attention that provenance recomputes rotates).
+    /// Routing on the GPU, when the query's index allows it.
+    routes: Option<Routes>,
+    /// Per layer, the CPU's RoPE (what the CPU searchers rotate with).
     ropes: Vec<&'m Rope>,
     workspace: Workspace,
     /// The lists of the last launch, rewritten for each.
@@ -223,10 +351,8 @@ struct GpuSession<'c, 'm> {
     n: usize,
     /// Query heads, KV heads, head dim.
     heads: (usize, usize, usize),
-    /// The answer's retrieval steps and their selections, whose attention the CPU
-    /// recomputes for provenance once the answer is complete (off each token's path), or
-    /// every [`PROVENANCE_STEPS`].
-    provenance: Vec<(Step<'m>, Vec<Vec<Found>>)>,
+    /// The attention mass each corpus token received from the answer, once it starts.
+    mass: Option<CudaSlice<f32>>,
 }
 
 impl LayerAttention for GpuSession<'_, '_> {
@@ -255,19 +381,26 @@ impl GpuSession<'_, '_> {
             })?;
         let capacity = call.tail.tokens();
         let first = call.positions.start;
-        let found = match self.session.retrieves(call.layer) {
-            false => None,
-            true => {
-                let started = std::time::Instant::now();
-                let step = host_step(&call, &self.ropes, self.heads, self.n)?;
-                self.session.add_transfer(started.elapsed().as_secs_f64());
-                let found = self
-                    .session
-                    .select(&step)?
-                    .ok_or_else(|| Error::Internal("a retrieval layer selected nothing".into()))?;
-                Some((step, found))
-            }
-        };
+        let routed = self.routes.as_mut().and_then(|routes| {
+            let partition = routes.partitions.layers.get(call.layer)?.as_ref()?;
+            let visits = routes.visits.get_mut(call.layer)?.as_mut()?;
+            Some((&partition.0, visits))
+        });
+        let retrieves = self.session.retrieves(call.layer);
+        // Indexes searched on the CPU: the call's queries go to the host once.
+        let found =
+            match retrieves && routed.is_none() {
+                false => None,
+                true => {
+                    let started = std::time::Instant::now();
+                    let step = host_step(&call, &self.ropes, self.heads, self.n)?;
+                    self.session.add_transfer(started.elapsed().as_secs_f64());
+                    Some(self.session.select(&step)?.ok_or_else(|| {
+                        Error::Internal("a retrieval layer selected nothing".into())
+                    })?)
+                }
+            };
+        let mut routed = routed;
         for i in 0..call.positions.len() {
             let position = first + i;
             let queries = call.queries.slice(i * q..(i + 1) * q);
@@ -276,64 +409,89 @@ impl GpuSession<'_, '_> {
                 scale: call.scale,
             };
             let mut out = call.out.slice_mut(i * q..(i + 1) * q);
-            match found.as_ref().map(|(_, found)| found) {
+            let tail_runs: Vec<Range<u32>> = tail_rows(n..position + 1, capacity).collect();
+            if !retrieves {
                 // Full attention: the corpus densely, the tail's rows as every head's list.
-                None => {
-                    let rows: Vec<u32> = tail_rows(n..position + 1, capacity).flatten().collect();
-                    self.lists
-                        .write_lists(gpu, &vec![rows; kv_heads])
+                let rows: Vec<u32> = tail_runs.iter().cloned().flatten().collect();
+                self.lists
+                    .write_lists(gpu, &vec![rows; kv_heads])
+                    .map_err(ModelError::from)?;
+                let all = 0..n as u32;
+                let dense = Dense {
+                    kv: corpus,
+                    runs: std::slice::from_ref(&all),
+                };
+                let selected = Selected::resident(call.tail, &self.lists);
+                retrieval_attention(gpu, &mut self.workspace, query, dense, selected, &mut out)
+                    .map_err(ModelError::from)?;
+                continue;
+            }
+            // Retrieval: the tail densely; the corpus's dense part (sinks and the window's
+            // part before the tail) as runs, and what the index selected.
+            let policy = self
+                .session
+                .policy_at(position)
+                .ok_or_else(|| Error::Internal("retrieval without a budget".into()))?;
+            let corpus_runs: Vec<Range<u32>> = policy
+                .dense_ranges(position)
+                .into_iter()
+                .map(|r| r.start.min(n as u32)..r.end.min(n as u32))
+                .filter(|r| !r.is_empty())
+                .collect();
+            let dense = Dense {
+                kv: call.tail,
+                runs: &tail_runs,
+            };
+            let part = match (&mut routed, &found) {
+                (Some((partition, visits)), _) => {
+                    let raw = call.raw_queries.slice(i * q..(i + 1) * q);
+                    let eligible = policy.candidates(position);
+                    let eligible = eligible.start.min(n as u32)..eligible.end.min(n as u32);
+                    partition
+                        .route(gpu, &raw, eligible, visits)
                         .map_err(ModelError::from)?;
-                    let all = 0..n as u32;
-                    let dense = Dense {
+                    self.session
+                        .record_routed(position, kv_heads, partition.buckets());
+                    let part = Buckets {
                         kv: corpus,
-                        runs: std::slice::from_ref(&all),
+                        runs: &corpus_runs,
+                        ids: partition.ids(),
+                        visited: visits.visited(),
                     };
-                    let selected = Selected::resident(call.tail, &self.lists);
-                    retrieval_attention(gpu, &mut self.workspace, query, dense, selected, &mut out)
+                    bucket_attention(gpu, &mut self.workspace, query, dense, part, &mut out)
                         .map_err(ModelError::from)?;
+                    ListPart::Buckets(part)
                 }
-                // Retrieval: the tail densely; per KV head the corpus's dense ids (sinks and
-                // the window's part before the tail) and the retrieved ones as its list.
-                Some(found) => {
-                    let policy = self
-                        .session
-                        .policy_at(position)
-                        .ok_or_else(|| Error::Internal("retrieval without a budget".into()))?;
-                    let corpus_dense: Vec<u32> = policy
-                        .dense_ranges(position)
-                        .into_iter()
-                        .flat_map(|r| r.start.min(n as u32)..r.end.min(n as u32))
-                        .collect();
+                (None, Some(found)) => {
                     let lists: Vec<Vec<u32>> = found
                         .iter()
                         .map(|per_token| {
-                            let mut ids = corpus_dense.clone();
-                            ids.extend(policy.retrieved(position, per_token[i].selection.ids()));
-                            ids
+                            policy
+                                .retrieved(position, per_token[i].selection.ids())
+                                .collect()
                         })
                         .collect();
                     self.lists
                         .write_lists(gpu, &lists)
                         .map_err(ModelError::from)?;
-                    let runs: Vec<Range<u32>> = tail_rows(n..position + 1, capacity).collect();
-                    let dense = Dense {
-                        kv: call.tail,
-                        runs: &runs,
-                    };
-                    let selected = Selected::resident(corpus, &self.lists);
-                    retrieval_attention(gpu, &mut self.workspace, query, dense, selected, &mut out)
+                    let part = Selected::resident(corpus, &self.lists).with_runs(&corpus_runs);
+                    retrieval_attention(gpu, &mut self.workspace, query, dense, part, &mut out)
+                        .map_err(ModelError::from)?;
+                    ListPart::Selected(part)
+                }
+                (None, None) => {
+                    return Err(Error::Internal("a retrieval layer selected nothing".into()))
+                }
+            };
+            // Provenance: the weight each corpus token received from this answer token.
+            if self.session.counts_mass_at(position) {
+                if self.mass.is_none() {
+                    self.mass = Some(gpu.zeros(n).map_err(ModelError::from)?);
+                }
+                if let Some(mass) = self.mass.as_mut() {
+                    attention_mass(gpu, &self.workspace, query, part, mass)
                         .map_err(ModelError::from)?;
                 }
-            }
-        }
-        // Provenance: the CPU recomputes the answer tokens' attention over the same
-        // selections later, so that it ranks passages exactly as the CPU path does.
-        if let Some((step, found)) = found.filter(|(step, _)| self.session.counts_mass(step)) {
-            self.provenance.push((step, found));
-            // Bounds the rows held for a long answer, still in parallel batches.
-            if self.provenance.len() >= PROVENANCE_STEPS {
-                self.session.add_mass_of(&self.provenance)?;
-                self.provenance.clear();
             }
         }
         Ok(())

@@ -97,7 +97,7 @@ pub struct RetrievalStats {
     /// Wall seconds the searches took (all KV heads of a layer in parallel).
     pub search_seconds: f64,
     /// Wall seconds of attention on the CPU over the selections: the whole retrieval
-    /// attention on the CPU; on the GPU only the answer tokens' recomputation for provenance.
+    /// attention on the CPU; none on the GPU (attention and provenance run there).
     pub cpu_attention_seconds: f64,
     /// Wall seconds a GPU query waited for its queries to reach the host, once per retrieval
     /// layer and call (the GPU's work queued before them included).
@@ -622,6 +622,8 @@ impl Corpus {
             retriever,
             mass: vec![0.0; self.manifest.tokens],
             answer_from,
+            #[cfg(feature = "gpu")]
+            set,
         })
     }
 
@@ -889,9 +891,12 @@ pub(crate) struct Session<'c> {
     pub(crate) mass: Vec<f64>,
     /// Mass counts from this position on (`None`: not at all).
     answer_from: Option<usize>,
+    /// The indexes the query retrieves through (what a GPU session routes with).
+    #[cfg(feature = "gpu")]
+    set: Option<&'c IndexSet>,
 }
 
-impl Session<'_> {
+impl<'c> Session<'c> {
     /// Whether `layer` retrieves (else it attends densely, or to the whole corpus).
     pub(crate) fn retrieves(&self, layer: usize) -> bool {
         self.retriever.is_some() && matches!(self.layers.get(layer), Some(LayerState::Retrieval(_)))
@@ -945,11 +950,53 @@ impl Session<'_> {
         }
     }
 
-    /// Whether attention at `step` counts for provenance.
+    /// Whether attention at `position` counts for provenance.
     #[cfg(feature = "gpu")]
-    pub(crate) fn counts_mass(&self, step: &Step<'_>) -> bool {
-        self.answer_from
-            .is_some_and(|from| step.position(step.t.saturating_sub(1)) >= from)
+    pub(crate) fn counts_mass_at(&self, position: usize) -> bool {
+        self.answer_from.is_some_and(|from| position >= from)
+    }
+
+    /// The indexes the query retrieves through (`None` under full attention).
+    #[cfg(feature = "gpu")]
+    pub(crate) fn index_set(&self) -> Option<&'c IndexSet> {
+        self.set
+    }
+
+    /// The query's breadth override ([`Retrieval::breadth`]).
+    #[cfg(feature = "gpu")]
+    pub(crate) fn breadth(&self) -> Option<usize> {
+        self.retriever.as_ref().and_then(|r| r.budget.breadth)
+    }
+
+    /// Counts one token's searches at a layer whose buckets were routed elsewhere (on a
+    /// GPU): one search per KV head of `scored` scores each, over the eligible keys at
+    /// `position`. What they selected is counted by [`Session::add_selected`].
+    #[cfg(feature = "gpu")]
+    pub(crate) fn record_routed(&mut self, position: usize, kv_heads: usize, scored: usize) {
+        let n = self.corpus.manifest.tokens;
+        if let Some(r) = self.retriever.as_mut() {
+            let eligible = r.budget.policy_at(position, n).candidates(position);
+            let eligible = eligible.end.min(n as u32).saturating_sub(eligible.start) as usize;
+            r.stats.searches += kv_heads;
+            r.stats.scored += kv_heads * scored;
+            r.stats.eligible += kv_heads * eligible;
+        }
+    }
+
+    /// Counts `selected` keys of searches routed elsewhere.
+    #[cfg(feature = "gpu")]
+    pub(crate) fn add_selected(&mut self, selected: usize) {
+        if let Some(r) = self.retriever.as_mut() {
+            r.stats.selected += selected;
+        }
+    }
+
+    /// Adds attention mass each corpus token received, computed elsewhere (on a GPU).
+    #[cfg(feature = "gpu")]
+    pub(crate) fn add_mass(&mut self, mass: &[f32]) {
+        for (total, &m) in self.mass.iter_mut().zip(mass) {
+            *total += f64::from(m);
+        }
     }
 
     /// The CPU's attention of a retrieval layer's chunk over its selections `found`; the
@@ -969,37 +1016,6 @@ impl Session<'_> {
             attended.add_mass(from, step, &mut self.mass);
         }
         Ok(attended)
-    }
-
-    /// The mass the corpus received at `steps` (each a retrieval layer's chunk and its
-    /// selections), computed by the CPU's attention, the steps in parallel: a GPU query's
-    /// provenance, computed once its answer is complete rather than on each token's path.
-    #[cfg(feature = "gpu")]
-    pub(crate) fn add_mass_of(&mut self, steps: &[(Step<'_>, Vec<Vec<Found>>)]) -> Result<()> {
-        let Some(from) = self.answer_from else {
-            return Ok(());
-        };
-        let started = Instant::now();
-        let attended = {
-            // The searchers stay behind: they need not be shared between threads.
-            let rows = steps
-                .iter()
-                .map(|(step, _)| self.head_rows(step.layer))
-                .collect::<Result<Vec<_>>>()?;
-            let corpus = self.corpus;
-            steps
-                .par_iter()
-                .zip(rows.par_iter())
-                .map(|((step, found), (rows, budget))| {
-                    attend_selected(corpus, rows, budget, step, found)
-                })
-                .collect::<Result<Vec<_>>>()?
-        };
-        self.count_attention(started);
-        for ((step, _), attended) in steps.iter().zip(&attended) {
-            attended.add_mass(from, step, &mut self.mass);
-        }
-        Ok(())
     }
 
     /// What a retrieval layer's CPU attention reads besides the corpus, and the budget.
