@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use kvdb_index::saap::SaapArtifact;
 use kvdb_index::{BuildContext, IndexSpec, KeyIndex};
+use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -326,56 +327,55 @@ fn build_spec<'s>(
         )),
         _ => None,
     };
+    // A needed artifact that cannot be read fails the build with its own error.
+    if let Some(Err(_)) = &artifact {
+        let needed = layers
+            .iter()
+            .flat_map(|&layer| (0..heads).map(move |head| (layer, head)))
+            .map(|(layer, head)| store.index(index_key(manifest, number, layer, head)))
+            .collect::<Result<Vec<_>>>()?
+            .iter()
+            .any(Option::is_none);
+        if needed && n > 0 {
+            if let Some(Err(e)) = artifact.take() {
+                return Err(e);
+            }
+        }
+    }
+    let artifact = match &artifact {
+        Some(Ok((path, a))) => Some((path, a)),
+        _ => None,
+    };
+    let parts = Parts {
+        store,
+        manifest,
+        number,
+        spec: &spec,
+        model,
+        artifact,
+    };
     let mut batch = store.batch();
     for &layer in &layers {
-        for head in 0..heads {
-            let key = index_key(manifest, number, layer, head);
-            let saved = store.index(key)?;
-            let current = match &saved {
-                Some(bytes) => kvdb_index::saved_info(bytes)?.len == n,
-                None => false,
-            };
-            if !current && n > 0 {
-                let keys = store.rows(manifest, Kv::Keys, layer, head, 0..n)?;
-                let head_artifact =
-                    match &artifact {
-                        Some(Ok((path, a))) => Some(a.head(layer, head).ok_or_else(|| {
-                            Error::SaapArtifactMismatch {
-                                path: path.clone(),
-                                problem: format!(
-                                    "it has no head for layer {layer}, KV head {head}"
-                                ),
-                            }
-                        })?),
-                        // Needed and unreadable: the artifact's own error.
-                        Some(Err(_)) if saved.is_none() => match artifact.take() {
-                            Some(Err(e)) => return Err(e),
-                            _ => None,
-                        },
-                        _ => None,
-                    };
-                let context = build_context(model, layer, head_artifact)?;
-                let index = match &saved {
-                    Some(bytes) => {
-                        let index = kvdb_index::load(bytes, &context, &keys)?;
-                        // Lists reduced for a small corpus are rebuilt once it has grown.
-                        let stats = index.build_stats();
-                        if index.spec() != spec && n >= 2 * stats.keys {
-                            kvdb_index::build(&spec, &context, &keys)?
-                        } else {
-                            index
-                        }
-                    }
-                    None => kvdb_index::build(&spec, &context, &keys)?,
-                };
-                for warning in &index.build_stats().warnings {
+        // A layer's KV heads build in parallel (each build is mostly one thread's work).
+        let built = (0..heads)
+            .into_par_iter()
+            .map(|head| parts.build(layer, head))
+            .collect::<Result<Vec<_>>>()?;
+        for (head, part) in built.into_iter().enumerate() {
+            if let Some(BuiltPart {
+                key,
+                bytes,
+                warnings,
+            }) = part
+            {
+                for warning in warnings {
                     // Warnings come mid-build; the `Part` that follows is where to stop.
                     let _ = on_event(IndexEvent::Warning {
                         spec: text,
                         message: format!("layer {layer} KV head {head}: {warning}"),
                     });
                 }
-                batch.put_index(key, &kvdb_index::save(index.as_ref())?)?;
+                batch.put_index(key, &bytes)?;
             }
             if on_event(IndexEvent::Part {
                 spec: text,
@@ -389,6 +389,76 @@ fn build_spec<'s>(
         }
     }
     Ok(batch)
+}
+
+/// One layer and KV head's index, built: where it is saved, its bytes and build warnings.
+struct BuiltPart {
+    key: IndexKey,
+    bytes: Vec<u8>,
+    warnings: Vec<String>,
+}
+
+/// What every layer and KV head's index of one spec is built from.
+struct Parts<'a, 'm> {
+    store: &'a Store,
+    manifest: &'a CorpusManifest,
+    /// The spec's number in the manifest.
+    number: usize,
+    spec: &'a IndexSpec,
+    model: ModelRef<'m>,
+    /// SAAP's trained heads, for a saap spec.
+    artifact: Option<(&'a PathBuf, &'a SaapArtifact)>,
+}
+
+impl Parts<'_, '_> {
+    /// `layer` and KV `head`'s index, built or caught up: its key, saved bytes and build
+    /// warnings (`None` when the saved one is current).
+    fn build(&self, layer: usize, head: usize) -> Result<Option<BuiltPart>> {
+        let n = self.manifest.tokens;
+        let key = index_key(self.manifest, self.number, layer, head);
+        let saved = self.store.index(key)?;
+        let current = match &saved {
+            Some(bytes) => kvdb_index::saved_info(bytes)?.len == n,
+            None => false,
+        };
+        if current || n == 0 {
+            return Ok(None);
+        }
+        let keys = self
+            .store
+            .rows(self.manifest, Kv::Keys, layer, head, 0..n)?;
+        let head_artifact = match self.artifact {
+            Some((path, a)) => {
+                Some(
+                    a.head(layer, head)
+                        .ok_or_else(|| Error::SaapArtifactMismatch {
+                            path: path.clone(),
+                            problem: format!("it has no head for layer {layer}, KV head {head}"),
+                        })?,
+                )
+            }
+            None => None,
+        };
+        let context = build_context(self.model, layer, head_artifact)?;
+        let index = match &saved {
+            Some(bytes) => {
+                let index = kvdb_index::load(bytes, &context, &keys)?;
+                // Lists reduced for a small corpus are rebuilt once it has grown.
+                let stats = index.build_stats();
+                if index.spec() != *self.spec && n >= 2 * stats.keys {
+                    kvdb_index::build(self.spec, &context, &keys)?
+                } else {
+                    index
+                }
+            }
+            None => kvdb_index::build(self.spec, &context, &keys)?,
+        };
+        Ok(Some(BuiltPart {
+            key,
+            bytes: kvdb_index::save(index.as_ref())?,
+            warnings: index.build_stats().warnings.clone(),
+        }))
+    }
 }
 
 /// How many layer/KV-head indexes of spec number `number` are saved.
