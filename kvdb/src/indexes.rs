@@ -604,40 +604,50 @@ pub fn load_indexes(
         });
     }
     let n = manifest.tokens;
-    let mut layers = Vec::new();
-    for layer in manifest.retrieval_layers() {
-        let mut per_head = Vec::with_capacity(manifest.model.n_kv_heads);
-        for head in 0..manifest.model.n_kv_heads {
-            let keys = store.rows(manifest, Kv::Keys, layer, head, 0..n)?;
-            let saved = match number {
-                Some(i) => store.index(index_key(manifest, i, layer, head))?,
-                None => None,
-            };
-            let context = build_context(model, layer, None)?;
-            let index = match saved {
-                // Saved bytes may cover more keys than this (older) manifest: a reader
-                // opened between an ingest's commit and its index update sees the newer
-                // index; rebuild then, as for a missing one.
-                Some(bytes) if kvdb_index::saved_info(&bytes)?.len <= n => {
-                    kvdb_index::load(&bytes, &context, &keys)?
-                }
-                _ if matches!(spec, IndexSpec::Saap(_)) => {
-                    return Err(Error::IndexNotSaved {
-                        corpus: manifest.name.clone(),
-                        spec: text.to_string(),
-                        layer,
-                        head,
-                        tokens: n,
-                    })
-                }
-                _ => kvdb_index::build(spec, &context, &keys)?,
-            };
-            per_head.push(index);
+    let heads = manifest.model.n_kv_heads;
+    let load = |layer: usize, head: usize| -> Result<Box<dyn KeyIndex>> {
+        let keys = store.rows(manifest, Kv::Keys, layer, head, 0..n)?;
+        let saved = match number {
+            Some(i) => store.index(index_key(manifest, i, layer, head))?,
+            None => None,
+        };
+        let context = build_context(model, layer, None)?;
+        match saved {
+            // Saved bytes may cover more keys than this (older) manifest: a reader opened
+            // between an ingest's commit and its index update sees the newer index; rebuild
+            // then, as for a missing one.
+            Some(bytes) if kvdb_index::saved_info(&bytes)?.len <= n => {
+                Ok(kvdb_index::load(&bytes, &context, &keys)?)
+            }
+            _ if matches!(spec, IndexSpec::Saap(_)) => Err(Error::IndexNotSaved {
+                corpus: manifest.name.clone(),
+                spec: text.to_string(),
+                layer,
+                head,
+                tokens: n,
+            }),
+            _ => Ok(kvdb_index::build(spec, &context, &keys)?),
         }
-        layers.push(LayerIndexes {
+    };
+    // Every layer and KV head's index loads on its own thread (a model with few KV heads
+    // has several layers).
+    let parts: Vec<(usize, usize)> = manifest
+        .retrieval_layers()
+        .into_iter()
+        .flat_map(|layer| (0..heads).map(move |head| (layer, head)))
+        .collect();
+    let mut loaded = parts
+        .par_iter()
+        .map(|&(layer, head)| load(layer, head))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter();
+    let layers = manifest
+        .retrieval_layers()
+        .into_iter()
+        .map(|layer| LayerIndexes {
             layer,
-            heads: per_head,
-        });
-    }
+            heads: loaded.by_ref().take(heads).collect(),
+        })
+        .collect();
     Ok(IndexSet { layers })
 }
