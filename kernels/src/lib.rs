@@ -75,4 +75,4 @@ pub use gpu::{Float, Gpu, KvDtype, KvElement};
 #[cfg(feature = "gpu")]
 pub use prefill::{prefill_attention, Causal};
 #[cfg(feature = "gpu")]
-pub use route::{Partition, Visits};
+pub use route::{Partition, Visits, MAX_ROUTED_BUCKETS};

@@ -14,6 +14,10 @@ const SOURCE: &str = include_str!("../cuda/route.cu");
 /// Threads of a routing block (one block per KV head).
 const ROUTE_THREADS: u32 = 256;
 
+/// Most buckets per KV head a [`Partition`] routes: their scores fill 48 KiB of shared
+/// memory, what every CUDA GPU gives a block without opting in.
+pub const MAX_ROUTED_BUCKETS: usize = (48 << 10) / size_of::<f32>();
+
 /// One layer's bucket partition, every KV head's: the centroids that route a query
 /// (`[kv_heads, buckets, head_dim]`, f32; a bucket's score is its inner product with the
 /// query, the best over a GQA group's heads) and each bucket's token ids, ascending, as the
@@ -86,11 +90,12 @@ impl Partition {
             kv_heads * buckets * head_dim,
             centroids.len(),
         )?;
-        if buckets == 0 || head_dim == 0 {
+        if buckets == 0 || head_dim == 0 || buckets > MAX_ROUTED_BUCKETS {
             return Err(KernelError::Unsupported {
-                what: "partition without buckets or of head dim 0",
+                what: "buckets per KV head routed on the GPU (or a head dim of 0)",
                 value: buckets,
-                supported: "at least one bucket of a non-empty head dim",
+                supported:
+                    "1 to MAX_ROUTED_BUCKETS (12,288: their scores fill 48 KiB of shared memory)",
             });
         }
         if let Some(unsorted) = lists
@@ -164,12 +169,6 @@ impl Partition {
         )?;
         let probes = visits.visited.longest() as u32;
         let smem = self.buckets * size_of::<f32>();
-        if smem > 48 << 10 {
-            return Err(KernelError::TooLarge {
-                what: "buckets per KV head routed on the GPU (scores in shared memory)",
-                value: self.buckets,
-            });
-        }
         let function = gpu.kernel(SOURCE, "route_buckets", &[])?;
         let q = queries.device_ptr(gpu.stream()).0;
         let (centroids, off, ids) = (

@@ -22,7 +22,7 @@ mod on_gpu {
     use kvdb_kernels::{
         attention_mass, bucket_attention, flash_decode, retrieval_attention, BlockCache, Buckets,
         Csr, Dense, Gpu, HostKv, KernelError, KvCache, KvElement, ListPart, Partition, Query,
-        Selected, Workspace,
+        Selected, Workspace, MAX_ROUTED_BUCKETS,
     };
     use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
     use rand::rngs::StdRng;
@@ -851,6 +851,9 @@ mod on_gpu {
         ensure!(unsupported(partition?.visits(&gpu, 4).map(|_| ())));
         let unsorted = Partition::new(&gpu, &[0.0; 2 * 64], &[vec![2u32, 1], vec![]], 2, 64);
         ensure!(matches!(unsorted, Err(KernelError::Offsets { .. })));
+        let many = MAX_ROUTED_BUCKETS + 1;
+        let too_many = Partition::new(&gpu, &vec![0.0; many * 8], &vec![vec![]; many], 1, 8);
+        ensure!(unsupported(too_many.map(|_| ())));
         let host = HostKv::new(&gpu, &layer.keys, &layer.values, 2, 64, 64)?;
         let no_cache = BlockCache::new(&gpu, host, 10);
         ensure!(matches!(no_cache, Err(KernelError::TooLarge { .. })));

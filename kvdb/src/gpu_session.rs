@@ -27,7 +27,7 @@ use half::f16;
 use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView};
 use kvdb_kernels::{
     attention_mass, bucket_attention, retrieval_attention, Buckets, Csr, Dense, KvCache, ListPart,
-    Partition, Query, Selected, Visits, Workspace,
+    Partition, Query, Selected, Visits, Workspace, MAX_ROUTED_BUCKETS,
 };
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
@@ -64,7 +64,7 @@ struct GpuPartitions {
 
 impl GpuPartitions {
     /// `set`'s partitions when every index of it routes linearly with the same buckets per
-    /// KV head within a layer; else `None`.
+    /// KV head within a layer, at most [`MAX_ROUTED_BUCKETS`]; else `None`.
     fn build(
         set: &IndexSet,
         gpu: &kvdb_model::Gpu,
@@ -85,10 +85,11 @@ impl GpuPartitions {
                 return Ok(None);
             };
             let buckets = first.lists.len();
-            if routings
+            // More buckets than a routing block holds search on the CPU instead.
+            let differ = routings
                 .iter()
-                .any(|r| r.lists.len() != buckets || r.probes != first.probes)
-            {
+                .any(|r| r.lists.len() != buckets || r.probes != first.probes);
+            if differ || buckets > MAX_ROUTED_BUCKETS {
                 return Ok(None);
             }
             let centroids: Vec<f32> = routings.iter().flat_map(|r| r.centroids).copied().collect();
