@@ -843,6 +843,15 @@ impl Budget {
             window: self.policy.window.max(position + 1 - n),
         }
     }
+
+    /// How many of the `n` corpus tokens a search at `position` may select.
+    fn eligible(&self, position: usize, n: usize) -> usize {
+        let candidates = self.policy_at(position, n).candidates(position);
+        candidates
+            .end
+            .min(n as u32)
+            .saturating_sub(candidates.start) as usize
+    }
 }
 
 /// A query's retrieval: what every search gets, and what they selected so far.
@@ -975,11 +984,9 @@ impl<'c> Session<'c> {
     pub(crate) fn record_routed(&mut self, position: usize, kv_heads: usize, scored: usize) {
         let n = self.corpus.manifest.tokens;
         if let Some(r) = self.retriever.as_mut() {
-            let eligible = r.budget.policy_at(position, n).candidates(position);
-            let eligible = eligible.end.min(n as u32).saturating_sub(eligible.start) as usize;
             r.stats.searches += kv_heads;
             r.stats.scored += kv_heads * scored;
-            r.stats.eligible += kv_heads * eligible;
+            r.stats.eligible += kv_heads * r.budget.eligible(position, n);
         }
     }
 
@@ -1287,8 +1294,7 @@ fn record(stats: &mut RetrievalStats, found: &[Vec<Found>], budget: &Budget, ste
     let n = step.n;
     for i in 0..step.t {
         let position = step.position(i);
-        let eligible = budget.policy_at(position, n).candidates(position);
-        let eligible = eligible.end.min(n as u32).saturating_sub(eligible.start) as usize;
+        let eligible = budget.eligible(position, n);
         for per_head in found {
             stats.searches += 1;
             stats.scored += per_head[i].scored;
