@@ -15,8 +15,8 @@
 //! (pre-RoPE) keys and queries instead: SAAP's observation is that the un-rotated key
 //! geometry is stable across positions. `ivfC,npP,norope,all` is SAAP's k-means baseline.
 //!
-//! Saved bytes hold the centroids and the list of every key; loading rebuilds the faiss index
-//! from them (the keys are in the store), so the saved form does not duplicate the keys.
+//! Saved bytes hold the centroids alone; loading has faiss assign the keys (which are in the
+//! store) to their lists again, so the saved form does not duplicate the keys.
 
 use std::time::Instant;
 
