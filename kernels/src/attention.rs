@@ -277,7 +277,8 @@ pub fn bucket_attention<T: KvElement>(
 /// Adds to `mass[id]` the attention weight that row `id` of `part`'s buffer received in the
 /// workspace's last launch (summed over each KV head's query heads, and over the KV heads):
 /// the attention mass of stored tokens that provenance ranks passages by. `query` and
-/// `part` must be the last launch's.
+/// `part` must be the last launch's. Rows are token ids for a resident [`KvCache`] (what
+/// provenance needs); for a [`crate::BlockCache::gather`] selection they are cache slots.
 pub fn attention_mass<T: KvElement>(
     gpu: &Gpu,
     workspace: &Workspace,

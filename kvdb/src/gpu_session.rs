@@ -382,7 +382,7 @@ impl GpuSession<'_, '_> {
             })?;
         let capacity = call.tail.tokens();
         let first = call.positions.start;
-        let routed = self.routes.as_mut().and_then(|routes| {
+        let mut routed = self.routes.as_mut().and_then(|routes| {
             let partition = routes.partitions.layers.get(call.layer)?.as_ref()?;
             let visits = routes.visits.get_mut(call.layer)?.as_mut()?;
             Some((&partition.0, visits))
@@ -401,7 +401,6 @@ impl GpuSession<'_, '_> {
                     })?)
                 }
             };
-        let mut routed = routed;
         for i in 0..call.positions.len() {
             let position = first + i;
             let queries = call.queries.slice(i * q..(i + 1) * q);
