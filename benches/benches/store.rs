@@ -8,6 +8,8 @@
 //! synced RocksDB write batch per chunk (what the store did before, and RocksDB's ordinary
 //! way). Throughput is of the blocks.
 //!
+//! `read_rows` reads the stored global layers back as a GPU upload does.
+//!
 //! `cargo bench -p kvdb-benches --bench store` (`KVDB_BENCH_DIR` picks the folder: the disk
 //! under test; the system's temporary folder otherwise).
 
@@ -16,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use half::f16;
-use kvdb::store::{encode_f16, Access, BlockKey, Kv, Store};
+use kvdb::store::{encode_f16, Access, BlockKey, Kv, ModelRecord, PrefillRecord, Store};
 use rand::{Rng, SeedableRng};
 use rocksdb::{ColumnFamilyDescriptor, Options, WriteBatch, WriteOptions, DB};
 
@@ -149,5 +151,58 @@ fn commit(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, commit);
+/// Reads every row of the ingest's global layers back, keys and values, as a GPU upload
+/// does (`Store::layer_kv_f16`), from a store that the ingest's 30 commits wrote (30
+/// overlapping SST files per family, as a real ingest leaves them before compaction).
+fn read(c: &mut Criterion) {
+    let dir = bench_dir();
+    let store = Store::open(dir.path().join("s"), Access::Write).expect("a store");
+    let record = ModelRecord {
+        sha256: "0".repeat(64),
+        name: "gemma3-270m shape".into(),
+        architecture: "gemma3".into(),
+        n_layers: LAYERS as usize,
+        n_heads: 4,
+        n_kv_heads: 1,
+        head_dim: HEAD_DIM,
+        context_length: 131_072,
+    };
+    let mut manifest = store
+        .create_corpus("c", record, vec![], BLOCK_ROWS, PrefillRecord::default())
+        .expect("a corpus");
+    assert_eq!(manifest.id, 1, "chunk_blocks writes corpus 1");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let rows: Vec<f16> = (0..BLOCK_ROWS * HEAD_DIM)
+        .map(|_| f16::from_f32(rng.random_range(-4.0..4.0)))
+        .collect();
+    for chunk in 0..CHUNKS {
+        let mut batch = store.batch();
+        for key in chunk_blocks(chunk) {
+            for kv in [Kv::Keys, Kv::Values] {
+                batch.put_block(kv, key, rows.clone());
+            }
+        }
+        manifest.tokens = ((chunk + 1) * CHUNK_BLOCKS) as usize * BLOCK_ROWS;
+        batch.put_manifest(&manifest).expect("a manifest");
+        store.commit(batch).expect("a commit");
+    }
+    let tokens = manifest.tokens;
+    let mut group = c.benchmark_group("read_rows");
+    group.sample_size(10).throughput(Throughput::Bytes(
+        (GLOBAL.len() * 2 * tokens * HEAD_DIM * 2) as u64,
+    ));
+    group.bench_function("layer_kv_f16", |b| {
+        b.iter(|| {
+            for layer in GLOBAL {
+                let (keys, values) = store
+                    .layer_kv_f16(&manifest, layer as usize, 0..tokens)
+                    .expect("the rows");
+                assert_eq!(keys.len() + values.len(), 2 * tokens * HEAD_DIM);
+            }
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, commit, read);
 criterion_main!(benches);

@@ -789,28 +789,104 @@ impl Store {
         head: usize,
         range: Range<usize>,
     ) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(range.len() * manifest.model.head_dim);
+        let first = BlockKey::new(manifest.id, layer, head, 0);
+        self.visit_rows(manifest, kv, first, range, |bytes| {
+            out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()),
+            );
+        })?;
+        Ok(out)
+    }
+
+    /// Rows `range` of one layer's keys and values for every KV head, f16 `[n_kv_heads, rows,
+    /// head_dim]` each, as stored (no conversion): what a GPU upload reads.
+    pub fn layer_kv_f16(
+        &self,
+        manifest: &CorpusManifest,
+        layer: usize,
+        range: Range<usize>,
+    ) -> Result<(Vec<f16>, Vec<f16>)> {
+        let len = manifest.model.n_kv_heads * range.len() * manifest.model.head_dim;
+        let read = |kv: Kv| -> Result<Vec<f16>> {
+            let mut out = Vec::with_capacity(len);
+            for head in 0..manifest.model.n_kv_heads {
+                let first = BlockKey::new(manifest.id, layer, head, 0);
+                self.visit_rows(manifest, kv, first, range.clone(), |bytes| {
+                    out.extend(
+                        bytes
+                            .chunks_exact(2)
+                            .map(|b| f16::from_le_bytes([b[0], b[1]])),
+                    );
+                })?;
+            }
+            Ok(out)
+        };
+        Ok((read(Kv::Keys)?, read(Kv::Values)?))
+    }
+
+    /// Hands `visit` the stored bytes (f16 little-endian) of rows `range` of one layer's keys
+    /// or values for one KV head (`head`: the corpus, layer and head of its blocks' keys),
+    /// block by block in order.
+    ///
+    /// One forward scan over the blocks' keys rather than a lookup per block: a corpus's
+    /// blocks arrive as one SST file per commit, all overlapping in key range, so a lookup
+    /// searches every file's index while a scan merges their positions once. The blocks are
+    /// read once (a GPU upload, an index build), so they skip RocksDB's block cache.
+    fn visit_rows(
+        &self,
+        manifest: &CorpusManifest,
+        kv: Kv,
+        head: BlockKey,
+        range: Range<usize>,
+        mut visit: impl FnMut(&[u8]),
+    ) -> Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
         let (b, d) = (manifest.block_size, manifest.model.head_dim);
-        let mut out = Vec::with_capacity(range.len() * d);
-        let mut block = range.start / b;
-        while block * b < range.end {
-            let key = BlockKey::new(manifest.id, layer, head, block);
-            let data = self.block(kv, key)?.ok_or_else(|| {
+        let row_bytes = d * size_of::<f16>();
+        let (first, end) = (range.start / b, range.end.div_ceil(b));
+        let key = |block: usize| {
+            BlockKey {
+                block: block as u32,
+                ..head
+            }
+            .bytes()
+        };
+        let layer = head.layer;
+        let head = head.head;
+        let mut options = rocksdb::ReadOptions::default();
+        options.fill_cache(false);
+        options.set_iterate_upper_bound(key(end).to_vec());
+        let from = key(first);
+        let mut blocks = self.db.iterator_cf_opt(
+            self.cf(kv.family())?,
+            options,
+            IteratorMode::From(&from, rocksdb::Direction::Forward),
+        );
+        for block in first..end {
+            let missing = || {
                 Error::Corrupt(format!(
                     "{kv:?} block {block} of layer {layer} head {head} is missing"
                 ))
-            })?;
+            };
+            let (found, data) = blocks.next().transpose()?.ok_or_else(missing)?;
+            if *found != key(block) {
+                return Err(missing());
+            }
             let lo = range.start.max(block * b) - block * b;
-            let hi = range.end - block * b;
-            let hi = hi.min(b);
-            if data.len() < hi * d {
+            let hi = (range.end - block * b).min(b);
+            if data.len() < hi * row_bytes {
                 return Err(Error::Corrupt(format!(
                     "{kv:?} block {block} of layer {layer} head {head} is short"
                 )));
             }
-            out.extend_from_slice(&data[lo * d..hi * d]);
-            block += 1;
+            visit(&data[lo * row_bytes..hi * row_bytes]);
         }
-        Ok(out)
+        Ok(())
     }
 
     /// The saved bytes of one index of one layer and KV head (`None` when absent).
