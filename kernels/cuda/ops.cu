@@ -1,7 +1,8 @@
 // The element-wise kernels of the model's forward pass: embedding lookup, RMSNorm (alone and
 // fused with the residual add), the fused Q/K/V post-processing of attention's inputs
 // (bias, per-head norms, f16 rounding, the store's copy, RoPE, the KV buffer write), the
-// gated activation of the MLP, type conversion and a bias add.
+// RoPE of keys already in a KV buffer (a stored corpus's), the gated activation of the MLP,
+// type conversion and a bias add.
 //
 // Compiled by NVRTC, once per entry point and element types, with these defines:
 //   TABLE_T, IN_T, OUT_T, KV_T  element types (float, __half or __nv_bfloat16): the embedding
@@ -160,6 +161,19 @@ __device__ __forceinline__ float2 rotate(float x0, float x1, float c, float s) {
                        __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
 }
 
+// cos_t/sin_t [half_dim] (shared) = the angles of position's pairs: in double, rounded to
+// float. Every thread of the block calls it; they all see the table on return.
+__device__ __forceinline__ void rope_table(u64 position, const double* __restrict__ inv_freq,
+                                           u32 half_dim, float* cos_t, float* sin_t) {
+    for (u32 i = threadIdx.x; i < half_dim; i += blockDim.x) {
+        double s, c;
+        sincos((double)position * inv_freq[i], &s, &c);
+        cos_t[i] = (float)c;
+        sin_t[i] = (float)s;
+    }
+    __syncthreads();
+}
+
 // Attention's inputs of one chunk of tokens, from the fused projection's output
 // qkv [tokens, heads + 2 * kv_heads, head_dim] (float): per head, in order,
 //   1. + bias [(heads + 2 * kv_heads) * head_dim] (if bias != 0);
@@ -185,13 +199,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs(
     __shared__ float buffer[WARPS][MAX_HEAD_DIM];
     const u32 token = blockIdx.x, half_dim = head_dim / 2;
     const u64 position = first_position + token;
-    for (u32 i = threadIdx.x; i < half_dim; i += blockDim.x) {
-        double s, c;
-        sincos((double)position * inv_freq[i], &s, &c);
-        cos_t[i] = (float)c;
-        sin_t[i] = (float)s;
-    }
-    __syncthreads();
+    rope_table(position, inv_freq, half_dim, cos_t, sin_t);
 
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const u32 all_heads = heads + 2 * kv_heads;
@@ -245,6 +253,26 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs(
         }
         // Before the next head overwrites x.
         __syncwarp();
+    }
+}
+
+// Rotates keys [kv_heads, tokens, head_dim] (KV_T, a KV buffer's layout) in place, row t at
+// position first_position + t, exactly as ops_attention_inputs rotates a key whose value is
+// already rounded to KV_T: a stored corpus's keys (f16, pre-RoPE) uploaded as they are give
+// the numbers the model's own keys would have. Grid: one block per token.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+    ops_rotate_keys(KV_T* __restrict__ keys, u32 kv_heads, u32 tokens, u32 head_dim,
+                    const double* __restrict__ inv_freq, u32 interleaved, u64 first_position) {
+    __shared__ float cos_t[MAX_HEAD_DIM / 2], sin_t[MAX_HEAD_DIM / 2];
+    const u32 token = blockIdx.x, half_dim = head_dim / 2;
+    rope_table(first_position + token, inv_freq, half_dim, cos_t, sin_t);
+    for (u32 k = threadIdx.x; k < kv_heads * half_dim; k += blockDim.x) {
+        const u32 head = k / half_dim, i = k % half_dim;
+        KV_T* row = keys + ((u64)head * tokens + token) * head_dim;
+        const u32 a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half_dim;
+        const float2 y = rotate(to_float(row[a]), to_float(row[b]), cos_t[i], sin_t[i]);
+        row[a] = from_float<KV_T>(y.x);
+        row[b] = from_float<KV_T>(y.y);
     }
 }
 

@@ -1,7 +1,8 @@
 //! The element-wise kernels of the model's forward pass on the GPU (`cuda/ops.cu`): the
 //! embedding lookup, RMSNorm (alone and fused with the residual add), attention's inputs
 //! (bias, per-head norms, the store's copy, RoPE and the KV buffer write, in one launch), the
-//! MLP's gated activation and type conversion. The matrix products are [`crate::Gemm`]'s.
+//! RoPE of keys already in a KV buffer ([`rotate_keys`]), the MLP's gated activation and type
+//! conversion. The matrix products are [`crate::Gemm`]'s.
 //!
 //! Layouts are row-major with contiguous rows: the residual stream `[tokens, hidden]` (f32),
 //! the fused Q/K/V projection `[tokens, heads + 2 * kv_heads, head_dim]` (f32), queries
@@ -336,6 +337,65 @@ pub fn attention_inputs<A: Float>(
         capacity: kv.tokens() as u32,
     };
     launch_attention(gpu, &kernel, qkv, rotary, &args, queries, kv, tokens)
+}
+
+/// Rotates the keys of `kv` in place: row `t` of every KV head at position
+/// `first_position + t`, exactly as [`attention_inputs`] rotates a key whose value is
+/// already `A` (with `round_kv_to_f16` for f16). A stored corpus's pre-RoPE f16 keys,
+/// uploaded as they are ([`KvCache::upload`]) and rotated here, are the numbers the model's
+/// own keys at those positions would be, with no f32 copy on the host.
+pub fn rotate_keys<A: Float>(
+    gpu: &Gpu,
+    kv: &mut KvCache<A>,
+    rotary: &Rotary<'_>,
+    first_position: usize,
+) -> Result<()> {
+    let (kv_heads, tokens, head_dim) = (kv.kv_heads(), kv.tokens(), kv.head_dim());
+    if head_dim == 0 || head_dim % 2 == 1 || head_dim > MAX_HEAD_DIM {
+        return Err(KernelError::Unsupported {
+            what: "rotate_keys head dimension",
+            value: head_dim,
+            supported: "even, 2 to 512",
+        });
+    }
+    length(
+        "rotate_keys inv_freq [head_dim / 2]",
+        head_dim / 2,
+        rotary.inv_freq.len(),
+    )?;
+    if first_position.checked_add(tokens).is_none() {
+        return Err(KernelError::TooLarge {
+            what: "rotate_keys first position",
+            value: first_position,
+        });
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let (kv_heads_arg, tokens_arg) = (
+        to_u32("rotate_keys KV heads", kv_heads)?,
+        to_u32("rotate_keys tokens", tokens)?,
+    );
+    let kernel = gpu.kernel(SOURCE, "ops_rotate_keys", &[("KV_T", A::NAME.to_string())])?;
+    let (head_dim_arg, interleaved, first) = (
+        head_dim as u32,
+        u32::from(rotary.pairs == RopePairs::Interleaved),
+        first_position as u64,
+    );
+    let mut builder = gpu.stream().launch_builder(&kernel);
+    builder
+        .arg(&mut kv.keys)
+        .arg(&kv_heads_arg)
+        .arg(&tokens_arg)
+        .arg(&head_dim_arg)
+        .arg(rotary.inv_freq)
+        .arg(&interleaved)
+        .arg(&first);
+    // Safety: the arguments match `ops_rotate_keys` in order and type; the keys hold
+    // kv_heads * tokens rows of head_dim (the buffer's own shape), head_dim is even and at
+    // most MAX_HEAD_DIM, and inv_freq holds head_dim / 2 angles.
+    unsafe { builder.launch(rows_config(tokens)?) }.map_err(driver("launching ops_rotate_keys"))?;
+    Ok(())
 }
 
 /// `attention_inputs`' checks of the shape against the KV buffer.

@@ -708,6 +708,122 @@ mod on_gpu {
         Ok(())
     }
 
+    /// A stored corpus's keys (f16, pre-RoPE) uploaded head-major and rotated in place are
+    /// bit for bit the keys `attention_inputs` writes for the same rows (rounded to f16
+    /// first, as the model rounds its own), and the values are the stored ones: both sides
+    /// of a retrieval layer attend to the same numbers.
+    #[test]
+    fn rotate_keys_is_attention_inputs_on_rounded_keys() -> Result<()> {
+        let Some((gpu, mut rng)) = start("rotate_keys_is_attention_inputs_on_rounded_keys") else {
+            return Ok(());
+        };
+        for (tokens, kv_heads, d) in [(1, 1, 8), (37, 4, 64), (300, 8, 128), (129, 2, 256)] {
+            for pairs in [RopePairs::Halves, RopePairs::Interleaved] {
+                // attention_inputs writes position p to slot p % capacity: a multiple of
+                // `tokens` puts token t at row t, as the upload has it.
+                let first_position = tokens * rng.random_range(0..2000);
+                let stored = |rng: &mut StdRng| -> Vec<f16> {
+                    uniform(rng, tokens * kv_heads * d, -3.0, 3.0)
+                        .into_iter()
+                        .map(f16::from_f32)
+                        .collect()
+                };
+                // Token-major, as the model hands rows out: [tokens, kv_heads, d].
+                let (keys, values) = (stored(&mut rng), stored(&mut rng));
+                let inv_freq: Vec<f64> = (0..d / 2)
+                    .map(|i| 1.0 / 500_000f64.powf(2.0 * i as f64 / d as f64))
+                    .collect();
+                let inv = gpu.upload(&inv_freq)?;
+                let inv_view = inv.as_view();
+                let rotary = Rotary {
+                    inv_freq: &inv_view,
+                    pairs,
+                };
+                // The model's path: one query head of zeros, then the keys and values.
+                let row = (1 + 2 * kv_heads) * d;
+                let mut qkv = vec![0f32; tokens * row];
+                for (t, out) in qkv.chunks_exact_mut(row).enumerate() {
+                    let at = t * kv_heads * d..(t + 1) * kv_heads * d;
+                    for (o, k) in out[d..(1 + kv_heads) * d].iter_mut().zip(&keys[at.clone()]) {
+                        *o = k.to_f32();
+                    }
+                    for (o, v) in out[(1 + kv_heads) * d..].iter_mut().zip(&values[at]) {
+                        *o = v.to_f32();
+                    }
+                }
+                let shape = QkvShape {
+                    tokens,
+                    heads: 1,
+                    kv_heads,
+                    head_dim: d,
+                };
+                let mut queries = gpu.zeros::<f16>(tokens * d)?;
+                let mut placed = KvCache::<f16>::zeros(&gpu, kv_heads, tokens, d)?;
+                ops::attention_inputs(
+                    &gpu,
+                    &gpu.upload(&qkv)?.as_view(),
+                    &shape,
+                    None,
+                    None,
+                    None,
+                    &rotary,
+                    first_position,
+                    true,
+                    &mut queries.as_view_mut(),
+                    &mut placed,
+                    None,
+                )?;
+                // The store's path: head-major halves as they are, rotated on the GPU.
+                let head_major = |rows: &[f16]| -> Vec<f16> {
+                    (0..kv_heads)
+                        .flat_map(|h| {
+                            (0..tokens).flat_map(move |t| {
+                                rows[(t * kv_heads + h) * d..][..d].iter().copied()
+                            })
+                        })
+                        .collect()
+                };
+                let mut uploaded =
+                    KvCache::upload(&gpu, &head_major(&keys), &head_major(&values), kv_heads, d)?;
+                ops::rotate_keys(&gpu, &mut uploaded, &rotary, first_position)?;
+                let label = format!("[{tokens}, {kv_heads}, {d}] {pairs:?} at {first_position}");
+                let ((pk, pv), (uk, uv)) = (ops::kv_views(&placed), ops::kv_views(&uploaded));
+                let bits = |v: Vec<f16>| v.into_iter().map(f16::to_bits).collect::<Vec<_>>();
+                ensure!(
+                    bits(download_view(&gpu, &pk)?) == bits(download_view(&gpu, &uk)?),
+                    "rotated keys differ from attention_inputs' ({label})"
+                );
+                ensure!(
+                    bits(download_view(&gpu, &pv)?) == bits(download_view(&gpu, &uv)?),
+                    "uploaded values differ from attention_inputs' ({label})"
+                );
+                // A rotation must have happened: position 0 alone leaves keys as they are.
+                if first_position > 0 || tokens > 1 {
+                    ensure!(
+                        bits(download_view(&gpu, &uk)?) != bits(head_major(&keys)),
+                        "rotate_keys left the keys as they were ({label})"
+                    );
+                }
+            }
+        }
+        // A rotary table of the wrong length is refused before anything runs.
+        let mut kv = KvCache::<f16>::zeros(&gpu, 1, 4, 8)?;
+        let short = gpu.upload(&[1.0f64; 3])?;
+        let short_view = short.as_view();
+        let bad = Rotary {
+            inv_freq: &short_view,
+            pairs: RopePairs::Halves,
+        };
+        ensure!(
+            matches!(
+                ops::rotate_keys(&gpu, &mut kv, &bad, 0),
+                Err(KernelError::Length { .. })
+            ),
+            "a short inv_freq was accepted"
+        );
+        Ok(())
+    }
+
     // ------------------------------------------------------------ gated activation
 
     #[test]

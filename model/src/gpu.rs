@@ -146,15 +146,16 @@ impl GpuModel {
         }
     }
 
-    /// Layer `layer`'s pre-RoPE keys and values (`[tokens, n_kv_heads, head_dim]` f32 each)
-    /// at `positions`, rotated there and rounded to f16 in a buffer of their own
-    /// (`[n_kv_heads, tokens, head_dim]`): the corpus side of [`ExternalAttention`]. The same
-    /// kernel places them as a sequence's own rows, so both attend to the same numbers.
+    /// Layer `layer`'s pre-RoPE keys and values as the store keeps them (f16, `[n_kv_heads,
+    /// tokens, head_dim]` each), uploaded as they are and the keys rotated at `positions` on
+    /// the GPU, in a buffer of their own: the corpus side of [`ExternalAttention`]. The
+    /// rotation is the one that places a sequence's own rows, so both attend to the same
+    /// numbers.
     pub fn rotated_kv(
         &self,
         layer: usize,
-        keys: &[f32],
-        values: &[f32],
+        keys: &[f16],
+        values: &[f16],
         positions: Range<usize>,
     ) -> Result<KvCache<f16>> {
         let Weights::Bf16(m) = &self.weights else {
@@ -164,8 +165,29 @@ impl GpuModel {
             });
         };
         let c = &m.config;
-        let mut kv = KvCache::zeros(&m.gpu, c.n_kv_heads, positions.len().max(1), c.head_dim)?;
-        place_rows(m, layer, &mut kv, keys, values, positions)?;
+        let gpu_layer = m.layers.get(layer).ok_or_else(|| ModelError::Backend {
+            layer,
+            reason: format!("the model has {} layers", m.layers.len()),
+        })?;
+        let expected = c.n_kv_heads * positions.len() * c.head_dim;
+        if keys.len() != expected || values.len() != expected {
+            return Err(ModelError::Backend {
+                layer,
+                reason: format!(
+                    "{} positions of keys and values need {expected} halves each, got {} and {}",
+                    positions.len(),
+                    keys.len(),
+                    values.len()
+                ),
+            });
+        }
+        let mut kv = KvCache::upload(&m.gpu, keys, values, c.n_kv_heads, c.head_dim)?;
+        let inv_freq = gpu_layer.inv_freq.as_view();
+        let rotary = Rotary {
+            inv_freq: &inv_freq,
+            pairs: gpu_layer.pairs,
+        };
+        ops::rotate_keys(&m.gpu, &mut kv, &rotary, positions.start)?;
         Ok(kv)
     }
 }
