@@ -16,8 +16,9 @@
 // two runs of consecutive rows of the dense buffer: sinks and window, or a query's own
 // tail). The other items are the list part, rows of the list buffer: first slices of its
 // own runs (up to two: a stored corpus's sinks and window), then the head's list: in list
-// mode a slice of `list_chunk` rows of it, in bucket mode one bucket whose ids come from CSR
-// offsets; bucket ids inside the list buffer's runs are skipped, so no token counts twice.
+// mode a slice of `list_chunk` rows of it, in bucket mode a slice of `list_chunk` rows of one
+// bucket whose ids come from CSR offsets; bucket ids inside the list buffer's runs are
+// skipped, so no token counts twice.
 // Each item writes a partial (unnormalised output, max, sum of exponentials, in base 2); the
 // last block of a head to finish merges the head's partials into `out` (and, when asked, each
 // query head's log-sum-exp into `lse`) and resets its counter for the next launch.
@@ -123,11 +124,19 @@ struct ListPart {
                 const ListRows rows = {list + first};
                 visit(rows, min_u32(list_chunk, end - first));
             }
-        } else if (i < end - begin) {
-            const u32 bucket = list[begin + i];
+        } else if (end > begin) {
+            // Item i is part i / count of visited bucket i % count: `list_chunk` rows of it,
+            // so that a large bucket is many items rather than one long one (the launcher
+            // makes enough parts for the largest bucket; parts past a bucket's end are empty).
+            const u32 count = end - begin, part = i / count;
+            const u32 bucket = list[begin + i % count];
             const u32 a = bucket_off[bucket], z = bucket_off[bucket + 1];
-            const BucketRows rows = {bucket_ids + a, run0_row, run0_len, run1_row, run1_len};
-            visit(rows, z - a);
+            const u32 first = a + part * list_chunk;
+            if (part < (z - a + list_chunk - 1) / list_chunk) {
+                const BucketRows rows = {bucket_ids + first, run0_row, run0_len, run1_row,
+                                         run1_len};
+                visit(rows, min_u32(list_chunk, z - first));
+            }
         }
     }
 };

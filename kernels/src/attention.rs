@@ -176,6 +176,9 @@ impl_copy!(Query, KvRows, Selected, Buckets, ListPart, Dense);
 /// Work items per head merged by one block in one level (see `launch`).
 const SINGLE_MERGE: usize = 32;
 
+/// Most work items per KV head the visited buckets of a launch are split into.
+const MAX_BUCKET_ITEMS: usize = 4096;
+
 /// Rows per work item of [`attention_mass`]'s runs and lists.
 const MASS_CHUNK: usize = 256;
 
@@ -194,12 +197,23 @@ impl<T> Rows<'_, T> {
         self.runs[0].1 as usize + self.runs[1].1 as usize
     }
 
-    /// Work items of the lists alone: one per bucket, else chunks of `chunk` rows.
+    /// Work items of the lists alone: chunks of `chunk` rows; for buckets, as many chunks
+    /// per visited bucket as the largest bucket needs (the visits are chosen on the GPU).
     fn list_items(&self, chunk: usize) -> usize {
         let longest = self.lists.map_or(0, Csr::longest);
         match self.buckets {
-            Some(_) => longest,
+            Some(buckets) => longest * buckets.longest().div_ceil(chunk).max(1),
             None => longest.div_ceil(chunk),
+        }
+    }
+
+    /// Rows a KV head's list part holds at most (a selection), or about (visited buckets of
+    /// the mean size): what sizes a launch's chunks.
+    fn list_rows(&self) -> usize {
+        let longest = self.lists.map_or(0, Csr::longest);
+        match self.buckets {
+            Some(buckets) => longest * (buckets.total() / buckets.lists().max(1)).max(1),
+            None => longest,
         }
     }
 }
@@ -516,11 +530,21 @@ fn launch<T: KvElement>(
     // on the H100, fewer items of two iterations beat more of one (merging costs more).
     let dense_len = launch.runs[0].1 as usize + launch.runs[1].1 as usize;
     let list_runs = launch.list.map_or(0, |l| l.run_rows());
-    let longest = launch.list.and_then(|l| l.lists).map_or(0, Csr::longest);
+    let list_rows = launch.list.map_or(0, |l| l.list_rows());
     let step = (THREADS as usize / lanes) * UNROLL as usize;
     let wave = (gpu.multiprocessors() * kernel.blocks_per_sm) as usize;
-    let rows = launch.kv_heads * (dense_len + list_runs + longest);
+    let rows = launch.kv_heads * (dense_len + list_runs + list_rows);
     let chunk = rows.div_ceil(wave).next_multiple_of(step).max(2 * step);
+    // Buckets are split into chunks as long as the largest needs: never so many that the
+    // merge's partials overflow (a degenerate partition with one huge bucket).
+    let chunk = match launch.list.and_then(|l| l.buckets.zip(l.lists)) {
+        Some((ids, visits)) => chunk.max(
+            (visits.longest() * ids.longest())
+                .div_ceil(MAX_BUCKET_ITEMS)
+                .next_multiple_of(step),
+        ),
+        None => chunk,
+    };
     let dense_items = dense_len.div_ceil(chunk);
     let list_run_items = list_runs.div_ceil(chunk);
     let list_items = launch.list.map_or(0, |l| l.list_items(chunk));

@@ -148,6 +148,8 @@ pub struct Csr {
     pub(crate) items: CudaSlice<u32>,
     lists: usize,
     longest: usize,
+    /// Items over all lists.
+    total: usize,
     /// The largest item, `None` when there is none.
     max_item: Option<u32>,
 }
@@ -190,6 +192,7 @@ impl Csr {
                 .map(|w| (w[1] - w[0]) as usize)
                 .max()
                 .unwrap_or(0),
+            total: items.len(),
             max_item: items.iter().copied().max(),
         })
     }
@@ -210,6 +213,7 @@ impl Csr {
             items: gpu.zeros(total.max(1))?,
             lists,
             longest: per_list,
+            total,
             max_item: (total > 0).then(|| bound.saturating_sub(1)),
         })
     }
@@ -232,6 +236,7 @@ impl Csr {
             .map(|w| (w[1] - w[0]) as usize)
             .max()
             .unwrap_or(0);
+        self.total = items.len();
         self.max_item = items.iter().copied().max();
         Ok(())
     }
@@ -255,6 +260,11 @@ impl Csr {
     /// Length of the longest list.
     pub fn longest(&self) -> usize {
         self.longest
+    }
+
+    /// Items over all lists.
+    pub fn total(&self) -> usize {
+        self.total
     }
 
     /// An error unless there are `lists` lists whose items are all below `bound`.

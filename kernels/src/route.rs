@@ -14,6 +14,10 @@ const SOURCE: &str = include_str!("../cuda/route.cu");
 /// Threads of a routing block (one block per KV head).
 const ROUTE_THREADS: u32 = 256;
 
+/// Most query heads per KV head a [`Partition`] routes (`MAX_GROUP` in `route.cu`: one
+/// running sum per head in registers).
+const MAX_ROUTED_GROUP: usize = 16;
+
 /// Most buckets per KV head a [`Partition`] routes: their scores fill 48 KiB of shared
 /// memory, what every CUDA GPU gives a block without opting in.
 pub const MAX_ROUTED_BUCKETS: usize = (48 << 10) / size_of::<f32>();
@@ -24,6 +28,8 @@ pub const MAX_ROUTED_BUCKETS: usize = (48 << 10) / size_of::<f32>();
 /// CSR [`crate::Buckets::ids`] takes (KV head `h`'s bucket `b` is list `h * buckets + b`,
 /// and one empty list follows them).
 pub struct Partition {
+    /// Transposed per KV head, `[kv_heads, head_dim, buckets]`: the routing kernel's threads
+    /// (one per bucket) read a dimension of consecutive buckets together.
     centroids: CudaSlice<f32>,
     ids: Csr,
     kv_heads: usize,
@@ -109,8 +115,19 @@ impl Partition {
         }
         let mut all: Vec<&[u32]> = lists.iter().map(Vec::as_slice).collect();
         all.push(&[]);
+        let mut transposed = vec![0f32; centroids.len()];
+        for (head, out) in centroids
+            .chunks_exact(buckets * head_dim)
+            .zip(transposed.chunks_exact_mut(buckets * head_dim))
+        {
+            for (b, centroid) in head.chunks_exact(head_dim).enumerate() {
+                for (i, &x) in centroid.iter().enumerate() {
+                    out[i * buckets + b] = x;
+                }
+            }
+        }
         Ok(Self {
-            centroids: gpu.upload(centroids)?,
+            centroids: gpu.upload(&transposed)?,
             ids: Csr::from_lists(gpu, &all)?,
             kv_heads,
             buckets,
@@ -161,7 +178,15 @@ impl Partition {
                 found: queries.len(),
             });
         }
-        let group = (queries.len() / per_group) as u32;
+        let group = queries.len() / per_group;
+        if group > MAX_ROUTED_GROUP {
+            return Err(KernelError::Unsupported {
+                what: "query heads per KV head routed on the GPU",
+                value: group,
+                supported: "1 to 16",
+            });
+        }
+        let group = group as u32;
         length(
             "visited lists (one per KV head)",
             self.kv_heads,

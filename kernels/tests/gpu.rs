@@ -404,10 +404,17 @@ mod on_gpu {
         tokens: usize,
         buckets: usize,
     ) -> Vec<Vec<u32>> {
+        // Half the ids in each head's first bucket, as a skewed k-means leaves one: a bucket
+        // many work items long beside short ones.
         let mut lists = vec![Vec::new(); kv_heads * buckets];
         for h in 0..kv_heads {
             for id in 0..tokens as u32 {
-                lists[h * buckets + rng.random_range(0..buckets)].push(id);
+                let b = if rng.random_bool(0.5) {
+                    0
+                } else {
+                    rng.random_range(0..buckets)
+                };
+                lists[h * buckets + b].push(id);
             }
         }
         lists
@@ -614,6 +621,20 @@ mod on_gpu {
                 2 * selected
             );
         }
+        // Equal scores (every centroid the same): the lowest buckets, in order, as the CPU
+        // breaks ties.
+        let (kv_heads, buckets, head_dim, probes) = (2, 40, 32, 5);
+        let centroids = vec![0.5f32; kv_heads * buckets * head_dim];
+        let lists = random_buckets(&mut rng, kv_heads, 1000, buckets);
+        let partition = Partition::new(&gpu, &centroids, &lists, kv_heads, head_dim)?;
+        let mut visits = partition.visits(&gpu, probes)?;
+        let queries = gpu.upload(&vec![1.0f32; kv_heads * 4 * head_dim])?;
+        partition.route(&gpu, &queries.as_view(), 0..1000, &mut visits)?;
+        let visited: Vec<u32> = visits.visited().to_lists(&gpu)?.concat();
+        let want: Vec<u32> = (0..kv_heads as u32)
+            .flat_map(|h| (0..probes as u32).map(move |b| h * buckets as u32 + b))
+            .collect();
+        ensure!(visited == want, "ties visited {visited:?}, want {want:?}");
         Ok(())
     }
 
@@ -854,6 +875,16 @@ mod on_gpu {
         let many = MAX_ROUTED_BUCKETS + 1;
         let too_many = Partition::new(&gpu, &vec![0.0; many * 8], &vec![vec![]; many], 1, 8);
         ensure!(unsupported(too_many.map(|_| ())));
+        // Seventeen query heads per KV head: more than a routing thread's running sums.
+        let partition = Partition::new(&gpu, &[0.0; 2 * 8], &[vec![0u32], vec![1]], 1, 8)?;
+        let mut visits = partition.visits(&gpu, 1)?;
+        let seventeen = gpu.upload(&[0.0f32; 17 * 8])?;
+        ensure!(unsupported(partition.route(
+            &gpu,
+            &seventeen.as_view(),
+            0..2,
+            &mut visits
+        )));
         let host = HostKv::new(&gpu, &layer.keys, &layer.values, 2, 64, 64)?;
         let no_cache = BlockCache::new(&gpu, host, 10);
         ensure!(matches!(no_cache, Err(KernelError::TooLarge { .. })));
