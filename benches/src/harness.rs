@@ -1058,6 +1058,7 @@ fn needles(
         );
         let ask = |mode| -> Result<String> {
             let options = AskOptions {
+                profile: false,
                 mode,
                 generate: kvdb::generate::GenerateOptions {
                     max_tokens: 10,

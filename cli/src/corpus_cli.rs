@@ -72,10 +72,7 @@ pub(crate) struct IngestArgs {
 #[derive(clap::Args)]
 pub(crate) struct AskArgs {
     #[command(flatten)]
-    target: CorpusRef,
-    /// A local GGUF file (default: the default model); it must be the corpus's model.
-    #[arg(long)]
-    model: Option<PathBuf>,
+    open: OpenArgs,
     /// The index to retrieve with (default: the corpus's first; `kvdb index list` shows them).
     #[arg(long, value_parser = parse_spec)]
     index: Option<IndexSpec>,
@@ -100,10 +97,6 @@ pub(crate) struct AskArgs {
     /// Attend to every corpus token exactly instead of retrieving (the reference).
     #[arg(long)]
     full_attention: bool,
-    /// Bytes of keys and values held in memory (e.g. 512M, 2G); beyond it blocks are
-    /// evicted and read again from the store.
-    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
-    ram_budget: usize,
     /// A prompt template with `{question}` where the question goes (for instruction-tuned
     /// models); by default the question follows the corpus verbatim.
     #[arg(long)]
@@ -113,13 +106,26 @@ pub(crate) struct AskArgs {
     /// Print one JSON object (answer, tokens, provenance, timings) instead of text.
     #[arg(long)]
     json: bool,
-    /// Where the answer is decoded: `cpu`, or `cuda` / `cuda:N` (an NVIDIA GPU, bf16
-    /// weights; the corpus's retrieval layers are uploaded once, searches stay on the CPU;
-    /// needs a build with feature `gpu`).
-    #[arg(long, default_value = "cpu")]
-    device: ComputeDevice,
     /// The question.
     question: String,
+}
+
+/// The model and corpus a command that asks questions opens.
+#[derive(clap::Args)]
+pub(crate) struct OpenArgs {
+    #[command(flatten)]
+    pub(crate) target: CorpusRef,
+    /// A local GGUF file (default: the default model); it must be the corpus's model.
+    #[arg(long)]
+    pub(crate) model: Option<PathBuf>,
+    /// Bytes of keys and values held in memory on the CPU (e.g. 512M, 2G); beyond it blocks
+    /// are evicted and read again from the store.
+    #[arg(long, default_value = "1G", value_parser = parse_bytes)]
+    pub(crate) ram_budget: usize,
+    /// Where answers are decoded: `cpu`, or `cuda` / `cuda:N` (an NVIDIA GPU, bf16 weights;
+    /// the corpus's retrieval layers are uploaded once; needs a build with feature `gpu`).
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: ComputeDevice,
 }
 
 #[derive(clap::Subcommand)]
@@ -134,6 +140,66 @@ pub(crate) enum CorpusCommand {
     Info(CorpusRef),
     /// Delete a corpus and everything it stored.
     Delete(CorpusRef),
+}
+
+/// A model and a corpus opened for questions (the corpus's keys and values already on the
+/// model's GPU when it has one).
+pub(crate) struct OpenedCorpus {
+    pub(crate) model: kvdb::models::LoadedModel,
+    pub(crate) corpus: Corpus,
+}
+
+/// Loads the model on `args.device`, opens the corpus and, on a GPU, uploads the corpus's
+/// retrieval layers, saying on stderr how long each stage took (a 16 GB model or a 128K-token
+/// corpus takes a while, and that time is not the answer's). Refuses first any of `indexes`
+/// the corpus has not built (flat needs none).
+pub(crate) fn open_for_questions<'i>(
+    args: &OpenArgs,
+    indexes: impl IntoIterator<Item = &'i IndexSpec>,
+) -> Result<OpenedCorpus> {
+    let (target, device) = (&args.target, args.device);
+    let store = Arc::new(Store::open(&target.store, Access::Read)?);
+    let manifest = store.manifest(&target.corpus)?;
+    for index in indexes {
+        let name = index.to_string();
+        if *index != IndexSpec::Flat && !manifest.indexes.contains(&name) {
+            anyhow::bail!(
+                "corpus `{}` has no index `{name}`; it has: {} (add one with `kvdb index add`)",
+                target.corpus,
+                manifest.indexes.join(", ")
+            );
+        }
+    }
+    let started = std::time::Instant::now();
+    let model = kvdb::models::load(args.model.as_deref(), &LoadOptions::default(), device)?;
+    eprintln!(
+        "kvdb: loaded {} for {device} in {:.1}s ({})",
+        model.record.name,
+        started.elapsed().as_secs_f64(),
+        stage_times(&model.stages)
+    );
+    let started = std::time::Instant::now();
+    let corpus = Corpus::open(store, &target.corpus, model.as_ref(), args.ram_budget)?;
+    #[cfg(feature = "gpu")]
+    {
+        let upload = corpus.upload_to_gpu(model.as_ref())?;
+        if upload.bytes > 0 {
+            eprintln!(
+                "kvdb: opened corpus `{}` and uploaded its retrieval layers ({}) in {:.1}s ({})",
+                target.corpus,
+                HumanBytes(upload.bytes as u64),
+                started.elapsed().as_secs_f64(),
+                stage_times(&upload.stages)
+            );
+        }
+    }
+    Ok(OpenedCorpus { model, corpus })
+}
+
+/// `stage 1.2s, stage 0.3s`.
+fn stage_times(stages: &[(&str, f64)]) -> String {
+    let parts: Vec<String> = stages.iter().map(|(s, t)| format!("{s} {t:.1}s")).collect();
+    parts.join(", ")
 }
 
 /// Writes a piece of streamed text and flushes it.
@@ -260,21 +326,10 @@ fn event_json(event: &IngestEvent<'_>) -> serde_json::Value {
 }
 
 pub(crate) fn ask(args: AskArgs) -> Result<()> {
-    let store = Arc::new(Store::open(&args.target.store, Access::Read)?);
-    let manifest = store.manifest(&args.target.corpus)?;
-    if let Some(index) = &args.index {
-        let name = index.to_string();
-        if *index != IndexSpec::Flat && !manifest.indexes.contains(&name) {
-            anyhow::bail!(
-                "corpus `{}` has no index `{name}`; it has: {} (add one with `kvdb index add`)",
-                args.target.corpus,
-                manifest.indexes.join(", ")
-            );
-        }
-    }
-    let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default(), args.device)?;
-    let corpus = Corpus::open(store, &args.target.corpus, loaded.as_ref(), args.ram_budget)?;
+    let opened = open_for_questions(&args.open, args.index.iter())?;
+    let (loaded, corpus) = (&opened.model, &opened.corpus);
     let options = AskOptions {
+        profile: false,
         mode: if args.full_attention {
             AttentionMode::Full
         } else {
@@ -349,7 +404,7 @@ pub(crate) fn ask(args: AskArgs) -> Result<()> {
             100.0 * r.selectivity(),
             100.0 * r.scored_share()
         );
-        match args.device {
+        match args.open.device {
             ComputeDevice::Cpu => eprintln!(
                 "kvdb: of the answer's time: {:.2}s searching, {:.2}s attending",
                 r.search_seconds, r.cpu_attention_seconds,

@@ -2,6 +2,7 @@
 
 mod bench_cli;
 mod corpus_cli;
+mod decode_bench;
 mod doctor;
 mod index_cli;
 mod serve_cli;
@@ -70,6 +71,10 @@ enum Command {
     /// Compare index types on a real KV cache against full attention: retrieval quality on
     /// the model's own queries, cost, end-to-end accuracy and needles, as a report with plots.
     Bench(bench_cli::BenchArgs),
+    /// Measure decoding on a stored corpus: one process loads the model and the corpus once,
+    /// answers the same question under full attention and each index given, and prints time
+    /// to the first token and milliseconds per token against full attention's.
+    DecodeBench(decode_bench::DecodeBenchArgs),
     /// Serve the HTTP API on a store: corpora, background ingest, streamed questions with
     /// provenance, OpenAI-compatible completions and a web page, until SIGTERM.
     Serve(serve_cli::ServeArgs),
@@ -197,6 +202,7 @@ fn main() -> Result<()> {
         Command::Index { command } => index_cli::index(command)?,
         Command::Saap { command } => index_cli::saap(command)?,
         Command::Bench(args) => bench_cli::bench(args)?,
+        Command::DecodeBench(args) => decode_bench::decode_bench(args)?,
         Command::Serve(args) => serve_cli::serve(args)?,
     }
     Ok(())

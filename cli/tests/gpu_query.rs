@@ -71,6 +71,7 @@ mod on_gpu {
 
     fn ask(model: &LoadedModel, corpus: &Corpus, mode: AttentionMode) -> Result<Answer> {
         let options = AskOptions {
+            profile: false,
             mode,
             generate: GenerateOptions {
                 max_tokens: TOKENS,

@@ -57,6 +57,7 @@ fn tiny_corpus(count: usize, chars: usize, seed: u64) -> Result<TinyCorpus> {
 /// Retrieval of `k` keys with a small dense part (2 sink tokens, a window of 8).
 fn retrieval(k: usize) -> AskOptions {
     AskOptions {
+        profile: false,
         mode: AttentionMode::top_k(k, DensePolicy { sink: 2, window: 8 }),
         ..AskOptions::default()
     }

@@ -18,16 +18,18 @@
 //! `attention_mass` adds the weight every attended corpus token received to a buffer that is
 //! read once, when the answer is complete.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use half::f16;
-use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView};
+use kvdb_kernels::cudarc::driver::sys::CUevent_flags;
+use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
-    attention_mass, bucket_attention, retrieval_attention, Buckets, Csr, Dense, KvCache, ListPart,
-    Partition, Query, Selected, Visits, Workspace, MAX_ROUTED_BUCKETS,
+    attention_mass, bucket_attention, retrieval_attention, Buckets, Csr, Dense, KernelError,
+    KvCache, ListPart, Partition, Query, Selected, Visits, Workspace, MAX_ROUTED_BUCKETS,
 };
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
@@ -41,7 +43,7 @@ use crate::indexes::IndexSet;
 use crate::ingest::ModelRef;
 use crate::session::{Corpus, Session, Step, StepPlace};
 
-/// Host bytes of f32 rows a corpus upload reads ahead of the GPU at most.
+/// Host bytes of stored rows a corpus upload reads ahead of the GPU at most.
 const READ_BYTES: usize = 4 << 30;
 
 /// A corpus's retrieval layers' keys (rotated at their positions) and values on one GPU,
@@ -54,6 +56,18 @@ pub(crate) struct GpuCorpusKv {
     /// The bucket partitions of index sets routed on the GPU, by the set's spec (`None`
     /// for a set that cannot be), built by the first query through each.
     partitions: Mutex<HashMap<String, Option<Arc<GpuPartitions>>>>,
+    /// Seconds the upload spent reading the store and copying to the GPU.
+    stages: Vec<(&'static str, f64)>,
+}
+
+/// What uploading a corpus to the GPU did: the bytes resident there and the seconds each
+/// stage took (reading the store, copying to the GPU).
+#[derive(Debug, Clone, Default)]
+pub struct GpuUpload {
+    /// Bytes of keys and values on the GPU.
+    pub bytes: usize,
+    /// Seconds per stage, in order.
+    pub stages: Vec<(&'static str, f64)>,
 }
 
 /// An index set's partitions on the GPU, per layer of the model (`None` for layers that do
@@ -117,8 +131,8 @@ impl std::fmt::Debug for GpuCorpusKv {
 }
 
 impl GpuCorpusKv {
-    /// Reads every retrieval layer's keys and values from the store and uploads them,
-    /// rotated by the same kernel that rotates the model's own keys.
+    /// Reads every retrieval layer's keys and values from the store and uploads them as
+    /// stored (f16), the keys rotated on the GPU as the model's own keys are.
     pub(crate) fn build(
         corpus: &Corpus,
         model: ModelRef<'_>,
@@ -139,24 +153,35 @@ impl GpuCorpusKv {
                 free,
             });
         }
-        // Layers are read from the store in parallel, a few at a time (each is f32 on the
-        // host until it is uploaded), and uploaded in order.
-        let layer_bytes = 2 * kv_heads * n * d * size_of::<f32>();
+        // Layers are read from the store in parallel, a few at a time (each is on the host,
+        // f16 as stored, until it is uploaded), and uploaded in order; the GPU rotates the
+        // keys.
+        let layer_bytes = 2 * kv_heads * n * d * size_of::<f16>();
         let at_once = (READ_BYTES / layer_bytes.max(1)).clamp(1, rayon::current_num_threads());
         let mut layers: Vec<Option<KvCache<f16>>> = (0..config.n_layers()).map(|_| None).collect();
+        let (mut reading, mut copying) = (Duration::ZERO, Duration::ZERO);
         for group in retrieval_layers.chunks(at_once) {
+            let started = Instant::now();
             let rows = group
                 .par_iter()
-                .map(|&layer| corpus.layer_kv(layer, 0..n))
+                .map(|&layer| corpus.layer_kv_f16(layer, 0..n))
                 .collect::<Result<Vec<_>>>()?;
+            reading += started.elapsed();
+            let started = Instant::now();
             for (&layer, (keys, values)) in group.iter().zip(rows) {
                 layers[layer] = Some(gpu.rotated_kv(layer, &keys, &values, 0..n)?);
             }
+            gpu.gpu().synchronize().map_err(ModelError::from)?;
+            copying += started.elapsed();
         }
         Ok(Self {
             layers,
             gpu: gpu.gpu().clone(),
             partitions: Mutex::new(HashMap::new()),
+            stages: vec![
+                ("reading the store", reading.as_secs_f64()),
+                ("copying to the GPU", copying.as_secs_f64()),
+            ],
         })
     }
 
@@ -182,6 +207,14 @@ impl GpuCorpusKv {
     /// Whether these rows are on `gpu`'s device.
     pub(crate) fn is_on(&self, gpu: &GpuModel) -> bool {
         Arc::ptr_eq(&self.gpu, gpu.gpu())
+    }
+
+    /// What the upload did.
+    pub(crate) fn upload(&self) -> GpuUpload {
+        GpuUpload {
+            bytes: self.bytes(),
+            stages: self.stages.clone(),
+        }
     }
 
     /// GPU memory the rows take.
@@ -256,6 +289,7 @@ fn with_sequence<'c, R>(
         },
         None => None,
     };
+    let profile = session.profile;
     let mut attention = GpuSession {
         session,
         kv,
@@ -266,6 +300,7 @@ fn with_sequence<'c, R>(
         n,
         heads: (config.n_heads, config.n_kv_heads, config.head_dim),
         mass: None,
+        timer: profile.then(StageTimer::default),
     };
     let result = {
         let mut sequence = gpu.sequence_with(
@@ -292,8 +327,12 @@ fn with_sequence<'c, R>(
         mut session,
         mass,
         routes,
+        timer,
         ..
     } = attention;
+    if let Some(timer) = timer {
+        session.gpu_stages = timer.seconds()?;
+    }
     let device = gpu.gpu();
     if let Some(mass) = mass {
         session.add_mass(&device.download(&mass).map_err(ModelError::from)?);
@@ -354,6 +393,59 @@ struct GpuSession<'c, 'm> {
     heads: (usize, usize, usize),
     /// The attention mass each corpus token received from the answer, once it starts.
     mass: Option<CudaSlice<f32>>,
+    /// Events around each stage's launches, when the query is profiled.
+    timer: Option<StageTimer>,
+}
+
+/// GPU time per stage of a query's attention layers, from CUDA events recorded around each
+/// stage's launches and read once, when the query is done.
+#[derive(Default)]
+struct StageTimer {
+    marks: Vec<(&'static str, CudaEvent, CudaEvent)>,
+}
+
+impl StageTimer {
+    /// Runs `work` (launches on `gpu`'s stream) as `stage`, between two events when `timer`
+    /// is on.
+    fn time<R>(
+        timer: &mut Option<Self>,
+        gpu: &kvdb_model::Gpu,
+        stage: &'static str,
+        work: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let Some(timer) = timer else {
+            return work();
+        };
+        let event = || {
+            gpu.stream()
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|source| {
+                    ModelError::from(KernelError::Driver {
+                        op: "recording a timing event",
+                        source,
+                    })
+                })
+        };
+        let start = event()?;
+        let result = work()?;
+        timer.marks.push((stage, start, event()?));
+        Ok(result)
+    }
+
+    /// Seconds per stage (waits for the last event).
+    fn seconds(self) -> Result<BTreeMap<&'static str, f64>> {
+        let mut totals = BTreeMap::new();
+        for (stage, start, end) in self.marks {
+            let ms = start.elapsed_ms(&end).map_err(|source| {
+                ModelError::from(KernelError::Driver {
+                    op: "reading a timing event",
+                    source,
+                })
+            })?;
+            *totals.entry(stage).or_insert(0.0) += f64::from(ms) / 1000.0;
+        }
+        Ok(totals)
+    }
 }
 
 impl LayerAttention for GpuSession<'_, '_> {
@@ -422,8 +514,12 @@ impl GpuSession<'_, '_> {
                     runs: std::slice::from_ref(&all),
                 };
                 let selected = Selected::resident(call.tail, &self.lists);
-                retrieval_attention(gpu, &mut self.workspace, query, dense, selected, &mut out)
-                    .map_err(ModelError::from)?;
+                let workspace = &mut self.workspace;
+                StageTimer::time(&mut self.timer, gpu, "attention", || {
+                    retrieval_attention(gpu, workspace, query, dense, selected, &mut out)
+                        .map_err(ModelError::from)
+                        .map_err(Error::from)
+                })?;
                 continue;
             }
             // Retrieval: the tail densely; the corpus's dense part (sinks and the window's
@@ -447,9 +543,12 @@ impl GpuSession<'_, '_> {
                     let raw = call.raw_queries.slice(i * q..(i + 1) * q);
                     let eligible = policy.candidates(position);
                     let eligible = eligible.start.min(n as u32)..eligible.end.min(n as u32);
-                    partition
-                        .route(gpu, &raw, eligible, visits)
-                        .map_err(ModelError::from)?;
+                    StageTimer::time(&mut self.timer, gpu, "routing", || {
+                        partition
+                            .route(gpu, &raw, eligible, visits)
+                            .map_err(ModelError::from)
+                            .map_err(Error::from)
+                    })?;
                     self.session
                         .record_routed(position, kv_heads, partition.buckets());
                     let part = Buckets {
@@ -458,8 +557,12 @@ impl GpuSession<'_, '_> {
                         ids: partition.ids(),
                         visited: visits.visited(),
                     };
-                    bucket_attention(gpu, &mut self.workspace, query, dense, part, &mut out)
-                        .map_err(ModelError::from)?;
+                    let workspace = &mut self.workspace;
+                    StageTimer::time(&mut self.timer, gpu, "attention", || {
+                        bucket_attention(gpu, workspace, query, dense, part, &mut out)
+                            .map_err(ModelError::from)
+                            .map_err(Error::from)
+                    })?;
                     ListPart::Buckets(part)
                 }
                 (None, Some(found)) => {
@@ -475,8 +578,12 @@ impl GpuSession<'_, '_> {
                         .write_lists(gpu, &lists)
                         .map_err(ModelError::from)?;
                     let part = Selected::resident(corpus, &self.lists).with_runs(&corpus_runs);
-                    retrieval_attention(gpu, &mut self.workspace, query, dense, part, &mut out)
-                        .map_err(ModelError::from)?;
+                    let workspace = &mut self.workspace;
+                    StageTimer::time(&mut self.timer, gpu, "attention", || {
+                        retrieval_attention(gpu, workspace, query, dense, part, &mut out)
+                            .map_err(ModelError::from)
+                            .map_err(Error::from)
+                    })?;
                     ListPart::Selected(part)
                 }
                 (None, None) => {
@@ -489,8 +596,12 @@ impl GpuSession<'_, '_> {
                     self.mass = Some(gpu.zeros(n).map_err(ModelError::from)?);
                 }
                 if let Some(mass) = self.mass.as_mut() {
-                    attention_mass(gpu, &self.workspace, query, part, mass)
-                        .map_err(ModelError::from)?;
+                    let workspace = &self.workspace;
+                    StageTimer::time(&mut self.timer, gpu, "provenance", || {
+                        attention_mass(gpu, workspace, query, part, mass)
+                            .map_err(ModelError::from)
+                            .map_err(Error::from)
+                    })?;
                 }
             }
         }

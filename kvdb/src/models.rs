@@ -4,6 +4,7 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::time::Instant;
 
 use candle_core::Device;
 use kvdb_model::{GgufFile, LoadOptions, Model, ModelError, Tokenizer, WeightMode};
@@ -85,6 +86,9 @@ pub struct LoadedModel {
     pub tokenizer: Tokenizer,
     /// What a corpus records of it (the file's sha256 and the configuration).
     pub record: ModelRecord,
+    /// Seconds each stage of the load took, in order (e.g. `reading the weights`): a
+    /// many-gigabyte model takes a while, and a user should see where.
+    pub stages: Vec<(&'static str, f64)>,
 }
 
 impl LoadedModel {
@@ -129,12 +133,27 @@ pub fn load(
             ..options.clone()
         },
     };
+    let mut stages = Vec::new();
+    let mut timed = |stage: &'static str, started: Instant| {
+        stages.push((stage, started.elapsed().as_secs_f64()));
+    };
+    let started = Instant::now();
     let model = Model::from_gguf(&mut file, &options, &Device::Cpu)?;
+    timed("reading the weights", started);
     #[cfg(feature = "gpu")]
-    let gpu = gpu
-        .map(|gpu| kvdb_model::GpuModel::new(&model, gpu, kvdb_model::Precision::Bf16))
-        .transpose()?;
+    let gpu = {
+        let started = Instant::now();
+        let gpu = gpu
+            .map(|gpu| kvdb_model::GpuModel::new(&model, gpu, kvdb_model::Precision::Bf16))
+            .transpose()?;
+        if gpu.is_some() {
+            timed("copying them to the GPU", started);
+        }
+        gpu
+    };
+    let started = Instant::now();
     let sha256 = kvdb_model::fetch::sha256_file(&path)?;
+    timed("hashing the file", started);
     let file_name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -147,6 +166,7 @@ pub fn load(
         gpu,
         tokenizer,
         record,
+        stages,
     })
 }
 

@@ -4,7 +4,7 @@
 //! attend densely to their stored window. Nothing a query does changes the corpus, so any
 //! number of queries share one [`Corpus`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -22,6 +22,8 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::generate::{continue_generation, GenerateOptions, Generation, StopReason};
+#[cfg(feature = "gpu")]
+pub use crate::gpu_session::GpuUpload;
 use crate::indexes::{load_indexes, IndexSet, LayerIndexes};
 use crate::ingest::{check_model, ModelRef};
 use crate::ram_tier::{RamTier, TierStats};
@@ -126,6 +128,9 @@ pub struct AskOptions {
     /// A prompt template with `{question}` where the question goes (for instruction-tuned
     /// models); `None` appends the question verbatim.
     pub template: Option<String>,
+    /// On a GPU, time each retrieval stage of every step with CUDA events
+    /// ([`Timings::gpu_stage_seconds`]); the events add a little work to every layer.
+    pub profile: bool,
 }
 
 /// A document's share of the attention mass while answering.
@@ -173,6 +178,11 @@ pub struct Timings {
     pub decode_seconds: f64,
     /// Answer tokens per second after the first.
     pub tokens_per_second: f64,
+    /// With [`AskOptions::profile`] on a GPU: seconds of GPU time per stage of the
+    /// attention layers the query computes itself (`routing`, `attention`, `provenance`),
+    /// over the question and the answer; the rest of a step is the model's own work.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub gpu_stage_seconds: BTreeMap<&'static str, f64>,
 }
 
 /// A query's result.
@@ -332,6 +342,17 @@ impl Corpus {
         Ok(kv)
     }
 
+    /// Uploads the retrieval layers' keys and values to the model's GPU now rather than at
+    /// the first question (a server or a benchmark does it before taking questions);
+    /// returns what the upload did (nothing for a model without a GPU).
+    #[cfg(feature = "gpu")]
+    pub fn upload_to_gpu(&self, model: ModelRef<'_>) -> Result<GpuUpload> {
+        match model.gpu {
+            Some(gpu) => Ok(self.gpu_kv(model, gpu)?.upload()),
+            None => Ok(Default::default()),
+        }
+    }
+
     /// Bytes of keys and values the corpus holds on the GPU (0 before its first GPU query).
     #[cfg(feature = "gpu")]
     pub fn gpu_bytes(&self) -> usize {
@@ -342,15 +363,15 @@ impl Corpus {
             .unwrap_or(0)
     }
 
-    /// Rows `range` of `layer`'s keys and values, f32 `[rows, n_kv_heads, head_dim]` each,
-    /// read straight from the store.
+    /// Rows `range` of `layer`'s keys and values, f16 `[n_kv_heads, rows, head_dim]` each,
+    /// as stored.
     #[cfg(feature = "gpu")]
-    pub(crate) fn layer_kv(
+    pub(crate) fn layer_kv_f16(
         &self,
         layer: usize,
         range: Range<usize>,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
-        self.store.layer_kv(&self.manifest, layer, range)
+    ) -> Result<(Vec<half::f16>, Vec<half::f16>)> {
+        self.store.layer_kv_f16(&self.manifest, layer, range)
     }
 
     /// The layers that retrieve.
@@ -428,7 +449,12 @@ impl Corpus {
         let set = self.index_for(model, &options.mode)?;
         // The question's last token produces the first answer token: mass counts from there.
         let answer_from = Some(n + ids.len() - 1);
-        let session = self.session(model, &options.mode, set.as_deref(), answer_from)?;
+        #[allow(unused_mut)]
+        let mut session = self.session(model, &options.mode, set.as_deref(), answer_from)?;
+        #[cfg(feature = "gpu")]
+        {
+            session.profile = options.profile;
+        }
         let started = Instant::now();
         let mut first_token = None;
         let mut stream = |piece: &str| {
@@ -465,6 +491,7 @@ impl Corpus {
                 first_token_seconds: first,
                 decode_seconds: total - first,
                 tokens_per_second: later as f64 / (total - first).max(1e-9),
+                gpu_stage_seconds: std::mem::take(&mut session.gpu_stages),
             },
         })
     }
@@ -624,6 +651,9 @@ impl Corpus {
             answer_from,
             #[cfg(feature = "gpu")]
             set,
+            #[cfg(feature = "gpu")]
+            profile: false,
+            gpu_stages: BTreeMap::new(),
         })
     }
 
@@ -903,6 +933,11 @@ pub(crate) struct Session<'c> {
     /// The indexes the query retrieves through (what a GPU session routes with).
     #[cfg(feature = "gpu")]
     set: Option<&'c IndexSet>,
+    /// Whether a GPU session times its stages ([`AskOptions::profile`]).
+    #[cfg(feature = "gpu")]
+    pub(crate) profile: bool,
+    /// GPU seconds per stage, when profiled.
+    pub(crate) gpu_stages: BTreeMap<&'static str, f64>,
 }
 
 impl<'c> Session<'c> {

@@ -136,6 +136,7 @@ fn selecting_every_token_equals_full_attention() -> Result<()> {
     // Greedy answers agree token for token.
     let ask = |mode| -> Result<Vec<u32>> {
         let options = AskOptions {
+            profile: false,
             mode,
             generate: kvdb::generate::GenerateOptions {
                 max_tokens: 20,
@@ -191,6 +192,7 @@ fn needles_are_found_by_flat_retrieval_where_full_attention_finds_them() -> Resu
         );
         let ask = |mode| -> Result<kvdb::session::Answer> {
             let options = AskOptions {
+                profile: false,
                 mode,
                 generate: kvdb::generate::GenerateOptions {
                     max_tokens: 8,
@@ -284,6 +286,7 @@ const NUMBER: &str = "2099391";
 /// Retrieval through `spec` (sink 4, window 64, 8 tokens), with `k` overridden when given.
 fn ask_options(spec: &kvdb_index::IndexSpec, k: Option<usize>, estimate: bool) -> AskOptions {
     AskOptions {
+        profile: false,
         mode: AttentionMode::Retrieval(kvdb::session::Retrieval {
             index: Some(spec.clone()),
             k,

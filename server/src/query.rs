@@ -197,6 +197,7 @@ impl Ask {
             corpus: corpus.to_string(),
             question,
             options: AskOptions {
+                profile: false,
                 mode: AttentionMode::Retrieval(Retrieval {
                     index,
                     k,

@@ -1,0 +1,193 @@
+//! `kvdb decode-bench`: what a user gets per token. One process loads the model, opens the
+//! corpus and (on a GPU) uploads its retrieval layers once, then answers one question under
+//! full attention and under each index given, the same way each time, and prints a table:
+//! time to the first token, milliseconds per answer token after it, and what retrieval
+//! selected and scored, with each mode's speed against full attention's from the same run.
+//! The first answer of each mode warms it up (it loads the mode's indexes and compiles its
+//! kernels) and is reported apart from the measured ones; one more answer, profiled with
+//! CUDA events on a GPU, says where the attention layers' GPU time goes.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use kvdb::session::{Answer, AskOptions, AttentionMode, Retrieval};
+use kvdb_attention::DensePolicy;
+use kvdb_index::IndexSpec;
+use serde::Serialize;
+
+use crate::corpus_cli::{open_for_questions, OpenArgs};
+use crate::index_cli::parse_spec;
+
+#[derive(clap::Args)]
+pub(crate) struct DecodeBenchArgs {
+    #[command(flatten)]
+    open: OpenArgs,
+    /// Indexes to compare with full attention (`flat` needs no build; others must be built
+    /// on the corpus).
+    #[arg(long = "index", num_args = 1.., value_parser = parse_spec)]
+    index: Vec<IndexSpec>,
+    /// Keys a top-k index retrieves per retrieval layer and KV head at every step (default:
+    /// 1% of the corpus, the papers' budget; bucket indexes attend whole buckets).
+    #[arg(long, value_parser = crate::retrieval_k)]
+    k: Option<usize>,
+    /// Most answer tokens per question (greedy; an end-of-text token stops it earlier).
+    #[arg(long, default_value_t = 32)]
+    tokens: usize,
+    /// Measured answers per mode, after one warm-up answer.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=100))]
+    repeats: u32,
+    /// The question.
+    #[arg(long, default_value = "What does the text say about this?")]
+    question: String,
+    /// Also write the rows as one JSON array here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// One mode's measurements.
+#[derive(Debug, Serialize)]
+struct Row {
+    /// `full attention` or the index spec.
+    mode: String,
+    /// The warm-up answer's time to its first token (loads the mode's indexes).
+    warmup_first_token_seconds: f64,
+    /// Best time to the first token over the measured answers: the question's prefill and
+    /// the first step.
+    first_token_seconds: f64,
+    /// Best milliseconds per answer token after the first, over the measured answers.
+    ms_per_token: f64,
+    /// Answer tokens of the last answer.
+    tokens: usize,
+    /// Share of the eligible corpus keys selected (`None` under full attention).
+    selected: Option<f64>,
+    /// Share of the eligible corpus keys scored by searches.
+    scored: Option<f64>,
+    /// Full attention's milliseconds per token over this mode's.
+    speedup: f64,
+    /// Whether the last answer's tokens equal full attention's.
+    same_answer: bool,
+    /// On a GPU, milliseconds of GPU time per position (question and answer) of each stage
+    /// of the attention the query computes itself, from one more, profiled answer.
+    gpu_ms_per_position: BTreeMap<String, f64>,
+}
+
+pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
+    let opened = open_for_questions(&args.open, args.index.iter())?;
+    let (model, corpus) = (opened.model.as_ref(), &opened.corpus);
+    let n = corpus.manifest().tokens;
+    let k = args.k.unwrap_or((n / 100).max(1));
+    let modes = std::iter::once(AttentionMode::Full).chain(args.index.iter().map(|spec| {
+        AttentionMode::Retrieval(Retrieval {
+            index: Some(spec.clone()),
+            k: Some(k),
+            estimate: false,
+            breadth: None,
+            policy: DensePolicy::default(),
+        })
+    }));
+    let mut rows: Vec<Row> = Vec::new();
+    let mut reference: Option<Vec<u32>> = None;
+    for mode in modes {
+        let name = match &mode {
+            AttentionMode::Full => "full attention".to_string(),
+            AttentionMode::Retrieval(r) => {
+                r.index.as_ref().map_or("flat".into(), |s| s.to_string())
+            }
+        };
+        let options = AskOptions {
+            mode,
+            generate: kvdb::generate::GenerateOptions {
+                max_tokens: args.tokens,
+                ..Default::default()
+            },
+            template: None,
+            profile: false,
+        };
+        let ask = |options: &AskOptions| -> Result<Answer> {
+            corpus
+                .ask(model, &args.question, options, &mut |_| Ok(()))
+                .with_context(|| format!("answering under {name}"))
+        };
+        eprintln!("kvdb: {name}: warm-up answer");
+        let warmup = ask(&options)?;
+        let mut answers = Vec::new();
+        for i in 0..args.repeats {
+            eprintln!("kvdb: {name}: answer {} of {}", i + 1, args.repeats);
+            answers.push(ask(&options)?);
+        }
+        // Apart from the measured answers: the events it records add work to every layer.
+        eprintln!("kvdb: {name}: profiled answer");
+        let profiled = ask(&AskOptions {
+            profile: true,
+            ..options.clone()
+        })?;
+        let positions = (profiled.question_tokens + profiled.tokens.len()).max(1);
+        let gpu_ms_per_position = profiled
+            .timings
+            .gpu_stage_seconds
+            .iter()
+            .map(|(stage, s)| (stage.to_string(), 1000.0 * s / positions as f64))
+            .collect();
+        let last = answers.last().context("no measured answer")?;
+        let best = |f: fn(&Answer) -> f64| answers.iter().map(f).fold(f64::INFINITY, f64::min);
+        let ms_per_token = best(|a| 1000.0 / a.timings.tokens_per_second.max(1e-9));
+        let reference = reference.get_or_insert_with(|| last.tokens.clone());
+        let full_ms = rows.first().map_or(ms_per_token, |full| full.ms_per_token);
+        rows.push(Row {
+            mode: name,
+            warmup_first_token_seconds: warmup.timings.first_token_seconds,
+            first_token_seconds: best(|a| a.timings.first_token_seconds),
+            ms_per_token,
+            tokens: last.tokens.len(),
+            selected: last.retrieval.as_ref().map(|r| r.selectivity()),
+            scored: last.retrieval.as_ref().map(|r| r.scored_share()),
+            speedup: full_ms / ms_per_token,
+            same_answer: last.tokens == *reference,
+            gpu_ms_per_position,
+        });
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "corpus `{}`: {n} tokens, {} on {}; {} measured answers per mode after a warm-up",
+        args.open.target.corpus, opened.model.record.name, args.open.device, args.repeats
+    )?;
+    writeln!(
+        out,
+        "| mode | first token (s) | ms/token | vs full | selected | scored | tokens | same answer as full | warm-up first token (s) | GPU ms/position by stage |"
+    )?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---|---:|---|")?;
+    let share = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{:.2}%", 100.0 * x));
+    for r in &rows {
+        writeln!(
+            out,
+            "| {} | {:.3} | {:.2} | {:.2}x | {} | {} | {} | {} | {:.2} | {} |",
+            r.mode,
+            r.first_token_seconds,
+            r.ms_per_token,
+            r.speedup,
+            share(r.selected),
+            share(r.scored),
+            r.tokens,
+            if r.same_answer { "yes" } else { "no" },
+            r.warmup_first_token_seconds,
+            stages(&r.gpu_ms_per_position)
+        )?;
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&rows)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `attention 1.23, routing 0.10` (`-` for none).
+fn stages(ms: &BTreeMap<String, f64>) -> String {
+    if ms.is_empty() {
+        return "-".into();
+    }
+    let parts: Vec<String> = ms.iter().map(|(s, t)| format!("{s} {t:.3}")).collect();
+    parts.join(", ")
+}
