@@ -2,6 +2,9 @@
 //! head dim 128 (one layer's KV head of a Llama-3-8B-shaped corpus of 128K tokens: an ingest
 //! builds 256 of these), on keys drawn from the distribution fitted to the default model's
 //! real ones (`kvdb_benches::key_model`). k-means over 65,536 sampled keys is most of it.
+//! `… load` reopens the saved index over the same keys, as opening a corpus does for each:
+//! with OpenBLAS's thread pool, then with every product on its calling thread (what kvdb's
+//! parallel loads and builds set, `kvdb_model::blas_on_calling_threads`).
 //!
 //! `cargo bench -p kvdb-benches --bench build` (`RAYON_NUM_THREADS=1` for one core's time).
 
@@ -40,6 +43,24 @@ fn run(c: &mut Criterion) -> Result<()> {
             })
         })
     });
+    // Opening a corpus loads every saved index over keys read back from the store.
+    let built = kvdb_index::build(&spec, &context, &keys)?;
+    let saved = kvdb_index::save(built.as_ref())?;
+    let mut load = |name: &str| {
+        group.bench_function(format!("{SPEC} load{name}"), |b| {
+            b.iter_custom(|iters| {
+                time_iters(iters, || {
+                    kvdb_index::load(&saved, &context, &keys)
+                        .unwrap_or_else(|e| panic!("{SPEC}: {e}"))
+                })
+            })
+        });
+    };
+    // OpenBLAS's own thread pool first, then (for good: OpenBLAS's setting is global) every
+    // product on its calling thread, as kvdb's builds and loads run them.
+    load("");
+    kvdb_model::blas_on_calling_threads();
+    load(", BLAS on the calling thread");
     group.finish();
     Ok(())
 }

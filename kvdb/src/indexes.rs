@@ -355,6 +355,8 @@ fn build_spec<'s>(
         artifact,
     };
     let mut batch = store.batch();
+    // Builds run in parallel: faiss's products on their own threads, not OpenBLAS's pool.
+    kvdb_model::blas_on_calling_threads();
     for &layer in &layers {
         // A layer's KV heads build in parallel (each build is mostly one thread's work).
         let built = (0..heads)
@@ -630,7 +632,8 @@ pub fn load_indexes(
         }
     };
     // Every layer and KV head's index loads on its own thread (a model with few KV heads
-    // has several layers).
+    // has several layers), and faiss's products on that thread, not OpenBLAS's pool.
+    kvdb_model::blas_on_calling_threads();
     let parts: Vec<(usize, usize)> = manifest
         .retrieval_layers()
         .into_iter()

@@ -54,5 +54,6 @@ pub use gpu::{
 #[cfg(feature = "gpu")]
 pub use kvdb_kernels::{Gemm, Gpu, KernelError};
 pub use model::{LoadOptions, Logits, Model, WeightMode, DENSE_MIN_ROWS};
+pub use ops::blas_on_calling_threads;
 pub use rope::Rope;
 pub use tokenizer::{EncodeOptions, StreamDecoder, Tokenizer, TokenizerKind};

@@ -247,6 +247,16 @@ pub(crate) fn small_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         .contiguous()?)
 }
 
+/// Makes OpenBLAS (feature `openblas`) run every product on the thread that calls it, the
+/// policy of the model's own products (parallelism comes from rayon), for every other user
+/// of the library too: faiss's products, which otherwise share OpenBLAS's thread pool across
+/// the threads that build or load indexes in parallel (`cargo bench -p kvdb-benches --bench
+/// build`). A no-op without the feature.
+pub fn blas_on_calling_threads() {
+    #[cfg(feature = "openblas")]
+    blas::single_threaded_blas();
+}
+
 /// Matrix products `a · b` (`transpose_b = false`, `b` `[.., k, n]`) or `a · bᵀ` (`b`
 /// `[.., n, k]`) of f32 CPU tensors, 2-D or batched 3-D. With feature `openblas` they run
 /// through the system OpenBLAS; otherwise (or for other devices) through candle.
@@ -263,7 +273,7 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Result<Tensor
 }
 
 #[cfg(feature = "openblas")]
-mod blas {
+pub(crate) mod blas {
     use candle_core::{CpuStorage, Storage, Tensor};
     use rayon::prelude::*;
 
@@ -277,7 +287,7 @@ mod blas {
     }
 
     /// OpenBLAS runs on the calling thread only; parallelism comes from rayon.
-    fn single_threaded_blas() {
+    pub(crate) fn single_threaded_blas() {
         static ONCE: std::sync::Once = std::sync::Once::new();
         // SAFETY: a plain setter of OpenBLAS's global thread count, called once.
         ONCE.call_once(|| unsafe { openblas_set_num_threads(1) });
