@@ -411,8 +411,9 @@ impl StageTimer {
         timer: &mut Option<Self>,
         gpu: &kvdb_model::Gpu,
         stage: &'static str,
-        work: impl FnOnce() -> Result<R>,
+        work: impl FnOnce() -> kvdb_kernels::Result<R>,
     ) -> Result<R> {
+        let work = || work().map_err(|e| Error::from(ModelError::from(e)));
         let Some(timer) = timer else {
             return work();
         };
@@ -517,8 +518,6 @@ impl GpuSession<'_, '_> {
                 let workspace = &mut self.workspace;
                 StageTimer::time(&mut self.timer, gpu, "attention", || {
                     retrieval_attention(gpu, workspace, query, dense, selected, &mut out)
-                        .map_err(ModelError::from)
-                        .map_err(Error::from)
                 })?;
                 continue;
             }
@@ -544,10 +543,7 @@ impl GpuSession<'_, '_> {
                     let eligible = policy.candidates(position);
                     let eligible = eligible.start.min(n as u32)..eligible.end.min(n as u32);
                     StageTimer::time(&mut self.timer, gpu, "routing", || {
-                        partition
-                            .route(gpu, &raw, eligible, visits)
-                            .map_err(ModelError::from)
-                            .map_err(Error::from)
+                        partition.route(gpu, &raw, eligible, visits)
                     })?;
                     self.session
                         .record_routed(position, kv_heads, partition.buckets());
@@ -560,8 +556,6 @@ impl GpuSession<'_, '_> {
                     let workspace = &mut self.workspace;
                     StageTimer::time(&mut self.timer, gpu, "attention", || {
                         bucket_attention(gpu, workspace, query, dense, part, &mut out)
-                            .map_err(ModelError::from)
-                            .map_err(Error::from)
                     })?;
                     ListPart::Buckets(part)
                 }
@@ -581,8 +575,6 @@ impl GpuSession<'_, '_> {
                     let workspace = &mut self.workspace;
                     StageTimer::time(&mut self.timer, gpu, "attention", || {
                         retrieval_attention(gpu, workspace, query, dense, part, &mut out)
-                            .map_err(ModelError::from)
-                            .map_err(Error::from)
                     })?;
                     ListPart::Selected(part)
                 }
@@ -599,8 +591,6 @@ impl GpuSession<'_, '_> {
                     let workspace = &self.workspace;
                     StageTimer::time(&mut self.timer, gpu, "provenance", || {
                         attention_mass(gpu, workspace, query, part, mass)
-                            .map_err(ModelError::from)
-                            .map_err(Error::from)
                     })?;
                 }
             }
