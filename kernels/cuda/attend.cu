@@ -16,9 +16,9 @@
 // two runs of consecutive rows of the dense buffer: sinks and window, or a query's own
 // tail). The other items are the list part, rows of the list buffer: first slices of its
 // own runs (up to two: a stored corpus's sinks and window), then the head's list: in list
-// mode a slice of `list_chunk` rows of it, in bucket mode a slice of `list_chunk` rows of one
-// bucket whose ids come from CSR offsets; bucket ids inside the list buffer's runs are
-// skipped, so no token counts twice.
+// mode a slice of `list_chunk` rows of it, in bucket mode an equal share of the ids of the
+// head's visited buckets (CSR offsets), read as one sequence; bucket ids inside the list
+// buffer's runs are skipped, so no token counts twice.
 // Each item writes a partial (unnormalised output, max, sum of exponentials, in base 2); the
 // last block of a head to finish merges the head's partials into `out` (and, when asked, each
 // query head's log-sum-exp into `lse`) and resets its counter for the next launch.
@@ -85,18 +85,37 @@ struct ListRows {
     __device__ __forceinline__ u32 operator()(u32 t) const { return rows[t]; }
 };
 
-// Token ids of a bucket; those inside the list buffer's runs are skipped.
-struct BucketRows {
-    const u32* ids;
+// Most buckets a KV head visits in one launch (`MAX_VISITED_BUCKETS` in attention.rs):
+// their starts and running sizes fill shared memory.
+#define MAX_VISITS 128
+
+// The visited buckets of one KV head, read as one sequence of ids: visit k's ids are
+// numbers before[k] .. before[k + 1] of it and start at bucket_ids[first[k]] (both arrays in
+// shared memory). Rows from `start` on; ids inside the list buffer's runs are skipped, so no
+// token counts twice.
+struct VisitedRows {
+    const u32* bucket_ids;
+    const u32* first;
+    const u32* before;
+    u32 visits, start;
     u32 run0_row, run0_len, run1_row, run1_len;
     __device__ __forceinline__ u32 operator()(u32 t) const {
-        const u32 id = ids[t];
+        const u32 at = start + t;
+        // The visit holding `at`: before[lo] <= at < before[hi] throughout, so the search
+        // ends on a visit that is not empty.
+        u32 lo = 0, hi = visits;
+        while (hi - lo > 1) {
+            const u32 mid = (lo + hi) / 2;
+            if (before[mid] <= at) lo = mid; else hi = mid;
+        }
+        const u32 id = bucket_ids[first[lo] + (at - before[lo])];
         const bool dense = (id - run0_row < run0_len) || (id - run1_row < run1_len);
         return dense ? NO_ROW : id;
     }
 };
 
-// The list part of a launch, for one KV head: its runs, then its list or buckets.
+// The list part of a launch, for one KV head: its runs, then its list or buckets. `items`
+// is the part's work items per head (runs' and list's).
 struct ListPart {
     u32 run0_row, run0_len, run1_row, run1_len, run_chunk, run_items;
     const u32* list_off;
@@ -104,9 +123,11 @@ struct ListPart {
     u32 list_chunk;
     const u32* bucket_off;
     const u32* bucket_ids;
+    u32 items;
 
     // Calls visit(rows, n) with the rows of the list part's item i of head h (nothing for
-    // an item past the head's list: heads' lists differ in length).
+    // an item past the head's list: heads' lists differ in length). Every thread of the
+    // block calls it.
     template <class Visit>
     __device__ __forceinline__ void item(u32 i, u32 h, Visit visit) const {
         if (i < run_items) {
@@ -117,26 +138,53 @@ struct ListPart {
         }
         if (list_off == nullptr) return;
         i -= run_items;
-        const u32 begin = list_off[h], end = list_off[h + 1];
         if (bucket_off == nullptr) {
+            const u32 begin = list_off[h], end = list_off[h + 1];
             if (i < (end - begin + list_chunk - 1) / list_chunk) {
                 const u32 first = begin + i * list_chunk;
                 const ListRows rows = {list + first};
                 visit(rows, min_u32(list_chunk, end - first));
             }
-        } else if (end > begin) {
-            // Item i is part i / count of visited bucket i % count: `list_chunk` rows of it,
-            // so that a large bucket is many items rather than one long one (the launcher
-            // makes enough parts for the largest bucket; parts past a bucket's end are empty).
-            const u32 count = end - begin, part = i / count;
-            const u32 bucket = list[begin + i % count];
-            const u32 a = bucket_off[bucket], z = bucket_off[bucket + 1];
-            const u32 first = a + part * list_chunk;
-            if (part < (z - a + list_chunk - 1) / list_chunk) {
-                const BucketRows rows = {bucket_ids + first, run0_row, run0_len, run1_row,
-                                         run1_len};
-                visit(rows, min_u32(list_chunk, z - first));
+            return;
+        }
+        // Buckets: the head's visited buckets' ids, read as one sequence, split evenly over
+        // the items, so that the items stay balanced however unequal the buckets are (the
+        // visits are chosen on the GPU: the launcher knows neither which nor their sizes).
+        __shared__ u32 first[MAX_VISITS];
+        __shared__ u32 before[MAX_VISITS + 1];
+        const u32 begin = list_off[h], end = list_off[h + 1];
+        const u32 visits = min_u32(end - begin, MAX_VISITS);
+        if (threadIdx.x < 32) {
+            // Warp 0 sums the visits' sizes, 32 at a time (an inclusive scan by shuffles).
+            const u32 lane = threadIdx.x;
+            u32 carry = 0;
+            for (u32 k0 = 0; k0 < visits; k0 += 32) {
+                const u32 k = k0 + lane;
+                u32 size = 0;
+                if (k < visits) {
+                    const u32 bucket = list[begin + k];
+                    const u32 a = bucket_off[bucket];
+                    size = bucket_off[bucket + 1] - a;
+                    first[k] = a;
+                }
+                u32 sum = size;
+#pragma unroll
+                for (int off = 1; off < 32; off <<= 1) {
+                    const u32 x = __shfl_up_sync(0xffffffffu, sum, off);
+                    if (lane >= (u32)off) sum += x;
+                }
+                if (k < visits) before[k] = carry + sum - size;
+                carry += __shfl_sync(0xffffffffu, sum, 31);
             }
+            if (lane == 0) before[visits] = carry;
+        }
+        __syncthreads();
+        const u32 total = before[visits], shares = items - run_items;
+        const u32 share = (total + shares - 1) / shares, start = i * share;
+        if (start < total) {
+            const VisitedRows rows = {bucket_ids, first, before, visits, start,
+                                      run0_row, run0_len, run1_row, run1_len};
+            visit(rows, min_u32(share, total - start));
         }
     }
 };
@@ -421,7 +469,8 @@ attend(const u16* __restrict__ q, float scale_log2,
         attend_rows(rows, n, dk + head, dv + head, qf, st);
     } else {
         const ListPart part = {lrun0_row, lrun0_len, lrun1_row, lrun1_len, dense_chunk, lrun_items,
-                               list_off, list, list_chunk, bucket_off, bucket_ids};
+                               list_off,  list,      list_chunk, bucket_off, bucket_ids,
+                               gridDim.x - dense_items};
         const u64 head = (u64)h * l_stride * HEAD_DIM;
         part.item(x - dense_items, h, AttendVisit{lk + head, lv + head, &qf, &st});
     }
@@ -533,8 +582,9 @@ attention_mass(const u16* __restrict__ q, float scale_log2, const u16* __restric
     float head_lse[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) head_lse[g] = lse[(u64)h * GROUP + g];
-    const ListPart part = {lrun0_row, lrun0_len, lrun1_row, lrun1_len, lrun_chunk, lrun_items,
-                           list_off, list, list_chunk, bucket_off, bucket_ids};
+    const ListPart part = {lrun0_row, lrun0_len,  lrun1_row, lrun1_len, lrun_chunk, lrun_items,
+                           list_off,  list,       list_chunk, bucket_off, bucket_ids,
+                           gridDim.x};
     const u64 head = (u64)h * l_stride * HEAD_DIM;
     part.item(blockIdx.x, h, MassVisit{lk + head, &qf, &head_lse, mass});
 }

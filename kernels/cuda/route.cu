@@ -3,79 +3,131 @@
 // of queries picks the `probes` buckets of best score, where a bucket's score is the best
 // over the group's heads (as `IvfIndex` does on the CPU), ties to the lower bucket.
 //
-// Layouts: queries [kv_heads, group, head_dim] f32 (group <= MAX_GROUP); centroids
-// [kv_heads, head_dim, buckets] f32 (transposed); bucket b of KV head h is list
-// h * buckets + b of the CSR (`bucket_off`, `bucket_ids`, ids ascending within a bucket),
-// and list kv_heads * buckets is empty; `visited`
-// [kv_heads, probes] gets those list numbers (probes <= buckets).
+// Compiled by NVRTC with GROUP, the query heads per KV head (1..16), defined; head_dim / 8
+// is a power of two up to 32.
+//
+// Layouts: queries [kv_heads, GROUP, head_dim] f32; centroids [kv_heads, buckets, head_dim]
+// f32; bucket b of KV head h is list h * buckets + b of the CSR (`bucket_off`,
+// `bucket_ids`, ids ascending within a bucket), and list kv_heads * buckets is empty;
+// `visited` [kv_heads, probes] gets those list numbers (probes <= buckets).
 // `selected` counts the ids of the visited buckets inside [lo, hi): the keys the step
 // attends to besides the dense part.
 //
-// Grid: one block per KV head; dynamic shared memory holds the buckets' scores.
+// Grid: one block of ROUTE_THREADS per KV head; dynamic shared memory holds the buckets'
+// scores (padded to whole SCAN chunks). Each step is split over several threads per bucket,
+// so that its loads are in flight together and no thread runs a long loop alone.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #define NEG_INF __int_as_float(0xff800000)
 
-// Most query heads per KV head (`MAX_ROUTED_GROUP` in route.rs).
-#define MAX_GROUP 16
-
-// The first index of ids[0..n) (ascending) at or past `value`.
-__device__ __forceinline__ u32 lower_bound(const u32* ids, u32 n, u32 value) {
-    u32 lo = 0, hi = n;
+// The first index of ids[0..n) (ascending) at or past `value`, searched by a whole warp
+// (every lane calls it with the same arguments): each round the lanes test 32 evenly spaced
+// positions and the range shrinks 32-fold, so a bucket of 100K ids takes four rounds of
+// loads instead of seventeen dependent ones.
+__device__ __forceinline__ u32 warp_lower_bound(const u32* ids, u32 n, u32 value) {
+    const u32 lane = threadIdx.x % 32;
+    u32 lo = 0, hi = n;  // the answer lies in [lo, hi]
     while (lo < hi) {
-        const u32 mid = (lo + hi) / 2;
-        if (ids[mid] < value) lo = mid + 1; else hi = mid;
+        const u32 step = (hi - lo + 31) / 32;
+        const u32 at = lo + lane * step;
+        const bool below = at < hi && ids[at] < value;
+        // Ids ascend, so the lanes below `value` are the first `k`.
+        const u32 k = __popc(__ballot_sync(0xffffffffu, below));
+        if (k == 0) break;
+        const u32 past = lo + k * step;
+        lo = lo + (k - 1) * step + 1;
+        hi = past < hi ? past : hi;
     }
     return lo;
 }
 
-extern "C" __global__ void route_buckets(const float* __restrict__ q,
-                                         const float* __restrict__ centroids, u32 group,
-                                         u32 head_dim, u32 buckets, u32 probes,
-                                         const u32* __restrict__ bucket_off,
-                                         const u32* __restrict__ bucket_ids, u32 lo, u32 hi,
-                                         u32* __restrict__ visited, u64* __restrict__ selected) {
+// Threads of a block (`ROUTE_THREADS` in route.rs).
+#define ROUTE_THREADS 512
+// Buckets each thread scores between uses of their loads (loads in flight).
+#define BUCKETS_IN_FLIGHT 4
+// Scores each ranking thread compares between checks of its count (loads in flight).
+#define SCAN 8
+
+// Eight floats (two 16-byte loads) of `p`, through the read-only cache.
+__device__ __forceinline__ void load8(const float* p, float (&x)[8]) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, u32 head_dim,
+              u32 buckets, u32 probes, const u32* __restrict__ bucket_off,
+              const u32* __restrict__ bucket_ids, u32 lo, u32 hi, u32* __restrict__ visited,
+              u64* __restrict__ selected) {
+    // The buckets' scores, padded with -inf to whole SCAN chunks.
     extern __shared__ float scores[];
+    const u32 padded = (buckets + SCAN - 1) / SCAN * SCAN;
     __shared__ u32 ranked;
     const u32 h = blockIdx.x;
-    const float* hq = q + (u64)h * group * head_dim;
-    const float* hc = centroids + (u64)h * buckets * head_dim;
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     if (threadIdx.x == 0) ranked = 0;
-    // One thread per bucket: the group's best inner product with its centroid. The
-    // centroids are transposed ([head_dim, buckets] per head), so a warp reads one dimension
-    // of 32 consecutive buckets at once, and every thread reads the same query element (a
-    // broadcast); each dimension feeds the group's running sums.
-    for (u32 b = threadIdx.x; b < buckets; b += blockDim.x) {
-        float sum[MAX_GROUP];
+    for (u32 b = buckets + threadIdx.x; b < padded; b += blockDim.x) scores[b] = NEG_INF;
+    // Each bucket's score, the group's best inner product with its centroid, from `lanes`
+    // adjacent threads that each hold 8 dimensions of every group query in registers (read
+    // once) and load the same 8 of the bucket's centroid: a warp reads whole centroids,
+    // and the queries never pass through shared memory.
+    const u32 lanes = head_dim / 8, sub = threadIdx.x % lanes, per_pass = blockDim.x / lanes;
+    float qr[GROUP][8];
 #pragma unroll
-        for (u32 g = 0; g < MAX_GROUP; ++g) sum[g] = 0.f;
-        for (u32 i = 0; i < head_dim; ++i) {
-            const float c = hc[(u64)i * buckets + b];
+    for (int g = 0; g < GROUP; ++g) load8(q + ((u64)h * GROUP + g) * head_dim + sub * 8, qr[g]);
+    const float* hc = centroids + (u64)h * buckets * head_dim + sub * 8;
+    // Every thread runs the same passes (the shuffles need whole warps); those past the
+    // last bucket load its centroid again and drop the score.
+    for (u32 pass = 0; pass < buckets; pass += per_pass * BUCKETS_IN_FLIGHT) {
+        const u32 base = pass + threadIdx.x / lanes;
+        float c[BUCKETS_IN_FLIGHT][8];
 #pragma unroll
-            for (u32 g = 0; g < MAX_GROUP; ++g)
-                if (g < group) sum[g] = fmaf(hq[(u64)g * head_dim + i], c, sum[g]);
+        for (int u = 0; u < BUCKETS_IN_FLIGHT; ++u)
+            load8(hc + (u64)umin(base + u * per_pass, buckets - 1) * head_dim, c[u]);
+#pragma unroll
+        for (int u = 0; u < BUCKETS_IN_FLIGHT; ++u) {
+            float best = NEG_INF;
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                float x = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) x = fmaf(qr[g][i], c[u][i], x);
+                for (u32 off = lanes / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+                best = fmaxf(best, x);
+            }
+            const u32 b = base + u * per_pass;
+            if (b < buckets && sub == 0) scores[b] = best;
         }
-        float best = NEG_INF;
-#pragma unroll
-        for (u32 g = 0; g < MAX_GROUP; ++g)
-            if (g < group) best = fmaxf(best, sum[g]);
-        scores[b] = best;
     }
     __syncthreads();
     // Each bucket's rank in (score descending, bucket ascending): the buckets ranked below
-    // `probes` are the visits, in that order. A bucket stops counting once `probes` others
-    // beat it, which most do within a few comparisons. NaN scores are never visited.
-    for (u32 b = threadIdx.x; b < buckets; b += blockDim.x) {
-        const float s = scores[b];
-        if (s != s) continue;
+    // `probes` are the visits, in that order. `split` adjacent threads count a bucket's
+    // betters together, each over every split-th chunk of SCAN scores (consecutive threads
+    // read consecutive words: no bank conflicts); a thread stops once it alone has counted
+    // `probes` (the bucket is then not visited), and the shuffles add the parts up.
+    // Comparisons are branch-free, so a warp's lanes never diverge inside a chunk. NaN
+    // scores compare false both ways: never better than another, never visited.
+    u32 split = 1;
+    while (split < 32 && split * 2 * padded <= blockDim.x) split *= 2;
+    const u32 part = threadIdx.x % split;
+    for (u32 base = 0; base < padded; base += blockDim.x / split) {
+        const u32 b = base + threadIdx.x / split;
+        const float s = b < buckets ? scores[b] : NEG_INF;
         u32 rank = 0;
-        for (u32 o = 0; o < buckets && rank < probes; ++o) {
-            const float x = scores[o];
-            rank += (x > s || (x == s && o < b)) ? 1u : 0u;
+        for (u32 o0 = part * SCAN; o0 < padded && rank < probes; o0 += split * SCAN) {
+#pragma unroll
+            for (int u = 0; u < SCAN; ++u) {
+                const u32 o = o0 + u;
+                const float x = scores[o];
+                rank += (u32)(x > s) | ((u32)(x == s) & (u32)(o < b));
+            }
         }
-        if (rank < probes) {
+        for (u32 off = 1; off < split; off <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, off);
+        if (part == 0 && b < buckets && s == s && rank < probes) {
             visited[(u64)h * probes + rank] = h * buckets + b;
             atomicAdd(&ranked, 1u);
         }
@@ -86,14 +138,15 @@ extern "C" __global__ void route_buckets(const float* __restrict__ q,
     for (u32 r = ranked + threadIdx.x; r < probes; r += blockDim.x)
         visited[(u64)h * probes + r] = gridDim.x * buckets;
     __syncthreads();
-    // The visited buckets' eligible ids, one bucket per thread: each count is two binary
-    // searches of dependent loads from global memory. The block's writes to `visited` are
-    // visible after the barrier above.
-    for (u32 r = threadIdx.x; r < probes; r += blockDim.x) {
+    // The visited buckets' eligible ids, one bucket per warp: two warp-wide searches. The
+    // block's writes to `visited` are visible after the barrier above.
+    u64 count = 0;
+    for (u32 r = warp; r < probes; r += blockDim.x / 32) {
         const u32 list = visited[(u64)h * probes + r];
         const u32 a = bucket_off[list], z = bucket_off[list + 1];
-        const u32 from = lower_bound(bucket_ids + a, z - a, lo);
-        const u32 to = lower_bound(bucket_ids + a, z - a, hi);
-        atomicAdd(selected, (u64)(to - from));
+        const u32 from = warp_lower_bound(bucket_ids + a, z - a, lo);
+        const u32 to = warp_lower_bound(bucket_ids + a, z - a, hi);
+        count += to - from;
     }
+    if (lane == 0 && count > 0) atomicAdd(selected, count);
 }

@@ -4,7 +4,7 @@
 //! through the pinned-host block cache. bf16 inputs.
 //!
 //! ```sh
-//! gpu_bench [--sdpa sdpa.jsonl] [--json raw.jsonl] [--quick] [--only SHAPE,N,K] [--iters 200]
+//! gpu_bench [--sdpa sdpa.jsonl] [--json raw.jsonl] [--quick] [--buckets] [--only SHAPE,N,K] [--iters 200]
 //! ```
 //!
 //! Timing: CUDA events around each launch, the median of `--iters` (>= 100) launches after a
@@ -26,8 +26,8 @@ use kvdb_kernels::cudarc::driver::sys::{
 };
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice};
 use kvdb_kernels::{
-    flash_decode, retrieval_attention, BlockCache, Csr, Dense, Gpu, HostKv, KvCache, Query,
-    Selected, Workspace,
+    bucket_attention, flash_decode, retrieval_attention, BlockCache, Buckets, Csr, Dense, Gpu,
+    HostKv, KvCache, Partition, Query, Selected, Visits, Workspace,
 };
 use serde_json::{json, Value};
 
@@ -71,6 +71,8 @@ struct Args {
     quick: bool,
     /// One configuration only (shape name, length, k), e.g. for a profiler.
     only: Option<(String, usize, usize)>,
+    /// Bucket routing and attention too (`ivf256,np8,norope,all`'s shape).
+    buckets: bool,
     iters: usize,
 }
 
@@ -81,6 +83,7 @@ impl Args {
             json: None,
             quick: false,
             only: None,
+            buckets: false,
             iters: 200,
         };
         let mut it = std::env::args().skip(1);
@@ -89,6 +92,7 @@ impl Args {
                 "--sdpa" => args.sdpa = Some(it.next().context("--sdpa FILE")?),
                 "--json" => args.json = Some(it.next().context("--json FILE")?),
                 "--quick" => args.quick = true,
+                "--buckets" => args.buckets = true,
                 "--only" => {
                     let spec = it.next().context("--only SHAPE,N,K")?;
                     let parts: Vec<&str> = spec.split(',').collect();
@@ -98,7 +102,7 @@ impl Args {
                     args.only = Some((shape.to_string(), n.parse()?, k.parse()?));
                 }
                 "--iters" => args.iters = it.next().context("--iters N")?.parse()?,
-                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--only SHAPE,N,K] [--iters N]"),
+                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--buckets] [--only SHAPE,N,K] [--iters N]"),
             }
         }
         ensure!(args.iters >= 100, "--iters must be at least 100");
@@ -479,6 +483,112 @@ impl<'g> Bench<'g> {
         Ok(v)
     }
 
+    /// Bucket retrieval as the GPU session runs it for `ivf{buckets},np{probes},norope,all`:
+    /// routing alone (`Partition::route`: centroid scores, the visits, the selected count),
+    /// `bucket_attention` alone over the visited buckets plus sinks and window, and both in
+    /// turn. Buckets are unequal as k-means leaves them (bucket b of a head holds a share
+    /// of the ids falling as 1 / (1 + b / 8)); queries and centroids are random, so the
+    /// visits are random buckets.
+    fn buckets(&mut self, buckets: usize, probes: usize) -> Result<Vec<Value>> {
+        let s = self.shape;
+        let weights: Vec<f64> = (0..buckets).map(|b| 1.0 / (1.0 + b as f64 / 8.0)).collect();
+        let total: f64 = weights.iter().sum();
+        let mut lists = vec![Vec::new(); s.kv_heads * buckets];
+        for h in 0..s.kv_heads {
+            for id in 0..self.n as u32 {
+                let mut x = (self.rng.next() >> 11) as f64 / (1u64 << 53) as f64 * total;
+                let b = weights.iter().position(|w| {
+                    x -= w;
+                    x < 0.0
+                });
+                lists[h * buckets + b.unwrap_or(buckets - 1)].push(id);
+            }
+        }
+        let mut unit = |len: usize| -> Vec<f32> { (0..len).map(|_| self.rng.unit()).collect() };
+        let centroids = unit(s.kv_heads * buckets * s.head_dim);
+        let partition = Partition::new(self.gpu, &centroids, &lists, s.kv_heads, s.head_dim)?;
+        // Input sets whose visits (about 15 MB of keys and values each for Llama at 128K)
+        // add up to more than the L2 holds.
+        const SETS: usize = 16;
+        let route_queries: Vec<CudaSlice<f32>> = (0..SETS)
+            .map(|_| Ok(self.gpu.upload(&unit(s.q_heads * s.head_dim))?))
+            .collect::<Result<_>>()?;
+        let queries: Vec<CudaSlice<T>> =
+            (0..SETS).map(|_| self.queries()).collect::<Result<_>>()?;
+        let mut visits: Vec<Visits> = (0..SETS)
+            .map(|_| Ok(partition.visits(self.gpu, probes)?))
+            .collect::<Result<_>>()?;
+        let position = self.n as u32 - 1;
+        let window_start = position + 1 - WINDOW;
+        let runs = [0..SINK, window_start..position + 1];
+        let eligible = SINK..window_start;
+        let (gpu, scale) = (self.gpu, self.scale());
+        let (copies, ws, out) = (&self.copies, &mut self.workspace, &mut self.out);
+        let route = |i: usize, visits: &mut [Visits]| -> Result<()> {
+            let q = route_queries[i % SETS].as_view();
+            Ok(partition.route(gpu, &q, eligible.clone(), &mut visits[i % SETS])?)
+        };
+        for i in 0..SETS {
+            route(i, &mut visits)?;
+        }
+        let selected = visits
+            .iter()
+            .map(|v| Ok(v.selected(gpu)? as usize))
+            .sum::<Result<usize>>()?
+            / (2 * SETS * s.kv_heads);
+        let mut attend = |i: usize, visits: &[Visits], ws: &mut Workspace| -> Result<()> {
+            let kv = &copies[i % copies.len()];
+            let heads = queries[i % SETS].as_view();
+            let query = Query {
+                heads: &heads,
+                scale,
+            };
+            let part = Buckets {
+                kv,
+                runs: &runs,
+                ids: partition.ids(),
+                visited: visits[i % SETS].visited(),
+            };
+            let dense = Dense { kv, runs: &[] };
+            Ok(bucket_attention(
+                gpu,
+                ws,
+                query,
+                dense,
+                part,
+                &mut out.as_view_mut(),
+            )?)
+        };
+        let mut rows = Vec::new();
+        let t = time_events(gpu, self.iters, |i| route(i, &mut visits))?;
+        let graph = time_graph(gpu, SETS, self.iters, |i| route(i, &mut visits))?;
+        rows.push((
+            format!("route ({buckets} buckets, {probes} probed)"),
+            0,
+            t,
+            graph,
+        ));
+        let tokens = (SINK + WINDOW) as usize + selected;
+        let t = time_events(gpu, self.iters, |i| attend(i, &visits, ws))?;
+        let graph = time_graph(gpu, SETS, self.iters, |i| attend(i, &visits, ws))?;
+        rows.push(("bucket_attention".to_string(), tokens, t, graph));
+        let mut both = |i: usize| -> Result<()> {
+            route(i, &mut visits)?;
+            attend(i, &visits, ws)
+        };
+        let t = time_events(gpu, self.iters, &mut both)?;
+        let graph = time_graph(gpu, SETS, self.iters, &mut both)?;
+        rows.push(("route+bucket_attention".to_string(), tokens, t, graph));
+        Ok(rows
+            .into_iter()
+            .map(|(what, tokens, t, graph)| {
+                let mut v = self.record(&what, Some(selected), tokens, t, graph);
+                v["selected_per_head"] = json!(selected);
+                v
+            })
+            .collect())
+    }
+
     fn record(
         &self,
         what: &str,
@@ -652,6 +762,9 @@ fn main() -> Result<()> {
                 BLOCK_TOKENS,
             )?;
             let mut cache = BlockCache::new(&gpu, host, 2 << 30)?;
+            if args.buckets {
+                rows.extend(bench.buckets(256, 8)?);
+            }
             for k in KS.into_iter().filter(|&k| chosen(shape, n, Some(k))) {
                 let (record, sets) = bench.retrieval(k)?;
                 rows.push(record);

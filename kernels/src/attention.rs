@@ -176,11 +176,12 @@ impl_copy!(Query, KvRows, Selected, Buckets, ListPart, Dense);
 /// Work items per head merged by one block in one level (see `launch`).
 const SINGLE_MERGE: usize = 32;
 
-/// Most work items per KV head the visited buckets of a launch are split into.
-const MAX_BUCKET_ITEMS: usize = 4096;
+/// Most buckets a KV head visits in one bucket launch (`MAX_VISITS` in `attend.cu`: their
+/// starts and running sizes live in shared memory).
+pub const MAX_VISITED_BUCKETS: usize = 128;
 
 /// Rows per work item of [`attention_mass`]'s runs and lists.
-const MASS_CHUNK: usize = 256;
+const MASS_CHUNK: usize = 64;
 
 /// The list part of a launch after validation: rows of one buffer, up to two runs of them,
 /// and a list per KV head (of rows, or of buckets whose ids are rows).
@@ -197,13 +198,14 @@ impl<T> Rows<'_, T> {
         self.runs[0].1 as usize + self.runs[1].1 as usize
     }
 
-    /// Work items of the lists alone: chunks of `chunk` rows; for buckets, as many chunks
-    /// per visited bucket as the largest bucket needs (the visits are chosen on the GPU).
+    /// Work items of the lists alone: chunks of `chunk` rows; for buckets, whose visits are
+    /// chosen on the GPU, items that share the visited ids evenly, as many as chunks of the
+    /// visits' expected size (visits of large buckets make longer items, never more of
+    /// them: the launch stays one wave).
     fn list_items(&self, chunk: usize) -> usize {
-        let longest = self.lists.map_or(0, Csr::longest);
         match self.buckets {
-            Some(buckets) => longest * buckets.longest().div_ceil(chunk).max(1),
-            None => longest.div_ceil(chunk),
+            Some(_) => self.list_rows().div_ceil(chunk).max(1),
+            None => self.lists.map_or(0, Csr::longest).div_ceil(chunk),
         }
     }
 
@@ -430,6 +432,13 @@ fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
         ListPart::Buckets(b) => {
             b.ids
                 .check("bucket token ids", b.ids.lists(), b.kv.tokens())?;
+            if b.visited.longest() > MAX_VISITED_BUCKETS {
+                return Err(KernelError::Unsupported {
+                    what: "buckets a KV head visits in one launch",
+                    value: b.visited.longest(),
+                    supported: "0 to MAX_VISITED_BUCKETS (128)",
+                });
+            }
             Ok(Rows {
                 rows: b.kv.into(),
                 runs: runs_of(b.runs, b.kv.tokens())?,
@@ -535,16 +544,6 @@ fn launch<T: KvElement>(
     let wave = (gpu.multiprocessors() * kernel.blocks_per_sm) as usize;
     let rows = launch.kv_heads * (dense_len + list_runs + list_rows);
     let chunk = rows.div_ceil(wave).next_multiple_of(step).max(2 * step);
-    // Buckets are split into chunks as long as the largest needs: never so many that the
-    // merge's partials overflow (a degenerate partition with one huge bucket).
-    let chunk = match launch.list.and_then(|l| l.buckets.zip(l.lists)) {
-        Some((ids, visits)) => chunk.max(
-            (visits.longest() * ids.longest())
-                .div_ceil(MAX_BUCKET_ITEMS)
-                .next_multiple_of(step),
-        ),
-        None => chunk,
-    };
     let dense_items = dense_len.div_ceil(chunk);
     let list_run_items = list_runs.div_ceil(chunk);
     let list_items = launch.list.map_or(0, |l| l.list_items(chunk));

@@ -58,7 +58,7 @@ mod route;
 #[cfg(feature = "gpu")]
 pub use attention::{
     attention_mass, bucket_attention, flash_decode, retrieval_attention, Buckets, Dense, ListPart,
-    Query, Selected, Workspace,
+    Query, Selected, Workspace, MAX_VISITED_BUCKETS,
 };
 #[cfg(feature = "gpu")]
 pub use buffers::{Csr, KvCache};

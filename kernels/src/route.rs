@@ -5,17 +5,19 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 
+use crate::attention::MAX_VISITED_BUCKETS;
 use crate::buffers::Csr;
 use crate::error::{driver, length, KernelError, Result};
 use crate::gpu::Gpu;
 
 const SOURCE: &str = include_str!("../cuda/route.cu");
 
-/// Threads of a routing block (one block per KV head).
-const ROUTE_THREADS: u32 = 256;
+/// Threads of a routing block (one block per KV head; `ROUTE_THREADS` in `route.cu`):
+/// several per bucket, so that a head's centroid loads are in flight together.
+const ROUTE_THREADS: u32 = 512;
 
-/// Most query heads per KV head a [`Partition`] routes (`MAX_GROUP` in `route.cu`: one
-/// running sum per head in registers).
+/// Most query heads per KV head a [`Partition`] routes (`GROUP` in `route.cu`, compiled per
+/// group: one running sum per head in registers).
 const MAX_ROUTED_GROUP: usize = 16;
 
 /// Most buckets per KV head a [`Partition`] routes: their scores fill 48 KiB of shared
@@ -28,8 +30,6 @@ pub const MAX_ROUTED_BUCKETS: usize = (48 << 10) / size_of::<f32>();
 /// CSR [`crate::Buckets::ids`] takes (KV head `h`'s bucket `b` is list `h * buckets + b`,
 /// and one empty list follows them).
 pub struct Partition {
-    /// Transposed per KV head, `[kv_heads, head_dim, buckets]`: the routing kernel's threads
-    /// (one per bucket) read a dimension of consecutive buckets together.
     centroids: CudaSlice<f32>,
     ids: Csr,
     kv_heads: usize,
@@ -96,12 +96,22 @@ impl Partition {
             kv_heads * buckets * head_dim,
             centroids.len(),
         )?;
-        if buckets == 0 || head_dim == 0 || buckets > MAX_ROUTED_BUCKETS {
+        if buckets == 0 || buckets > MAX_ROUTED_BUCKETS {
             return Err(KernelError::Unsupported {
-                what: "buckets per KV head routed on the GPU (or a head dim of 0)",
+                what: "buckets per KV head routed on the GPU",
                 value: buckets,
                 supported:
                     "1 to MAX_ROUTED_BUCKETS (12,288: their scores fill 48 KiB of shared memory)",
+            });
+        }
+        // Eight dimensions per thread, a power of two of threads per bucket within a warp
+        // (the attention kernels' head dims).
+        let lanes = head_dim / 8;
+        if !head_dim.is_multiple_of(8) || !lanes.is_power_of_two() || lanes > 32 {
+            return Err(KernelError::Unsupported {
+                what: "head dimension routed on the GPU",
+                value: head_dim,
+                supported: "8, 16, 32, 64, 128, 256",
             });
         }
         if let Some(unsorted) = lists
@@ -115,19 +125,8 @@ impl Partition {
         }
         let mut all: Vec<&[u32]> = lists.iter().map(Vec::as_slice).collect();
         all.push(&[]);
-        let mut transposed = vec![0f32; centroids.len()];
-        for (head, out) in centroids
-            .chunks_exact(buckets * head_dim)
-            .zip(transposed.chunks_exact_mut(buckets * head_dim))
-        {
-            for (b, centroid) in head.chunks_exact(head_dim).enumerate() {
-                for (i, &x) in centroid.iter().enumerate() {
-                    out[i * buckets + b] = x;
-                }
-            }
-        }
         Ok(Self {
-            centroids: gpu.upload(&transposed)?,
+            centroids: gpu.upload(centroids)?,
             ids: Csr::from_lists(gpu, &all)?,
             kv_heads,
             buckets,
@@ -145,13 +144,14 @@ impl Partition {
         self.buckets
     }
 
-    /// A query's empty visits of `probes` buckets per KV head (at most the buckets).
+    /// A query's empty visits of `probes` buckets per KV head (at most the buckets, and at
+    /// most the [`MAX_VISITED_BUCKETS`] a bucket launch takes).
     pub fn visits(&self, gpu: &Gpu, probes: usize) -> Result<Visits> {
-        if probes == 0 || probes > self.buckets {
+        if probes == 0 || probes > self.buckets.min(MAX_VISITED_BUCKETS) {
             return Err(KernelError::Unsupported {
                 what: "buckets probed",
                 value: probes,
-                supported: "1 to the partition's buckets",
+                supported: "1 to the partition's buckets, at most MAX_VISITED_BUCKETS (128)",
             });
         }
         Ok(Visits {
@@ -186,15 +186,15 @@ impl Partition {
                 supported: "1 to 16",
             });
         }
-        let group = group as u32;
         length(
             "visited lists (one per KV head)",
             self.kv_heads,
             visits.visited.lists(),
         )?;
         let probes = visits.visited.longest() as u32;
-        let smem = self.buckets * size_of::<f32>();
-        let function = gpu.kernel(SOURCE, "route_buckets", &[])?;
+        // The scores, padded to whole chunks of 8 (`SCAN` in `route.cu`).
+        let smem = self.buckets.next_multiple_of(8) * size_of::<f32>();
+        let function = gpu.kernel(SOURCE, "route_buckets", &[("GROUP", group.to_string())])?;
         let q = queries.device_ptr(gpu.stream()).0;
         let (centroids, off, ids) = (
             gpu.address(&self.centroids),
@@ -210,7 +210,6 @@ impl Partition {
         builder
             .arg(&q)
             .arg(&centroids)
-            .arg(&group)
             .arg(&head_dim)
             .arg(&buckets)
             .arg(&probes)

@@ -22,7 +22,7 @@ mod on_gpu {
     use kvdb_kernels::{
         attention_mass, bucket_attention, flash_decode, retrieval_attention, BlockCache, Buckets,
         Csr, Dense, Gpu, HostKv, KernelError, KvCache, KvElement, ListPart, Partition, Query,
-        Selected, Workspace, MAX_ROUTED_BUCKETS,
+        Selected, Workspace, MAX_ROUTED_BUCKETS, MAX_VISITED_BUCKETS,
     };
     use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
     use rand::rngs::StdRng;
@@ -559,6 +559,8 @@ mod on_gpu {
             (2, 4, 64, 5000, 64),
             (1, 8, 128, 20_000, 1024),
             (3, 1, 256, 300, 7),
+            // Buckets that are not a whole number of the kernel's passes, a group of 7.
+            (2, 7, 32, 3000, 100),
         ] {
             let mut floats = |len: usize| -> Vec<f32> {
                 (0..len).map(|_| rng.random_range(-1.0..1.0)).collect()
@@ -567,7 +569,7 @@ mod on_gpu {
             let queries = floats(kv_heads * group * head_dim);
             let lists = random_buckets(&mut rng, kv_heads, tokens, buckets);
             let partition = Partition::new(&gpu, &centroids, &lists, kv_heads, head_dim)?;
-            let probes = rng.random_range(1..=buckets);
+            let probes = rng.random_range(1..=buckets.min(MAX_VISITED_BUCKETS));
             let mut visits = partition.visits(&gpu, probes)?;
             let on_gpu = gpu.upload(&queries)?;
             let lo = rng.random_range(0..tokens as u32);
@@ -850,6 +852,23 @@ mod on_gpu {
             part,
             &mut out.as_view_mut()
         )));
+        let many = MAX_VISITED_BUCKETS + 1;
+        let singles: Vec<Vec<u32>> = (0..many as u32).map(|b| vec![b % 100]).collect();
+        let buckets = Csr::from_lists(&gpu, &singles)?;
+        let visited = Csr::from_lists(&gpu, &[(0..many as u32).collect(), vec![]])?;
+        ensure!(unsupported(bucket_attention(
+            &gpu,
+            &mut ws,
+            query,
+            dense,
+            Buckets {
+                kv: &kv,
+                runs: &[],
+                ids: &buckets,
+                visited: &visited,
+            },
+            &mut out.as_view_mut()
+        )));
         let none = Csr::from_lists(&gpu, &[Vec::<u32>::new(), vec![]])?;
         let overlapping = [0..10, 5..20];
         ensure!(out_of_range(retrieval_attention(
@@ -885,6 +904,16 @@ mod on_gpu {
             0..2,
             &mut visits
         )));
+        // Head dims whose rows are not 8 dimensions for each of a power of two of threads.
+        for head_dim in [40, 512] {
+            let odd = Partition::new(&gpu, &vec![0.0; head_dim], &[vec![0u32]], 1, head_dim);
+            ensure!(unsupported(odd.map(|_| ())));
+        }
+        // More probes than a bucket launch visits, and a launch visiting that many.
+        let many = MAX_VISITED_BUCKETS + 1;
+        let lists: Vec<Vec<u32>> = (0..many as u32).map(|id| vec![id]).collect();
+        let partition = Partition::new(&gpu, &vec![0.0; many * 8], &lists, 1, 8)?;
+        ensure!(unsupported(partition.visits(&gpu, many).map(|_| ())));
         let host = HostKv::new(&gpu, &layer.keys, &layer.values, 2, 64, 64)?;
         let no_cache = BlockCache::new(&gpu, host, 10);
         ensure!(matches!(no_cache, Err(KernelError::TooLarge { .. })));

@@ -30,6 +30,7 @@ use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
     attention_mass, bucket_attention, retrieval_attention, Buckets, Csr, Dense, KernelError,
     KvCache, ListPart, Partition, Query, Selected, Visits, Workspace, MAX_ROUTED_BUCKETS,
+    MAX_VISITED_BUCKETS,
 };
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
@@ -78,7 +79,8 @@ struct GpuPartitions {
 
 impl GpuPartitions {
     /// `set`'s partitions when every index of it routes linearly with the same buckets per
-    /// KV head within a layer, at most [`MAX_ROUTED_BUCKETS`]; else `None`.
+    /// KV head within a layer, at most [`MAX_ROUTED_BUCKETS`], and probes at most
+    /// [`MAX_VISITED_BUCKETS`]; else `None`.
     fn build(
         set: &IndexSet,
         gpu: &kvdb_model::Gpu,
@@ -99,11 +101,12 @@ impl GpuPartitions {
                 return Ok(None);
             };
             let buckets = first.lists.len();
-            // More buckets than a routing block holds search on the CPU instead.
+            // More buckets than a routing block holds, or more probes than a bucket launch
+            // visits, search on the CPU instead.
             let differ = routings
                 .iter()
                 .any(|r| r.lists.len() != buckets || r.probes != first.probes);
-            if differ || buckets > MAX_ROUTED_BUCKETS {
+            if differ || buckets > MAX_ROUTED_BUCKETS || first.probes > MAX_VISITED_BUCKETS {
                 return Ok(None);
             }
             let centroids: Vec<f32> = routings.iter().flat_map(|r| r.centroids).copied().collect();
@@ -284,7 +287,7 @@ fn with_sequence<'c, R>(
         .ok_or_else(|| Error::Internal("a layer of the model has no RoPE".into()))?;
     let routes = match session.index_set() {
         Some(set) => match kv.partitions(set, config.n_layers(), config.head_dim)? {
-            Some(partitions) => Some(Routes::new(partitions, gpu.gpu(), session.breadth())?),
+            Some(partitions) => Routes::new(partitions, gpu.gpu(), session.breadth())?,
             None => None,
         },
         None => None,
@@ -352,12 +355,16 @@ struct Routes {
 }
 
 impl Routes {
-    /// Visits of `breadth` buckets per search (else each layer's own probes).
+    /// Visits of `breadth` buckets per search (else each layer's own probes); `None` when
+    /// `breadth` is more than a bucket launch visits (the CPU searches then).
     fn new(
         partitions: Arc<GpuPartitions>,
         gpu: &kvdb_model::Gpu,
         breadth: Option<usize>,
-    ) -> Result<Self> {
+    ) -> Result<Option<Self>> {
+        if breadth.is_some_and(|b| b > MAX_VISITED_BUCKETS) {
+            return Ok(None);
+        }
         let visits = partitions
             .layers
             .iter()
@@ -372,7 +379,7 @@ impl Routes {
             })
             .collect::<kvdb_kernels::Result<Vec<_>>>()
             .map_err(ModelError::from)?;
-        Ok(Self { partitions, visits })
+        Ok(Some(Self { partitions, visits }))
     }
 }
 
