@@ -29,7 +29,8 @@ What runs where:
   with a position mask, sliding-window layers to a ring buffer of 512. Decode attention is
   two batched products over each KV head's query group with a softmax in f32 (graph-safe,
   reads each key once; SDPA would need a mask, which its flash backend does not take, or a
-  cache sliced per step, which CUDA graphs cannot replay). Timed eagerly and as a captured
+  cache sliced per step, which CUDA graphs cannot replay; --sdpa-decode times that eager
+  variant too, SDPA over the filled part of the cache). Timed eagerly and as a captured
   CUDA graph of one step (torch.compile is not used: its compile time would not fit the
   budget). The median of the per-step times over --steps steps (CUDA events between steps).
 - gemm: torch.mm of 8192x8192x8192 bf16, the measured peak that MFU is relative to.
@@ -367,9 +368,12 @@ class Model:
             logits = self.logits(x[-1:])
         return logits
 
-    def decode_step(self, token, pos, cache):
+    def decode_step(self, token, pos, cache, sdpa_len=None):
         """One token (token, pos: [1] int64 on the device) through `cache`; logits [1, vocab].
-        Graph-safe: no host synchronisation, no shape depending on pos."""
+        Graph-safe: no host synchronisation, no shape depending on pos; unless `sdpa_len`
+        (pos + 1, known on the host) is given: global layers then attend through
+        scaled_dot_product_attention over the cache's first sdpa_len tokens (GQA in the
+        call, PyTorch's choice of backend), a shape that changes every step."""
         h, kv, d = self.h, self.kv, self.d
         g = h // kv
         ninf = float("-inf")
@@ -383,6 +387,10 @@ class Model:
             slot, mask = (ring_slot, ring_mask) if L.sliding else (pos, global_mask)
             ck.index_copy_(2, slot, k)
             cv.index_copy_(2, slot, v)
+            if sdpa_len is not None and not L.sliding:
+                return F.scaled_dot_product_attention(
+                    q, ck[:, :, :sdpa_len], cv[:, :, :sdpa_len], scale=self.scale,
+                    enable_gqa=True)
             n = ck.shape[2]
             scores = torch.bmm(q.reshape(kv, g, d), ck.view(kv, n, d).transpose(1, 2))
             p = torch.softmax(scores.float() * self.scale + mask, dim=-1).to(self.dtype)
@@ -506,6 +514,16 @@ def bench_decode(m, timer, ctx, args, emit):
         token.copy_(logits.argmax(dim=-1))
         pos.add_(1)
 
+    # The same step with SDPA over the filled part of the cache: the position is also kept
+    # on the host, so the step cannot be captured in a graph.
+    host = dict(pos=ctx)
+
+    def step_sdpa():
+        logits = m.decode_step(token, pos, cache, sdpa_len=host["pos"] + 1)
+        token.copy_(logits.argmax(dim=-1))
+        pos.add_(1)
+        host["pos"] += 1
+
     def per_step_ms(run, n):
         marks = [timer.mark()]
         for _ in range(n):
@@ -515,6 +533,8 @@ def bench_decode(m, timer, ctx, args, emit):
 
     flops, nbytes = decode_cost(m, ctx + args.steps // 2)
     variants = [("eager", step)]
+    if args.sdpa_decode:
+        variants.append(("eager sdpa", step_sdpa))
     if timer.cuda and not args.no_graphs:
         try:
             pos.fill_(ctx)
@@ -533,8 +553,10 @@ def bench_decode(m, timer, ctx, args, emit):
             torch.cuda.synchronize()
     for name, run in variants:
         pos.fill_(ctx)
+        host["pos"] = ctx
         per_step_ms(run, 5)  # warm-up
         pos.fill_(ctx)
+        host["pos"] = ctx
         times = per_step_ms(run, args.steps)
         ms = statistics.median(times)
         emit(dict(phase="decode", tokens=ctx, mode=name, ms=ms, steps=args.steps,
@@ -576,6 +598,9 @@ def main():
     p.add_argument("--chunk", type=int, default=CHUNK)
     p.add_argument("--gemm", type=int, default=8192, help="size of the square GEMM")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly only")
+    p.add_argument("--sdpa-decode", action="store_true",
+                   help="decode also with scaled_dot_product_attention over the filled cache "
+                        "(eager: its shape changes every step)")
     p.add_argument("--check", action="store_true", help="run the consistency check first")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes and lengths, the check included (runs on a CPU)")
