@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Questions on the GPU end to end: writes random-weight GGUFs with real shapes (Gemma 3 270M;
-# Llama-3-8B), ingests copies of the GPL on the GPU with a flat index (and an IVF one), and
-# runs `kvdb decode-bench` on each (full attention, flat top-k, ivf) on the GPU, and for Gemma
-# on the CPU too: one process per device, the model loaded and the corpus uploaded once,
-# printing time to the first token and ms per token against full attention's, and how long
-# the load and upload took. Logs go to $OUT (or ./gpu-query-bench).
+# Llama-3-8B; Qwen2.5-7B-Instruct-1M), ingests copies of the GPL on the GPU with a flat index
+# (and an IVF one), and runs `kvdb decode-bench` on each (full attention, flat top-k, ivf) on
+# the GPU, and for Gemma on the CPU too: one process per device, the model loaded and the
+# corpus uploaded once, printing time to the first token and ms per token against full
+# attention's, and how long the load and upload took. Logs go to $OUT (or ./gpu-query-bench).
 #
 # Usage (on the GPU machine, from the unpacked bundle of scripts/gpu-bundle.sh):
 #   scripts/gpu-query-bench.sh /tmp/kvdb [WORK_DIR]
-# COPIES_GEMMA / COPIES_LLAMA set how many copies of the text each corpus holds (0: skip); IVF_LLAMA
-# an IVF spec for Llama too (its build takes minutes: 32 layers x 8 KV heads; with it, Llama skips
-# flat top-k, whose search on the CPU takes a fifth of a second a token there, and its index); K the
+# COPIES_GEMMA / COPIES_LLAMA / COPIES_QWEN set how many copies of the text each corpus holds
+# (0: skip; Qwen is skipped unless asked); IVF_LLAMA / IVF_QWEN an IVF spec for those models too
+# (its build takes minutes: 32 layers x 8 KV heads for Llama; with it, the model skips flat
+# top-k, whose search on the CPU takes a fifth of a second a token there, and its index); K the
 # keys flat top-k retrieves (default: 1% of the corpus); GEMMA_DEVICES the devices Gemma is asked
 # on (default "cuda cpu"); REPEATS the measured answers per mode (default 2, after a warm-up);
 # WRAP a command that runs decode-bench (e.g. a profiler's).
@@ -24,7 +25,8 @@ kvdb=$bundle/bin/kvdb
 text=${TEXT:-/usr/share/common-licenses/GPL-3}
 log=$out/query.log
 echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$log"
-for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${COPIES_LLAMA:-1}:${IVF_LLAMA:-none}"; do
+for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${COPIES_LLAMA:-1}:${IVF_LLAMA:-none}" \
+    "qwen2.5-7b-1m:${COPIES_QWEN:-0}:${IVF_QWEN:-none}"; do
     IFS=: read -r preset copies ivf <<<"$spec"
     [ "$copies" -gt 0 ] || continue
     model=$work/$preset.gguf
@@ -38,7 +40,7 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         done
         indexes=(--index flat)
         [ "$ivf" = none ] || indexes+=(--index "$ivf")
-        [ "$preset" = llama3-8b ] && [ "$ivf" != none ] && indexes=(--index "$ivf")
+        [ "$preset" != gemma3-270m ] && [ "$ivf" != none ] && indexes=(--index "$ivf")
         s=$(date +%s)
         "$kvdb" ingest --device cuda --model "$model" --store "$work/store-$preset" --corpus c \
             --progress none "${indexes[@]}" "$work/docs-$preset" 2>&1 | tail -1 | tee -a "$log"
@@ -48,7 +50,7 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
     [ "$preset" = gemma3-270m ] && devices=${GEMMA_DEVICES:-cuda cpu}
     # Flat top-k searches on the CPU: a fifth of a second a token for Llama at 120K tokens.
     modes=(--index flat)
-    [ "$preset" = llama3-8b ] && [ "$ivf" != none ] && modes=()
+    [ "$preset" != gemma3-270m ] && [ "$ivf" != none ] && modes=()
     [ "$ivf" = none ] || modes+=(--index "$ivf")
     for device in $devices; do
         echo "$preset on $device:" | tee -a "$log"

@@ -253,6 +253,27 @@ impl TinyModel {
         }
     }
 
+    /// The shapes of Qwen2.5-7B-Instruct-1M (a real million-token model) with random
+    /// weights, stored as BF16: 28 layers of width 3584 (MLP 18944), 28 query heads over 4
+    /// KV heads of 128 dims with Q/K/V biases (56 KiB of f16 keys and values per token), a
+    /// 152064-token vocabulary, 1,010,000 tokens of context, RoPE base 1e7, separate output.
+    pub fn qwen2_5_7b_1m() -> Self {
+        Self {
+            layers: 28,
+            hidden: 3584,
+            intermediate: 18_944,
+            heads: 28,
+            kv_heads: 4,
+            head_dim: 128,
+            vocab: 152_064,
+            context_length: 1_010_000,
+            rope_base: 10_000_000.0,
+            tied_output: false,
+            seed: 7,
+            ..Self::qwen2_0_5b()
+        }
+    }
+
     /// Weights in the file (embedding and output included), from the shapes alone.
     pub fn parameter_count(&self) -> usize {
         self.tensors().iter().map(TinyTensor::elem_count).sum()

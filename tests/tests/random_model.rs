@@ -171,6 +171,23 @@ fn presets_have_the_real_shapes() -> Result<()> {
     assert_eq!(c.n_layers(), 24);
     assert!(c.qkv_bias);
     assert!(c.layers.iter().all(|l| l.rope.base == 1e6));
+
+    let qwen = TinyModel::qwen2_5_7b_1m();
+    assert_eq!(qwen.parameter_count(), 7_615_616_512);
+    let c = config_of(&qwen)?;
+    assert_eq!(c.architecture, Architecture::Qwen2);
+    assert_eq!(
+        (c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads),
+        (3584, 18_944, 28, 4)
+    );
+    assert_eq!(
+        (c.head_dim, c.vocab_size, c.context_length),
+        (128, 152_064, 1_010_000)
+    );
+    assert_eq!(c.n_layers(), 28);
+    assert!(c.qkv_bias);
+    assert!(c.layers.iter().all(|l| l.rope.base == 1e7));
+    assert!(qwen.tensors().iter().any(|t| t.name == "output.weight"));
     Ok(())
 }
 
