@@ -133,6 +133,16 @@ pub fn load(
             ..options.clone()
         },
     };
+    // The file's hash (the model's identity in every corpus manifest) is computed on its own
+    // thread while the weights load: it reads the whole file again (13 s for 16 GB). Should
+    // the load fail, the thread finishes its read and its result is dropped.
+    let hashing = {
+        let path = path.clone();
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            kvdb_model::fetch::sha256_file(&path).map(|sha| (sha, started.elapsed()))
+        })
+    };
     let mut stages = Vec::new();
     let mut timed = |stage: &'static str, started: Instant| {
         stages.push((stage, started.elapsed().as_secs_f64()));
@@ -151,9 +161,10 @@ pub fn load(
         }
         gpu
     };
-    let started = Instant::now();
-    let sha256 = kvdb_model::fetch::sha256_file(&path)?;
-    timed("hashing the file", started);
+    let (sha256, hashed) = hashing
+        .join()
+        .map_err(|_| crate::error::Error::Internal("the hashing thread panicked".into()))??;
+    stages.push(("hashing the file (alongside)", hashed.as_secs_f64()));
     let file_name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())

@@ -400,9 +400,30 @@ fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_vec1::<f32>()?)
 }
 
-fn upload_as<T: Float>(gpu: &Gpu, values: &[f32]) -> Result<CudaSlice<T>> {
-    let converted: Vec<T> = values.par_iter().map(|&x| T::from_f32(x)).collect();
-    Ok(gpu.upload(&converted)?)
+/// Appends a CPU tensor's f32 values, row-major, to `out` as `T`, converted on every core
+/// straight from the tensor's storage: loading a model onto the GPU converts gigabytes of
+/// weights, and a copy per tensor (and per stacking) made that stage most of the load.
+fn extend_converted<T: Float>(out: &mut Vec<T>, t: &Tensor) -> Result<()> {
+    let (storage, layout) = t.storage_and_layout();
+    if let (candle_core::Storage::Cpu(cpu), Some((start, end))) =
+        (&*storage, layout.contiguous_offsets())
+    {
+        let values = &cpu.as_slice::<f32>()?[start..end];
+        out.par_extend(values.par_iter().map(|&x| T::from_f32(x)));
+        return Ok(());
+    }
+    // Not a contiguous CPU tensor (the loader makes none such): through a copy.
+    drop(storage);
+    let values = host_f32(t)?;
+    out.par_extend(values.par_iter().map(|&x| T::from_f32(x)));
+    Ok(())
+}
+
+/// A CPU tensor's f32 values as `T`, row-major.
+fn converted<T: Float>(t: &Tensor) -> Result<Vec<T>> {
+    let mut out = Vec::with_capacity(t.elem_count());
+    extend_converted(&mut out, t)?;
+    Ok(out)
 }
 
 fn upload_norm(gpu: &Gpu, norm: &RmsNorm) -> Result<GpuNorm> {
@@ -412,18 +433,23 @@ fn upload_norm(gpu: &Gpu, norm: &RmsNorm) -> Result<GpuNorm> {
     })
 }
 
-/// The f32 weights of projections computed together, stacked by rows, and their biases
-/// (zeros for a part without one) when any part has one.
-fn stacked(parts: &[&Linear]) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-    let mut weights = Vec::new();
+/// The weights of projections computed together as `T`, stacked by rows, and their f32
+/// biases (zeros for a part without one) when any part has one.
+fn stacked<T: Float>(parts: &[&Linear]) -> Result<(Vec<T>, Option<Vec<f32>>)> {
+    let weights = parts
+        .iter()
+        .map(|part| {
+            part.dense.as_ref().ok_or_else(|| ModelError::Tensor {
+                name: "projection".into(),
+                reason: "the GPU model needs dequantized weights (WeightMode::Dequantized)".into(),
+            })
+        })
+        .collect::<Result<Vec<&Tensor>>>()?;
+    let mut stacked = Vec::with_capacity(weights.iter().map(|w| w.elem_count()).sum());
     let mut widths = Vec::new();
-    for part in parts {
-        let w = part.dense.as_ref().ok_or_else(|| ModelError::Tensor {
-            name: "projection".into(),
-            reason: "the GPU model needs dequantized weights (WeightMode::Dequantized)".into(),
-        })?;
+    for w in &weights {
         widths.push(w.dim(0)?);
-        weights.extend(host_f32(w)?);
+        extend_converted(&mut stacked, w)?;
     }
     let bias = if parts.iter().any(|p| p.bias.is_some()) {
         let mut bias = Vec::new();
@@ -437,7 +463,7 @@ fn stacked(parts: &[&Linear]) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
     } else {
         None
     };
-    Ok((weights, bias))
+    Ok((stacked, bias))
 }
 
 impl<T: Float, A: AttentionType> Inner<T, A> {
@@ -447,23 +473,23 @@ impl<T: Float, A: AttentionType> Inner<T, A> {
         let g = &*gpu;
         let mut layers = Vec::with_capacity(config.n_layers());
         for (layer, spec) in model.layers.iter().zip(&config.layers) {
-            let (qkv, qkv_bias) = stacked(&layer.qkv.parts.iter().collect::<Vec<_>>())?;
-            let (gate_up, _) = stacked(&layer.gate_up.parts.iter().collect::<Vec<_>>())?;
-            let (wo, _) = stacked(&[&layer.wo])?;
-            let (down, _) = stacked(&[&layer.down])?;
+            let (qkv, qkv_bias) = stacked::<T>(&layer.qkv.parts.iter().collect::<Vec<_>>())?;
+            let (gate_up, _) = stacked::<T>(&layer.gate_up.parts.iter().collect::<Vec<_>>())?;
+            let (wo, _) = stacked::<T>(&[&layer.wo])?;
+            let (down, _) = stacked::<T>(&[&layer.down])?;
             let optional = |n: &Option<RmsNorm>| n.as_ref().map(|n| upload_norm(g, n)).transpose();
             let inv_freq: Vec<f64> = layer.rope.inv_freq().to_vec();
             layers.push(GpuLayer {
                 attn_norm: upload_norm(g, &layer.attn_norm)?,
-                qkv: upload_as(g, &qkv)?,
+                qkv: g.upload(&qkv)?,
                 qkv_bias: qkv_bias.map(|b| g.upload(&b)).transpose()?,
-                wo: upload_as(g, &wo)?,
+                wo: g.upload(&wo)?,
                 q_norm: optional(&layer.q_norm)?,
                 k_norm: optional(&layer.k_norm)?,
                 post_attn_norm: optional(&layer.post_attn_norm)?,
                 ffn_norm: upload_norm(g, &layer.ffn_norm)?,
-                gate_up: upload_as(g, &gate_up)?,
-                down: upload_as(g, &down)?,
+                gate_up: g.upload(&gate_up)?,
+                down: g.upload(&down)?,
                 post_ffn_norm: optional(&layer.post_ffn_norm)?,
                 inv_freq: g.upload(&inv_freq)?,
                 pairs: match spec.rope.style {
@@ -476,9 +502,9 @@ impl<T: Float, A: AttentionType> Inner<T, A> {
                 },
             });
         }
-        let embedding = host_f32(&model.embedding.dequantize(&candle_core::Device::Cpu)?)?;
+        let embedding = converted::<T>(&model.embedding.dequantize(&candle_core::Device::Cpu)?)?;
         let output = match &model.output.dense {
-            Some(w) if !model.output_tied => Some(upload_as(g, &host_f32(w)?)?),
+            Some(w) if !model.output_tied => Some(g.upload(&converted::<T>(w)?)?),
             Some(_) => None,
             None => {
                 return Err(ModelError::Tensor {
@@ -494,7 +520,7 @@ impl<T: Float, A: AttentionType> Inner<T, A> {
                 Activation::GeluTanh => GateActivation::GeluTanh,
                 Activation::Silu => GateActivation::Silu,
             },
-            embedding: upload_as(g, &embedding)?,
+            embedding: g.upload(&embedding)?,
             embedding_scale: config.embedding_scale.unwrap_or(1.0),
             layers,
             output_norm: upload_norm(g, &model.output_norm)?,
@@ -1310,5 +1336,58 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
             .map_err(copy)?;
         gpu.synchronize()?;
         Ok(Some((keys, values)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+
+    /// Stacked projections come out as the rows of each part in turn, each value rounded
+    /// once (as converting a copy of it would), with zero biases for a part without one;
+    /// a tensor that is not contiguous (a transposed view) goes through the copy instead.
+    #[test]
+    fn stacking_converts_each_part_in_order() -> Result<()> {
+        let values = |rows: usize, cols: usize, seed: f32| -> Result<Tensor> {
+            let v: Vec<f32> = (0..rows * cols)
+                .map(|i| ((i as f32 + seed) * 0.7311).sin() * 3.0)
+                .collect();
+            Ok(Tensor::from_vec(v, (rows, cols), &Device::Cpu)?)
+        };
+        let linear = |dense: Tensor, bias: Option<Tensor>| Linear {
+            dense: Some(dense),
+            quantized: None,
+            bias,
+        };
+        let q = linear(values(6, 4, 0.0)?, Some(values(1, 6, 1.0)?.flatten_all()?));
+        let k = linear(values(4, 2, 2.0)?.t()?, None);
+        assert!(k.dense.as_ref().is_some_and(|w| !w.is_contiguous()));
+        let v = linear(values(2, 4, 3.0)?, None);
+        let (weights, bias) = stacked::<bf16>(&[&q, &k, &v])?;
+        let mut want = Vec::new();
+        for part in [&q, &k, &v] {
+            if let Some(w) = &part.dense {
+                want.extend(host_f32(w)?.into_iter().map(bf16::from_f32));
+            }
+        }
+        assert_eq!(weights, want);
+        // q's 6 biases, then zeros for k's 2 rows and v's 2.
+        let mut want_bias = match &q.bias {
+            Some(b) => host_f32(b)?,
+            None => Vec::new(),
+        };
+        want_bias.extend([0.0; 4]);
+        assert_eq!(bias, Some(want_bias));
+        // Without biases there is none; a quantized-only part is refused.
+        assert_eq!(stacked::<f32>(&[&v])?.1, None);
+        let quantized = Linear {
+            dense: None,
+            quantized: None,
+            bias: None,
+        };
+        assert!(stacked::<f32>(&[&v, &quantized]).is_err());
+        Ok(())
     }
 }

@@ -62,7 +62,7 @@ enum Preset {
     #[value(name = "qwen2-0.5b")]
     Qwen2_0_5b,
     #[value(name = "qwen2.5-7b-1m")]
-    Qwen2_5_7b_1m,
+    Qwen2_5_7b1m,
     #[value(name = "tiny-gemma3")]
     TinyGemma3,
     #[value(name = "tiny-llama")]
@@ -77,7 +77,7 @@ impl Preset {
             Self::Gemma3_270m => TinyModel::gemma3_270m(),
             Self::Llama3_8b => TinyModel::llama3_8b(),
             Self::Qwen2_0_5b => TinyModel::qwen2_0_5b(),
-            Self::Qwen2_5_7b_1m => TinyModel::qwen2_5_7b_1m(),
+            Self::Qwen2_5_7b1m => TinyModel::qwen2_5_7b_1m(),
             Self::TinyGemma3 => TinyModel::gemma3(),
             Self::TinyLlama => TinyModel::llama(),
             Self::TinyQwen2 => TinyModel::qwen2(),
@@ -91,7 +91,7 @@ impl Preset {
             Self::Gemma3_270m => Some("random-gemma3-270m"),
             Self::Llama3_8b => Some("random-llama3-8b"),
             Self::Qwen2_0_5b => Some("random-qwen2-0.5b"),
-            Self::Qwen2_5_7b_1m => Some("random-qwen2.5-7b-1m"),
+            Self::Qwen2_5_7b1m => Some("random-qwen2.5-7b-1m"),
             Self::TinyGemma3 | Self::TinyLlama | Self::TinyQwen2 => None,
         }
     }
