@@ -122,6 +122,10 @@ pub enum ModelError {
     /// A tensor operation failed (a bug or an out-of-memory condition, not bad input).
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// A broken invariant of the model code itself (shapes or layouts its own callers
+    /// guarantee): a bug, never the user's input.
+    #[error("internal error in the model (a bug in kvdb): {0}")]
+    Internal(String),
 }
 
 /// The crate's result type.

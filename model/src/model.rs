@@ -109,7 +109,7 @@ impl Linear {
             (Some(w), None) if w.device().is_cpu() => small_matmul(x, w)?,
             (Some(w), None) => matmul(x, w, true)?,
             (None, None) => {
-                return Err(candle_core::Error::Msg("a projection without weights".into()).into())
+                return Err(ModelError::Internal("a projection without weights".into()))
             }
         };
         Ok(match &self.bias {
@@ -412,7 +412,7 @@ impl Model {
                 .qkv
                 .forward(&h)?
                 .try_into()
-                .map_err(|_| candle_core::Error::Msg("q/k/v projections".into()))?;
+                .map_err(|_| ModelError::Internal("q/k/v projections are not three".into()))?;
             let q = q.reshape((t, cfg.n_heads, cfg.head_dim))?;
             let k = k.reshape((t, cfg.n_kv_heads, cfg.head_dim))?;
             let v = v.reshape((t, cfg.n_kv_heads, cfg.head_dim))?;

@@ -6,7 +6,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::config::Activation;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 
 /// `√(2/π)`, GELU's tanh-approximation constant.
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -215,19 +215,21 @@ pub(crate) fn small_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
     let (n, k2) = w.dims2()?;
     if k != k2 {
-        return Err(
-            candle_core::Error::Msg(format!("small_matmul: [{m}, {k}] x [{n}, {k2}]ᵀ")).into(),
-        );
+        return Err(ModelError::Internal(format!(
+            "small_matmul: [{m}, {k}] x [{n}, {k2}]ᵀ"
+        )));
     }
     let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
     let (storage, layout) = w.storage_and_layout();
     let candle_core::Storage::Cpu(CpuStorage::F32(ws)) = &*storage else {
-        return Err(candle_core::Error::Msg("small_matmul needs an f32 CPU weight".into()).into());
+        return Err(ModelError::Internal(
+            "small_matmul needs an f32 CPU weight".into(),
+        ));
     };
     let Some((w0, w1)) = layout.contiguous_offsets() else {
-        return Err(
-            candle_core::Error::Msg("small_matmul needs a contiguous weight".into()).into(),
-        );
+        return Err(ModelError::Internal(
+            "small_matmul needs a contiguous weight".into(),
+        ));
     };
     let ws = &ws[w0..w1];
     // Output laid out [n, m] while computing (weight-row major), transposed at the end.
@@ -277,7 +279,7 @@ pub(crate) mod blas {
     use candle_core::{CpuStorage, Storage, Tensor};
     use rayon::prelude::*;
 
-    use crate::error::Result;
+    use crate::error::{ModelError, Result};
 
     /// Rows below which a product is not split further.
     const MIN_ROWS_PER_TASK: usize = 32;
@@ -294,7 +296,7 @@ pub(crate) mod blas {
     }
 
     fn bail<T>(msg: String) -> Result<T> {
-        Err(candle_core::Error::Msg(msg).into())
+        Err(ModelError::Internal(msg))
     }
 
     /// The f32 data of a contiguous CPU tensor, copied only when it is not contiguous.
@@ -405,6 +407,24 @@ mod tests {
         }
         assert!(worst < 5e-7, "worst relative error {worst}");
         assert_eq!(fast_exp(f32::NEG_INFINITY), fast_exp(-87.0));
+    }
+
+    /// A product small_matmul cannot make is reported as the bug it is (its callers pass
+    /// matching f32 CPU tensors), not as a tensor library message.
+    #[test]
+    fn small_matmul_refuses_what_it_cannot_multiply() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((2, 3), candle_core::DType::F32, &dev)?;
+        let internal = |r: Result<Tensor>| matches!(r, Err(ModelError::Internal(_)));
+        let w = Tensor::zeros((4, 5), candle_core::DType::F32, &dev)?;
+        assert!(internal(small_matmul(&x, &w)));
+        let w = Tensor::zeros((4, 3), candle_core::DType::F64, &dev)?;
+        assert!(internal(small_matmul(&x, &w)));
+        let w = Tensor::zeros((3, 4), candle_core::DType::F32, &dev)?.t()?;
+        assert!(internal(small_matmul(&x, &w)));
+        let w = Tensor::ones((4, 3), candle_core::DType::F32, &dev)?;
+        assert_eq!(small_matmul(&x, &w)?.dims(), &[2, 4]);
+        Ok(())
     }
 
     #[test]

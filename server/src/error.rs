@@ -426,6 +426,9 @@ mod tests {
         assert_eq!(bug.status.as_u16(), 500);
         assert!(!bug.message.contains("logits"), "{}", bug.message);
         assert_eq!(status(E::Corrupt("a block is short".into())), 500);
+        // A broken invariant inside the model is the server's fault, not the request's.
+        let model_bug = kvdb_model::ModelError::Internal("q/k/v projections are not three".into());
+        assert_eq!(status(E::Model(model_bug)), 500);
     }
 
     /// A long spec in an error is echoed cut short.
