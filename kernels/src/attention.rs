@@ -462,6 +462,20 @@ fn check_rows<T>(rows: &Rows<'_, T>, kv_heads: usize) -> Result<()> {
     Ok(())
 }
 
+/// Threads that share a row of `head_dim` in the decode kernels (attention and routing),
+/// 8 dimensions each: a power of two within a warp.
+pub(crate) fn lanes_of(head_dim: usize, what: &'static str) -> Result<usize> {
+    let lanes = head_dim / 8;
+    if !head_dim.is_multiple_of(8) || !lanes.is_power_of_two() || lanes > 32 {
+        return Err(KernelError::Unsupported {
+            what,
+            value: head_dim,
+            supported: "8, 16, 32, 64, 128, 256",
+        });
+    }
+    Ok(lanes)
+}
+
 /// The GQA group of `query` over `kv_heads` heads of `head_dim`.
 fn group_of<T>(query: Query<'_, T>, kv_heads: usize, head_dim: usize) -> Result<usize> {
     let per_group = kv_heads * head_dim;
@@ -515,14 +529,7 @@ fn launch<T: KvElement>(
 ) -> Result<()> {
     let head_dim = launch.dense.head_dim;
     let group = group_of(launch.query, launch.kv_heads, head_dim)?;
-    let lanes = head_dim / 8;
-    if !head_dim.is_multiple_of(8) || !lanes.is_power_of_two() || lanes > 32 {
-        return Err(KernelError::Unsupported {
-            what: "head dimension",
-            value: head_dim,
-            supported: "8, 16, 32, 64, 128, 256",
-        });
-    }
+    let lanes = lanes_of(head_dim, "head dimension")?;
     length(
         "out [kv_heads, group, head_dim]",
         launch.query.heads.len(),

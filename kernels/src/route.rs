@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 
-use crate::attention::MAX_VISITED_BUCKETS;
+use crate::attention::{lanes_of, MAX_VISITED_BUCKETS};
 use crate::buffers::Csr;
 use crate::error::{driver, length, KernelError, Result};
 use crate::gpu::Gpu;
@@ -104,16 +104,8 @@ impl Partition {
                     "1 to MAX_ROUTED_BUCKETS (12,288: their scores fill 48 KiB of shared memory)",
             });
         }
-        // Eight dimensions per thread, a power of two of threads per bucket within a warp
-        // (the attention kernels' head dims).
-        let lanes = head_dim / 8;
-        if !head_dim.is_multiple_of(8) || !lanes.is_power_of_two() || lanes > 32 {
-            return Err(KernelError::Unsupported {
-                what: "head dimension routed on the GPU",
-                value: head_dim,
-                supported: "8, 16, 32, 64, 128, 256",
-            });
-        }
+        // A bucket's centroid is read by the attention kernels' lanes of a row.
+        lanes_of(head_dim, "head dimension routed on the GPU")?;
         if let Some(unsorted) = lists
             .iter()
             .position(|l| l.windows(2).any(|w| w[0] >= w[1]))
