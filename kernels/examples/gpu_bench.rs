@@ -528,6 +528,7 @@ impl<'g> Bench<'g> {
             let q = route_queries[i % SETS].as_view();
             Ok(partition.route(gpu, &q, eligible.clone(), &mut visits[i % SETS])?)
         };
+        // One route per set: the ids each head selects, on average.
         for i in 0..SETS {
             route(i, &mut visits)?;
         }
@@ -535,7 +536,7 @@ impl<'g> Bench<'g> {
             .iter()
             .map(|v| Ok(v.selected(gpu)? as usize))
             .sum::<Result<usize>>()?
-            / (2 * SETS * s.kv_heads);
+            / (SETS * s.kv_heads);
         let mut attend = |i: usize, visits: &[Visits], ws: &mut Workspace| -> Result<()> {
             let kv = &copies[i % copies.len()];
             let heads = queries[i % SETS].as_view();
