@@ -49,6 +49,11 @@ typedef unsigned long long u64;
 // Threads of the row kernels: 8 warps.
 #define ROW_THREADS 256
 #define WARPS (ROW_THREADS / 32)
+// Threads of the norms (one block per row): a decode step normalises one row, so the block
+// alone reads it, and its latency is that of its loads. 1,024 threads each with NORM_UNROLL
+// independent loads in flight read a row of 4,096 in one round trip.
+#define NORM_THREADS 1024
+#define NORM_UNROLL 4
 // The longest head ops_attention_inputs handles (its per-warp buffer in shared memory).
 #define MAX_HEAD_DIM 512
 
@@ -84,14 +89,14 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Sum over the block (ROW_THREADS threads), in the same order on every run: no atomics.
-// Every thread gets the total. `scratch` holds WARPS floats.
+// Sum over the block (a whole number of warps, at most 32), in the same order on every run:
+// no atomics. Every thread gets the total. `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     v = warp_sum(v);
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    v = lane < WARPS ? scratch[lane] : 0.0f;
+    v = lane < blockDim.x / 32 ? scratch[lane] : 0.0f;
     v = warp_sum(v);
     // Before anyone writes scratch again.
     __syncthreads();
@@ -109,50 +114,99 @@ __device__ __forceinline__ float normed(float x, float rms, float weight, float 
 }
 
 // out [rows, hidden] (float) = table[ids[row]] * scale; a row of zeros for an id >= vocab.
-// Grid: one block per row.
+// Grid: rows × (blocks per row), the row's elements strided over its blocks' threads.
 extern "C" __global__ void __launch_bounds__(ROW_THREADS)
     ops_embed(const TABLE_T* __restrict__ table, u32 vocab, u32 hidden, const u32* __restrict__ ids,
               float scale, float* __restrict__ out) {
     const u32 id = ids[blockIdx.x];
     float* dst = out + (u64)blockIdx.x * hidden;
+    const u32 first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
     if (id >= vocab) {
-        for (u32 j = threadIdx.x; j < hidden; j += blockDim.x) dst[j] = 0.0f;
+        for (u32 j = first; j < hidden; j += stride) dst[j] = 0.0f;
         return;
     }
     const TABLE_T* src = table + (u64)id * hidden;
-    for (u32 j = threadIdx.x; j < hidden; j += blockDim.x) dst[j] = to_float(src[j]) * scale;
+    for (u32 j = first; j < hidden; j += stride) dst[j] = to_float(src[j]) * scale;
 }
 
-// out [rows, width] (OUT_T) = RMSNorm(x [rows, width]) with weight [width]. Grid: one block per row.
-extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+// sum(row[j]²) over the block: thread t sums elements t, t + NORM_THREADS, ... in order,
+// NORM_UNROLL loads issued before any is used; then block_sum.
+__device__ __forceinline__ float sum_squares(const float* __restrict__ row, u32 width,
+                                             float* scratch) {
+    float ss = 0.0f;
+    for (u32 base = threadIdx.x; base < width; base += NORM_THREADS * NORM_UNROLL) {
+        float v[NORM_UNROLL];
+#pragma unroll
+        for (int u = 0; u < NORM_UNROLL; ++u) {
+            const u32 j = base + u * NORM_THREADS;
+            v[u] = j < width ? row[j] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_UNROLL; ++u) ss += v[u] * v[u];
+    }
+    return block_sum(ss, scratch);
+}
+
+// out [rows, width] (OUT_T) = RMSNorm(x [rows, width]) with weight [width]. Grid: one block
+// of NORM_THREADS per row.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     ops_rms_norm(const float* __restrict__ x, u32 width, const float* __restrict__ weight,
                  float eps, float offset, OUT_T* __restrict__ out) {
-    __shared__ float scratch[WARPS];
+    __shared__ float scratch[32];
     const float* row = x + (u64)blockIdx.x * width;
-    float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < width; j += blockDim.x) ss += row[j] * row[j];
-    const float r = rms(block_sum(ss, scratch), width, eps);
+    const float r = rms(sum_squares(row, width, scratch), width, eps);
     OUT_T* dst = out + (u64)blockIdx.x * width;
-    for (u32 j = threadIdx.x; j < width; j += blockDim.x)
-        dst[j] = from_float<OUT_T>(normed(row[j], r, weight[j], offset));
+    for (u32 base = threadIdx.x; base < width; base += NORM_THREADS * NORM_UNROLL) {
+        float v[NORM_UNROLL], w[NORM_UNROLL];
+#pragma unroll
+        for (int u = 0; u < NORM_UNROLL; ++u) {
+            const u32 j = base + u * NORM_THREADS;
+            v[u] = j < width ? row[j] : 0.0f;
+            w[u] = j < width ? weight[j] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_UNROLL; ++u) {
+            const u32 j = base + u * NORM_THREADS;
+            if (j < width) dst[j] = from_float<OUT_T>(normed(v[u], r, w[u], offset));
+        }
+    }
 }
 
-// residual [rows, width] += RMSNorm(y) (NORMED 1) or y (NORMED 0). Grid: one block per row.
-extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+// residual [rows, width] += RMSNorm(y) (NORMED 1) or y (NORMED 0). Grid: one block of
+// NORM_THREADS per row.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     ops_add_rms_norm(float* __restrict__ residual, const float* __restrict__ y, u32 width,
                      const float* __restrict__ weight, float eps, float offset) {
     const float* row = y + (u64)blockIdx.x * width;
     float* dst = residual + (u64)blockIdx.x * width;
 #if NORMED
-    __shared__ float scratch[WARPS];
-    float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < width; j += blockDim.x) ss += row[j] * row[j];
-    const float r = rms(block_sum(ss, scratch), width, eps);
-    for (u32 j = threadIdx.x; j < width; j += blockDim.x)
-        dst[j] = __fadd_rn(dst[j], normed(row[j], r, weight[j], offset));
-#else
-    for (u32 j = threadIdx.x; j < width; j += blockDim.x) dst[j] = __fadd_rn(dst[j], row[j]);
+    __shared__ float scratch[32];
+    const float r = rms(sum_squares(row, width, scratch), width, eps);
 #endif
+    for (u32 base = threadIdx.x; base < width; base += NORM_THREADS * NORM_UNROLL) {
+        float v[NORM_UNROLL], old[NORM_UNROLL];
+#if NORMED
+        float w[NORM_UNROLL];
+#endif
+#pragma unroll
+        for (int u = 0; u < NORM_UNROLL; ++u) {
+            const u32 j = base + u * NORM_THREADS;
+            v[u] = j < width ? row[j] : 0.0f;
+            old[u] = j < width ? dst[j] : 0.0f;
+#if NORMED
+            w[u] = j < width ? weight[j] : 0.0f;
+#endif
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_UNROLL; ++u) {
+            const u32 j = base + u * NORM_THREADS;
+#if NORMED
+            if (j < width) dst[j] = __fadd_rn(old[u], normed(v[u], r, w[u], offset));
+#else
+            if (j < width) dst[j] = __fadd_rn(old[u], v[u]);
+#endif
+        }
+    }
 }
 
 // RoPE of one pair, as the CPU computes it: products rounded separately, then the sum.
@@ -186,7 +240,8 @@ __device__ __forceinline__ void rope_table(u64 position, const double* __restric
 //      cos/sin rounded to float, pairs (i, i + d/2) or (2i, 2i + 1) if interleaved;
 //   6. queries written to queries [tokens, heads, head_dim] (KV_T), keys and values to row
 //      kv_head * capacity + position % capacity of keys/values (KV_T).
-// Grid: one block per token, each warp one head at a time, the head in shared memory.
+// Grid: tokens × (blocks per token), each warp one head at a time (heads strided over the
+// token's blocks' warps), the head in shared memory.
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs(
     const float* __restrict__ qkv, const float* __restrict__ bias, u32 heads, u32 kv_heads,
     u32 head_dim, const float* __restrict__ q_weight, float q_eps, float q_offset,
@@ -206,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs(
     const u64 slot = position % capacity;
     float* x = buffer[warp];
     // The loop bounds are the same on all lanes of a warp, so __syncwarp is safe.
-    for (u32 h = warp; h < all_heads; h += WARPS) {
+    for (u32 h = blockIdx.y * WARPS + warp; h < all_heads; h += WARPS * gridDim.y) {
         const bool is_query = h < heads, is_value = h >= heads + kv_heads;
         const u32 kv_head = is_query ? 0 : (is_value ? h - heads - kv_heads : h - heads);
         const float* src = qkv + ((u64)token * all_heads + h) * head_dim;

@@ -5,7 +5,11 @@
 //!
 //! ```sh
 //! gpu_bench [--sdpa sdpa.jsonl] [--json raw.jsonl] [--quick] [--buckets] [--only SHAPE,N,K] [--iters 200]
+//! gpu_bench --projections [--iters 200]
 //! ```
+//!
+//! `--projections` times the weight products of a decode step instead (Llama-3-8B's and
+//! Gemma 3 270M's, batch 1), on `Gemm::linear`'s matrix-vector kernel and on cuBLASLt.
 //!
 //! Timing: CUDA events around each launch, the median of `--iters` (>= 100) launches after a
 //! warm-up; and the same launches captured in a CUDA graph, replayed, per step. Every timed
@@ -73,6 +77,8 @@ struct Args {
     only: Option<(String, usize, usize)>,
     /// Bucket routing and attention too (`ivf256,np8,norope,all`'s shape).
     buckets: bool,
+    /// The decode step's weight products alone.
+    projections: bool,
     iters: usize,
 }
 
@@ -84,6 +90,7 @@ impl Args {
             quick: false,
             only: None,
             buckets: false,
+            projections: false,
             iters: 200,
         };
         let mut it = std::env::args().skip(1);
@@ -93,6 +100,7 @@ impl Args {
                 "--json" => args.json = Some(it.next().context("--json FILE")?),
                 "--quick" => args.quick = true,
                 "--buckets" => args.buckets = true,
+                "--projections" => args.projections = true,
                 "--only" => {
                     let spec = it.next().context("--only SHAPE,N,K")?;
                     let parts: Vec<&str> = spec.split(',').collect();
@@ -102,7 +110,7 @@ impl Args {
                     args.only = Some((shape.to_string(), n.parse()?, k.parse()?));
                 }
                 "--iters" => args.iters = it.next().context("--iters N")?.parse()?,
-                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--buckets] [--only SHAPE,N,K] [--iters N]"),
+                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--buckets] [--projections] [--only SHAPE,N,K] [--iters N]"),
             }
         }
         ensure!(args.iters >= 100, "--iters must be at least 100");
@@ -730,9 +738,89 @@ fn read_jsonl(path: &str) -> Result<Vec<Value>> {
         .collect()
 }
 
+/// A model's weight products per decode step: (name, n, k, times per token).
+type Projection = (&'static str, usize, usize, usize);
+
+const PROJECTIONS: [(&str, [Projection; 5]); 2] = [
+    (
+        "llama3-8b",
+        [
+            ("qkv", 6144, 4096, 32),
+            ("wo", 4096, 4096, 32),
+            ("gate_up", 28672, 4096, 32),
+            ("down", 4096, 14336, 32),
+            ("output", 128_256, 4096, 1),
+        ],
+    ),
+    (
+        "gemma3-270m",
+        [
+            ("qkv", 1536, 640, 18),
+            ("wo", 640, 1024, 18),
+            ("gate_up", 4096, 640, 18),
+            ("down", 640, 2048, 18),
+            ("output", 262_144, 640, 1),
+        ],
+    ),
+];
+
+/// `--projections`: each weight product of a decode step at batch 1 on the matrix-vector
+/// kernel and on cuBLASLt, weights rotating over copies of more than 200 MB; a table with
+/// the weights' GB/s and the sum per token.
+fn projections(gpu: &Gpu, iters: usize) -> Result<()> {
+    use kvdb_kernels::Gemm;
+    let mut gemm = Gemm::new(gpu)?;
+    println!("\n### Decode-step weight products at batch 1: matrix-vector kernel vs cuBLASLt (µs, median of events)\n");
+    println!(
+        "| model | product | n × k | vector kernel | GB/s | cuBLASLt | GB/s | cuBLASLt / kernel |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---:|");
+    for (model, products) in PROJECTIONS {
+        let mut per_token = [0.0f64; 2];
+        for (name, n, k, times) in products {
+            let weights = random(n * k, (n * k) as u64);
+            let copies = (ROTATE_BYTES / (2 * n * k) as f64).ceil().max(1.0) as usize;
+            let copies: Vec<CudaSlice<T>> = (0..copies)
+                .map(|_| gpu.upload(&weights))
+                .collect::<kvdb_kernels::Result<_>>()?;
+            let x = gpu.upload(&random(k, 7))?;
+            let mut out: CudaSlice<f32> = gpu.zeros(n)?;
+            let mut medians = [0.0f64; 2];
+            for (m, vector) in [true, false].into_iter().enumerate() {
+                gemm.set_vector_kernel(vector);
+                let t = time_events(gpu, iters, |i| {
+                    let w = &copies[i % copies.len()];
+                    let (x, w) = (x.as_view(), w.as_view());
+                    Ok(gemm.linear(gpu, &x, &w, k, None, false, &mut out.as_view_mut())?)
+                })?;
+                medians[m] = t.median_us;
+                per_token[m] += t.median_us * times as f64;
+            }
+            let gbps = |us: f64| (2 * n * k) as f64 / (us * 1e-6) / 1e9;
+            println!(
+                "| {model} | {name} | {n} × {k} | {:.1} | {:.0} | {:.1} | {:.0} | {:.2} |",
+                medians[0],
+                gbps(medians[0]),
+                medians[1],
+                gbps(medians[1]),
+                medians[1] / medians[0]
+            );
+        }
+        let [ours, lt] = per_token;
+        println!(
+            "| {model} | **per token** | | {ours:.0} | | {lt:.0} | | {:.2} |",
+            lt / ours
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args = Args::parse()?;
     let gpu = Gpu::new(0)?;
+    if args.projections {
+        return projections(&gpu, args.iters);
+    }
     let copy = copy_gbps(&gpu)?;
     let pcie = pcie_gbps(&gpu)?;
     let device = json!({

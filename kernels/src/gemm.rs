@@ -1,6 +1,8 @@
 //! [`Gemm`]: the forward pass's matrix products, `x · wᵀ (+ bias)`, through cuBLASLt (loaded
 //! at run time by cudarc). Inputs in bf16 or f16 with f32 accumulation and an f32 output, or
-//! all f32 (no TF32: the exact test mode).
+//! all f32 (no TF32: the exact test mode). Products of one row (a decode step's at batch 1)
+//! run on this crate's own matrix-vector kernel (`cuda/gemv.cu`), as fast as cuBLASLt on
+//! large matrices and faster on small ones.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -12,9 +14,17 @@ use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use cudarc::driver::{CudaContext, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
 use crate::error::{cublas, driver, length, KernelError, Result};
 use crate::gpu::{Float, Gpu};
 use crate::ops::add_bias;
+
+const GEMV_SOURCE: &str = include_str!("../cuda/gemv.cu");
+/// Threads of a `gemv` block (`THREADS` in `gemv.cu`): 8 warps, one weight row each.
+const GEMV_THREADS: u32 = 256;
+/// Resident `gemv` blocks per multiprocessor the grid is sized for (2,048 threads).
+const GEMV_BLOCKS_PER_SM: u32 = 8;
 
 /// cuBLASLt's workspace: NVIDIA's recommendation, 32 MiB on Hopper and later, 4 MiB before.
 const WORKSPACE_HOPPER: usize = 32 << 20;
@@ -47,6 +57,7 @@ pub struct Gemm {
     state: Mutex<State>,
     workspace: CudaSlice<u8>,
     bias_in_epilogue: bool,
+    vector_kernel: bool,
 }
 
 struct State {
@@ -83,6 +94,7 @@ impl std::fmt::Debug for Gemm {
             .field("plans", &plans)
             .field("plans_adding_bias_in_epilogue", &bias_epilogues)
             .field("bias_in_epilogue", &self.bias_in_epilogue)
+            .field("vector_kernel", &self.vector_kernel)
             .finish_non_exhaustive()
     }
 }
@@ -164,7 +176,15 @@ impl Gemm {
             state: Mutex::new(state),
             workspace: gpu.zeros(size)?,
             bias_in_epilogue: true,
+            vector_kernel: true,
         })
+    }
+
+    /// Whether [`Gemm::linear`] runs products of one row of 16-bit inputs on the crate's
+    /// matrix-vector kernel (the default) or on cuBLASLt like the others: benchmarks compare
+    /// the two, tests check both.
+    pub fn set_vector_kernel(&mut self, on: bool) {
+        self.vector_kernel = on;
     }
 
     /// Whether [`Gemm::linear`] adds the bias in cuBLASLt's epilogue (the default) or with a
@@ -177,7 +197,8 @@ impl Gemm {
     /// `out [rows, n] = x [rows, k] · w [n, k]ᵀ (+ bias [n]) (+ out, if accumulate)`, all
     /// row-major; `rows` and `n` follow from the lengths. Products accumulate in f32 and
     /// `out` is f32. `T` is bf16 or f16 (inputs in `T`) or f32 (f32 arithmetic throughout,
-    /// no TF32).
+    /// no TF32). One row of 16-bit inputs with `k` a multiple of 8 and w and x 16-byte
+    /// aligned runs on the matrix-vector kernel (see [`Gemm::set_vector_kernel`]).
     #[allow(clippy::too_many_arguments)]
     pub fn linear<T: Float>(
         &self,
@@ -233,6 +254,14 @@ impl Gemm {
         let stream = gpu.stream();
         let w_ptr = w.device_ptr(stream).0;
         let x_ptr = x.device_ptr(stream).0;
+        let vector_shaped = T::NAME != "float"
+            && rows == 1
+            && k.is_multiple_of(8)
+            && alignment(w_ptr) >= 16
+            && alignment(x_ptr) >= 16;
+        if self.vector_kernel && vector_shaped {
+            return gemv(gpu, x, w, (n, k), bias, accumulate, out);
+        }
         let out_ptr = out.device_ptr_mut(stream).0;
         let bias_ptr = bias.map(|b| b.device_ptr(stream).0);
         let key = Key {
@@ -302,6 +331,47 @@ impl Gemm {
             _ => Ok(()),
         }
     }
+}
+
+/// [`Gemm::linear`] for one row on `gemv.cu` (the caller checked the lengths, `k`'s multiple
+/// of 8 and the 16-byte alignment of w and x).
+fn gemv<T: Float>(
+    gpu: &Gpu,
+    x: &CudaView<'_, T>,
+    w: &CudaView<'_, T>,
+    (n, k): (usize, usize),
+    bias: Option<&CudaView<'_, f32>>,
+    accumulate: bool,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    let defines = [("W_BF16", u8::from(T::NAME == "__nv_bfloat16").to_string())];
+    let kernel = gpu.kernel(GEMV_SOURCE, "gemv", &defines)?;
+    // Enough blocks for every row, at most as many as are resident at once (the warps then
+    // stride over the rest).
+    let most = gpu.multiprocessors() * GEMV_BLOCKS_PER_SM;
+    let blocks = (n as u32).div_ceil(GEMV_THREADS / 32).clamp(1, most);
+    let config = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (GEMV_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let bias = bias.map_or(0u64, |b| b.device_ptr(gpu.stream()).0);
+    let (n, k, accumulate) = (n as u32, k as u32, u32::from(accumulate));
+    let mut builder = gpu.stream().launch_builder(&kernel);
+    builder
+        .arg(w)
+        .arg(x)
+        .arg(&bias)
+        .arg(&n)
+        .arg(&k)
+        .arg(&accumulate)
+        .arg(out);
+    // Safety: the arguments match `gemv`; w holds n rows of k, x k and out n elements
+    // (checked by `Gemm::linear`, which also checked that n and k fit in i32), bias n or is
+    // null; k is a multiple of 8 and w and x are 16-byte aligned, as the kernel's 16-byte
+    // loads need.
+    unsafe { builder.launch(config) }.map_err(driver("launching gemv"))?;
+    Ok(())
 }
 
 /// cuBLASLt's data type of `T`.

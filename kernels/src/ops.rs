@@ -27,6 +27,10 @@ const SOURCE: &str = include_str!("../cuda/ops.cu");
 
 /// Threads of the row kernels (`ROW_THREADS` in `ops.cu`).
 const ROW_THREADS: u32 = 256;
+/// Threads of the norms' blocks, one per row (`NORM_THREADS` in `ops.cu`).
+const NORM_THREADS: u32 = 1024;
+/// Heads one block of `ops_attention_inputs` takes at a time: one a warp.
+const HEADS_PER_BLOCK: usize = ROW_THREADS as usize / 32;
 /// Threads of the grid-stride kernels.
 const FLAT_THREADS: u32 = 256;
 /// The longest head [`attention_inputs`] handles (`MAX_HEAD_DIM` in `ops.cu`).
@@ -123,6 +127,10 @@ pub fn embed<W: Float>(
     if ids.is_empty() {
         return Ok(());
     }
+    // A decode step's one row over many blocks, a prefill's rows a block each.
+    let per_row =
+        few_rows(gpu, ids.len()).then(|| (hidden as usize).div_ceil(ROW_THREADS as usize));
+    let config = rows_config(ids.len(), per_row.unwrap_or(1), ROW_THREADS)?;
     let kernel = gpu.kernel(SOURCE, "ops_embed", &[("TABLE_T", W::NAME.to_string())])?;
     let mut builder = gpu.stream().launch_builder(&kernel);
     builder
@@ -134,7 +142,7 @@ pub fn embed<W: Float>(
         .arg(out);
     // Safety: the arguments match `ops_embed` in order and type; `out` holds `ids` rows of
     // `hidden` and the kernel reads only rows `< vocab` of `table`.
-    unsafe { builder.launch(rows_config(ids.len())?) }.map_err(driver("launching ops_embed"))?;
+    unsafe { builder.launch(config) }.map_err(driver("launching ops_embed"))?;
     Ok(())
 }
 
@@ -165,7 +173,8 @@ pub fn rms_norm<O: Float>(
         .arg(out);
     // Safety: the arguments match `ops_rms_norm`; x and out hold `rows` rows of `width`, the
     // weight `width` elements.
-    unsafe { builder.launch(rows_config(rows)?) }.map_err(driver("launching ops_rms_norm"))?;
+    unsafe { builder.launch(rows_config(rows, 1, NORM_THREADS)?) }
+        .map_err(driver("launching ops_rms_norm"))?;
     Ok(())
 }
 
@@ -208,7 +217,8 @@ pub fn add_rms_norm(
         .arg(&offset);
     // Safety: the arguments match `ops_add_rms_norm`; residual and y hold `rows` rows of
     // `width`, the weight (read only with NORMED=1) `width` elements.
-    unsafe { builder.launch(rows_config(rows)?) }.map_err(driver("launching ops_add_rms_norm"))?;
+    unsafe { builder.launch(rows_config(rows, 1, NORM_THREADS)?) }
+        .map_err(driver("launching ops_add_rms_norm"))?;
     Ok(())
 }
 
@@ -394,7 +404,8 @@ pub fn rotate_keys<A: Float>(
     // Safety: the arguments match `ops_rotate_keys` in order and type; the keys hold
     // kv_heads * tokens rows of head_dim (the buffer's own shape), head_dim is even and at
     // most MAX_HEAD_DIM, and inv_freq holds head_dim / 2 angles.
-    unsafe { builder.launch(rows_config(tokens)?) }.map_err(driver("launching ops_rotate_keys"))?;
+    unsafe { builder.launch(rows_config(tokens, 1, ROW_THREADS)?) }
+        .map_err(driver("launching ops_rotate_keys"))?;
     Ok(())
 }
 
@@ -468,6 +479,11 @@ fn launch_attention<A: Float>(
     kv: &mut KvCache<A>,
     tokens: usize,
 ) -> Result<()> {
+    // A decode step's one token over a block per 8 heads (each computing the token's RoPE
+    // table), a prefill's tokens a block each.
+    let all_heads = (args.heads + 2 * args.kv_heads) as usize;
+    let per_row = few_rows(gpu, tokens).then(|| all_heads.div_ceil(HEADS_PER_BLOCK));
+    let config = rows_config(tokens, per_row.unwrap_or(1), ROW_THREADS)?;
     let mut builder = gpu.stream().launch_builder(kernel);
     builder
         .arg(qkv)
@@ -496,8 +512,7 @@ fn launch_attention<A: Float>(
     // length was checked against the shape (qkv, bias, norm weights, inv_freq, queries, store
     // rows and queries), the KV buffer has `kv_heads` heads of `capacity >= tokens` rows of `head_dim`,
     // and head_dim is even and at most MAX_HEAD_DIM.
-    unsafe { builder.launch(rows_config(tokens)?) }
-        .map_err(driver("launching ops_attention_inputs"))?;
+    unsafe { builder.launch(config) }.map_err(driver("launching ops_attention_inputs"))?;
     Ok(())
 }
 
@@ -618,8 +633,8 @@ fn to_u32(what: &'static str, value: usize) -> Result<u32> {
     u32::try_from(value).map_err(|_| KernelError::TooLarge { what, value })
 }
 
-/// One block of [`ROW_THREADS`] per row.
-fn rows_config(rows: usize) -> Result<LaunchConfig> {
+/// `per_row` blocks of `threads` per row (`per_row` at most 65,535, the grid's y limit).
+fn rows_config(rows: usize, per_row: usize, threads: u32) -> Result<LaunchConfig> {
     let blocks = u32::try_from(rows)
         .ok()
         .filter(|&r| r <= i32::MAX as u32)
@@ -628,10 +643,16 @@ fn rows_config(rows: usize) -> Result<LaunchConfig> {
             value: rows,
         })?;
     Ok(LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (ROW_THREADS, 1, 1),
+        grid_dim: (blocks, per_row.clamp(1, u16::MAX as usize) as u32, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     })
+}
+
+/// Whether `rows` blocks would leave multiprocessors idle: a decode step's few rows, which
+/// the row kernels then split over several blocks each.
+fn few_rows(gpu: &Gpu, rows: usize) -> bool {
+    rows < gpu.multiprocessors() as usize
 }
 
 /// A grid-stride launch over `n` elements: enough blocks to fill the GPU, no more.

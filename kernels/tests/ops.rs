@@ -942,9 +942,16 @@ mod on_gpu {
     /// One shape of `linear`: (rows, n, k).
     type GemmShape = (usize, usize, usize);
 
-    /// rows 1 (decode), 7, 64 and 1000 (prefill), on various n and k.
-    const GEMM_SHAPES: [GemmShape; 4] = [
+    /// rows 1 (decode: the matrix-vector kernel, and cuBLASLt when it is off), 2, 7, 64 and
+    /// 1000 (prefill), on various n and k: k a multiple of 256 and not (the lanes' last
+    /// chunks), k = 8 (one chunk), and more weight rows than the vector kernel's grid has
+    /// warps (they stride).
+    const GEMM_SHAPES: [GemmShape; 8] = [
         (1, 96, 256),
+        (1, 1000, 264),
+        (1, 40, 4104),
+        (2, 257, 1024),
+        (1, 20_000, 8),
         (7, 300, 1000),
         (64, 128, 4096),
         (1000, 384, 512),
@@ -978,7 +985,8 @@ mod on_gpu {
     }
 
     /// Every combination on one shape: plain, bias in the epilogue, bias by the kernel,
-    /// accumulate, and both; each shape twice (the second time from the plan cache).
+    /// accumulate, and both; each shape twice (the second time from the plan cache); one row
+    /// on the matrix-vector kernel and on cuBLASLt.
     fn linear_case<T: Float>(
         gpu: &Gpu,
         gemm: &mut Gemm,
@@ -995,7 +1003,9 @@ mod on_gpu {
         let xw = product(&x64, &w64, k);
         let (x_d, w_d, bias_d) = (gpu.upload(&x)?, gpu.upload(&w)?, gpu.upload(&bias)?);
         let family = format!("linear {}", name::<T>());
-        for (with_bias, epilogue, accumulate) in [
+        let vector_kernel = [true, false];
+        let vector_kernel = &vector_kernel[..if rows == 1 { 2 } else { 1 }];
+        for (with_bias, epilogue, accumulate, &vector) in [
             (false, true, false),
             (true, true, false),
             (true, false, false),
@@ -1003,8 +1013,12 @@ mod on_gpu {
             (true, true, true),
             (true, false, true),
             (false, true, false),
-        ] {
+        ]
+        .into_iter()
+        .flat_map(|(b, e, a)| vector_kernel.iter().map(move |v| (b, e, a, v)))
+        {
             gemm.set_bias_in_epilogue(epilogue);
+            gemm.set_vector_kernel(vector);
             let mut out = match accumulate {
                 true => gpu.upload(&old)?,
                 false => poisoned::<f32>(gpu, rows * n)?,
@@ -1029,11 +1043,12 @@ mod on_gpu {
                 })
                 .collect();
             let what = format!(
-                "{family} [{rows}, {n}, {k}] bias {with_bias} epilogue {epilogue} accumulate {accumulate}"
+                "{family} [{rows}, {n}, {k}] bias {with_bias} epilogue {epilogue} accumulate {accumulate} vector kernel {vector}"
             );
             worst.check(&family, &what, &download(gpu, &out)?, &want, tol)?;
         }
         gemm.set_bias_in_epilogue(true);
+        gemm.set_vector_kernel(true);
         Ok(())
     }
 

@@ -1,0 +1,94 @@
+// Matrix-vector products: out [n] = w [n, k] · x [k] (+ bias [n]) (+ out), every projection
+// of a decode step at batch 1. Each warp streams one weight row, 16 bytes a lane with
+// several loads in flight, and x (a few KiB, read by every warp) stays in L1. On an H200
+// this matches cuBLASLt on Llama-3-8B's large matrices and is faster on small ones (Gemma 3
+// 270M's), where cuBLASLt's tiles, made for many rows, leave the GPU idle.
+//
+// Compiled by NVRTC with:
+//   W_BF16     1 for bf16 weights and inputs, 0 for f16
+//
+// Layouts are row-major; k is a multiple of 8 and w and x are 16-byte aligned (the caller
+// checks). Products and sums are f32: each lane sums its columns in order, then the warp
+// adds its lanes' sums in a butterfly, so a row's result does not depend on the launch.
+
+#ifndef W_BF16
+#define W_BF16 1
+#endif
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// 8 warps a block; loads of 16 bytes each lane keeps in flight.
+#define THREADS 256
+#define UNROLL 4
+
+// Weights are read once: no room for them in L1, which holds x.
+__device__ __forceinline__ uint4 load_streaming(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// The two 16-bit elements of a word as f32, low first.
+__device__ __forceinline__ void unpack2(u32 word, float& lo, float& hi) {
+#if W_BF16
+    lo = __uint_as_float(word << 16);
+    hi = __uint_as_float(word & 0xffff0000u);
+#else
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((u16)(word & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((u16)(word >> 16)));
+#endif
+}
+
+// acc + the dot product of 8 weights and 8 inputs, in column order.
+__device__ __forceinline__ float dot8(float acc, uint4 w, uint4 x) {
+    const u32 ws[4] = {w.x, w.y, w.z, w.w};
+    const u32 xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float w0, w1, x0, x1;
+        unpack2(ws[i], w0, w1);
+        unpack2(xs[i], x0, x1);
+        acc = fmaf(w0, x0, acc);
+        acc = fmaf(w1, x1, acc);
+    }
+    return acc;
+}
+
+// One warp per weight row at a time (rows strided over the grid's warps). Lane l reads the
+// row's 16-byte chunks l, l + 32, l + 64, ..., UNROLL of them before it uses any.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    gemv(const uint4* __restrict__ w, const uint4* __restrict__ x,
+         const float* __restrict__ bias, u32 n, u32 k, u32 accumulate, float* __restrict__ out) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 chunks = k / 8;
+    const u32 warps = gridDim.x * (THREADS / 32);
+    for (u32 row = blockIdx.x * (THREADS / 32) + threadIdx.x / 32; row < n; row += warps) {
+        const uint4* w_row = w + (u64)row * chunks;
+        float acc = 0.0f;
+        for (u32 base = lane; base < chunks; base += 32 * UNROLL) {
+            uint4 wv[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const u32 c = base + u * 32;
+                const uint4 zero = {0u, 0u, 0u, 0u};
+                wv[u] = c < chunks ? load_streaming(w_row + c) : zero;
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const u32 c = base + u * 32;
+                if (c < chunks) acc = dot8(acc, wv[u], __ldg(x + c));
+            }
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+            acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+        if (lane == 0) {
+            if (bias != nullptr) acc += bias[row];
+            out[row] = accumulate ? out[row] + acc : acc;
+        }
+    }
+}
