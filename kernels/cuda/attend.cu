@@ -202,6 +202,32 @@ __device__ __forceinline__ void load_queries(const u16* __restrict__ q, u32 h, f
     }
 }
 
+// s[u][g] = the team's row u's key (8 columns a thread in kr[u]) · group query g (qf),
+// summed over the team's lanes: every lane gets the whole logit.
+__device__ __forceinline__ void group_scores(const uint4 (&kr)[UNROLL], const float (&qf)[GROUP][8],
+                                             float (&s)[UNROLL][GROUP]) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        float kf[8];
+        unpack8(kr[u], kf);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float dot = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) dot = fmaf(qf[g][i], kf[i], dot);
+            s[u][g] = dot;
+        }
+    }
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], off);
+        }
+    }
+}
+
 // Attends the thread's team to rows row_of(0..n) of k/v, updating its state. Teams of LANES
 // threads share a row, each thread 8 columns; every thread of the block runs the same number
 // of iterations, so the shuffles see whole warps.
@@ -238,26 +264,7 @@ __device__ __forceinline__ void attend_rows(const RowOf& row_of, u32 n, const u1
             }
         }
         float s[UNROLL][GROUP];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            float kf[8];
-            unpack8(kr[u], kf);
-#pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                float dot = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) dot = fmaf(qf[g][i], kf[i], dot);
-                s[u][g] = dot;
-            }
-        }
-#pragma unroll
-        for (int off = LANES / 2; off > 0; off >>= 1) {
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-                for (int g = 0; g < GROUP; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], off);
-            }
-        }
+        group_scores(kr, qf, s);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             if (!live[u]) {
@@ -531,29 +538,42 @@ attend(const u16* __restrict__ q, float scale_log2,
 
 // Adds to mass[row] the attention weight of each row of the list part (rows row_of(0..n) of
 // keys k), summed over the group's heads: exp2(logit - lse) for each, as `attend` weighed it.
-// Rows are token ids, so every KV head adds to the same `mass`.
+// Rows are token ids, so every KV head adds to the same `mass`. Pipelined as attend_rows:
+// UNROLL rows a team in flight, the next iteration's row numbers loaded ahead.
 template <class RowOf>
 __device__ __forceinline__ void mass_rows(const RowOf& row_of, u32 n, const u16* __restrict__ k,
                                           const float (&qf)[GROUP][8], const float (&lse)[GROUP],
                                           float* __restrict__ mass) {
     const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+    u32 next[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const u32 t = u * TEAMS + team;
+        next[u] = t < n ? row_of(t) : NO_ROW;
+    }
     // Every thread runs the same iterations, so that the shuffles see whole warps.
-    for (u32 base = 0; base < n; base += TEAMS) {
-        const u32 t = base + team;
-        const u32 row = t < n ? row_of(t) : NO_ROW;
-        float kf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (row != NO_ROW) unpack8(__ldg(reinterpret_cast<const uint4*>(k + (u64)row * HEAD_DIM + lane * 8)), kf);
-        float w = 0.f;
+    for (u32 base = 0; base < n; base += STEP) {
+        uint4 kr[UNROLL];
+        u32 rows[UNROLL];
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-            float s = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s = fmaf(qf[g][i], kf[i], s);
-#pragma unroll
-            for (int off = LANES / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-            w += exp2f(s - lse[g]);
+        for (int u = 0; u < UNROLL; ++u) {
+            const u32 t = base + STEP + u * TEAMS + team;
+            rows[u] = next[u];
+            next[u] = t < n ? row_of(t) : NO_ROW;
+            const uint4 zero = {0u, 0u, 0u, 0u};
+            kr[u] = rows[u] == NO_ROW
+                        ? zero
+                        : __ldg(reinterpret_cast<const uint4*>(k + (u64)rows[u] * HEAD_DIM + lane * 8));
         }
-        if (row != NO_ROW && lane == 0) atomicAdd(mass + row, w);
+        float s[UNROLL][GROUP];
+        group_scores(kr, qf, s);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float w = 0.f;
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) w += exp2f(s[u][g] - lse[g]);
+            if (rows[u] != NO_ROW && lane == 0) atomicAdd(mass + rows[u], w);
+        }
     }
 }
 

@@ -6,6 +6,7 @@
 //! ```sh
 //! gpu_bench [--sdpa sdpa.jsonl] [--json raw.jsonl] [--quick] [--buckets] [--only SHAPE,N,K] [--iters 200]
 //! gpu_bench --projections [--iters 200]
+//! gpu_bench --buckets-only [--only SHAPE,N,K] [--iters 200]
 //! ```
 //!
 //! `--projections` times the weight products of a decode step instead (Llama-3-8B's and
@@ -30,8 +31,8 @@ use kvdb_kernels::cudarc::driver::sys::{
 };
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice};
 use kvdb_kernels::{
-    bucket_attention, flash_decode, retrieval_attention, BlockCache, Buckets, Csr, Dense, Gpu,
-    HostKv, KvCache, Partition, Query, Selected, Visits, Workspace,
+    attention_mass, bucket_attention, flash_decode, retrieval_attention, BlockCache, Buckets, Csr,
+    Dense, Gpu, HostKv, KvCache, ListPart, Partition, Query, Selected, Visits, Workspace,
 };
 use serde_json::{json, Value};
 
@@ -77,6 +78,9 @@ struct Args {
     only: Option<(String, usize, usize)>,
     /// Bucket routing and attention too (`ivf256,np8,norope,all`'s shape).
     buckets: bool,
+    /// Bucket routing and attention alone (e.g. for a profiler: no other launch of the
+    /// attention kernel comes first).
+    buckets_only: bool,
     /// The decode step's weight products alone.
     projections: bool,
     iters: usize,
@@ -90,6 +94,7 @@ impl Args {
             quick: false,
             only: None,
             buckets: false,
+            buckets_only: false,
             projections: false,
             iters: 200,
         };
@@ -100,6 +105,10 @@ impl Args {
                 "--json" => args.json = Some(it.next().context("--json FILE")?),
                 "--quick" => args.quick = true,
                 "--buckets" => args.buckets = true,
+                "--buckets-only" => {
+                    args.buckets = true;
+                    args.buckets_only = true;
+                }
                 "--projections" => args.projections = true,
                 "--only" => {
                     let spec = it.next().context("--only SHAPE,N,K")?;
@@ -110,7 +119,7 @@ impl Args {
                     args.only = Some((shape.to_string(), n.parse()?, k.parse()?));
                 }
                 "--iters" => args.iters = it.next().context("--iters N")?.parse()?,
-                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--buckets] [--projections] [--only SHAPE,N,K] [--iters N]"),
+                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--buckets] [--buckets-only] [--projections] [--only SHAPE,N,K] [--iters N]"),
             }
         }
         ensure!(args.iters >= 100, "--iters must be at least 100");
@@ -581,6 +590,32 @@ impl<'g> Bench<'g> {
         let t = time_events(gpu, self.iters, |i| attend(i, &visits, ws))?;
         let graph = time_graph(gpu, SETS, self.iters, |i| attend(i, &visits, ws))?;
         rows.push(("bucket_attention".to_string(), tokens, t, graph));
+        // Provenance after the attention, as the session runs it: the weight of each
+        // attended corpus row, from the last launch's log-sum-exp.
+        let mut mass: CudaSlice<f32> = gpu.zeros(self.n)?;
+        let mut weigh = |i: usize, visits: &[Visits], ws: &Workspace| -> Result<()> {
+            let heads = queries[i % SETS].as_view();
+            let query = Query {
+                heads: &heads,
+                scale,
+            };
+            let part = Buckets {
+                kv: &copies[i % copies.len()],
+                runs: &runs,
+                ids: partition.ids(),
+                visited: visits[i % SETS].visited(),
+            };
+            Ok(attention_mass(
+                gpu,
+                ws,
+                query,
+                ListPart::Buckets(part),
+                &mut mass,
+            )?)
+        };
+        let t = time_events(gpu, self.iters, |i| weigh(i, &visits, ws))?;
+        let graph = time_graph(gpu, SETS, self.iters, |i| weigh(i, &visits, ws))?;
+        rows.push(("attention_mass".to_string(), tokens, t, graph));
         let mut both = |i: usize| -> Result<()> {
             route(i, &mut visits)?;
             attend(i, &visits, ws)
@@ -841,6 +876,10 @@ fn main() -> Result<()> {
             }
             let started = Instant::now();
             let mut bench = Bench::new(&gpu, shape, n, args.iters)?;
+            if args.buckets_only {
+                rows.extend(bench.buckets(256, 8)?);
+                continue;
+            }
             rows.push(bench.flash()?);
             let host = HostKv::new(
                 &gpu,

@@ -15,14 +15,16 @@
 //! | `KvCache`, `Csr` | a layer's keys and values on the GPU; per-head id lists and bucket layouts |
 //! | `flash_decode` | exact attention over every token: the baseline |
 //! | `retrieval_attention` | dense part (sinks + window) plus each KV head's selected ids, merged in one launch |
-//! | `bucket_attention` | dense part plus every key of each head's visited buckets, one block per bucket |
+//! | `bucket_attention` | dense part plus every key of each head's visited buckets, which its work items share evenly |
 //! | `attention_mass` | the attention each stored row received in the last launch, added up: provenance on the GPU |
 //! | `Partition`, `Visits` | a bucket index's centroids and buckets on the GPU; routing a step's queries to buckets there |
 //! | `HostKv`, `BlockCache` | keys and values in pinned host memory behind an LRU GPU cache of blocks |
+//! | `Gemm` | the model's matrix products: cuBLASLt, and a matrix-vector kernel (`cuda/gemv.cu`) for a decode step's one row |
+//! | `ops` | the model's element-wise kernels: embedding, norms, attention inputs (RoPE, KV writes), activations |
 //! | `prefill_attention`, `Causal` | causal (sliding-window) attention of a chunk of queries `[tokens, heads, head_dim]` over a `KvCache` ring: flash attention on the tensor cores for f16/bf16, a plain kernel for f32 |
 //!
 //! The three attention launchers are one launch of one kernel (`cuda/attend.cu`): blocks attend to
-//! work items (a slice of the dense rows, a slice of a selection or one bucket) for all query
+//! work items (a slice of the dense rows, a slice of a selection or a share of the visited buckets' ids) for all query
 //! heads of a GQA group at once, each writing a `kvdb_attention::Partial`-like triple (unnormalised output,
 //! max, sum of exponentials); the last block of each KV head merges them by log-sum-exp, as
 //! `kvdb_attention::merge` does on the CPU. Inputs are f16 or bf16 (`KvElement`),
