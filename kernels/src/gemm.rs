@@ -12,9 +12,10 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
-use cudarc::driver::{CudaContext, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
-
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
 
 use crate::error::{cublas, driver, length, KernelError, Result};
 use crate::gpu::{Float, Gpu};
