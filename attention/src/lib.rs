@@ -5,7 +5,7 @@
 //! [`Selection`](kvdb_index::Selection) a key index returned. Each part gives a [`Partial`]
 //! result (unnormalised output, running max, sum of exponentials); partials over disjoint
 //! token sets [`merge`] exactly by log-sum-exp, so with every token selected the result equals
-//! full attention to rounding. [`retrieval_attention`] runs the whole step; [`reference`]
+//! full attention to rounding. [`attend`] runs the whole step; [`reference`]
 //! holds the exact f64 attention it is tested against.
 //!
 //! | item | job |
@@ -13,7 +13,7 @@
 //! | [`DensePolicy`] | the dense part of a query at a position, and the candidate ids left to an index |
 //! | [`KvSource`], [`DenseKv`] | where pre-RoPE keys and values of ids come from (store, RAM tier, a request's tail) |
 //! | [`logits`], [`Partial`], [`merge`] | scaled dot products, partial softmax attention and the exact merge |
-//! | [`retrieval_attention`] | rotate, gather, score, merge, normalise; reports each token's attention share |
+//! | [`attend`] | rotate, gather, score, merge, normalise; reports each token's attention share |
 //! | [`reference`] | exact f64 attention over all tokens or any id set |
 //!
 //! Layouts are stated once. A token id is a `u32`, the token's position in the context (token
@@ -23,7 +23,7 @@
 //! logits and weights `[heads, tokens]`, outputs `[heads, head_dim]`.
 //!
 //! ```
-//! use kvdb_attention::{retrieval_attention, DenseKv, DensePolicy, RetrievalQuery};
+//! use kvdb_attention::{attend, DenseKv, DensePolicy, RetrievalQuery};
 //! use kvdb_index::Selection;
 //! use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
 //! # fn main() -> kvdb_attention::Result<()> {
@@ -40,7 +40,7 @@
 //!     selection: &selection,
 //!     estimate: None,
 //! };
-//! let attended = retrieval_attention(&query, &kv)?;
+//! let attended = attend(&query, &kv)?;
 //! assert_eq!(attended.ids, vec![0, 1, 7, 8, 9, 5]);
 //! let first_head: f32 = attended.weights[..6].iter().sum();
 //! assert!((first_head - 1.0).abs() < 1e-6);
@@ -60,5 +60,5 @@ mod source;
 pub use error::{AttentionError, Result};
 pub use partial::{logits, merge, Partial};
 pub use policy::DensePolicy;
-pub use retrieval::{retrieval_attention, Attended, Estimate, RetrievalQuery};
+pub use retrieval::{attend, Attended, Estimate, RetrievalQuery};
 pub use source::{DenseKv, KvSource};

@@ -1,4 +1,4 @@
-//! [`retrieval_attention`]: one query token, one KV head's GQA group, dense part + selection.
+//! [`attend`]: one query token, one KV head's GQA group, dense part + selection.
 
 use kvdb_index::{Selection, UnvisitedBucket};
 use kvdb_model::Rope;
@@ -67,7 +67,7 @@ impl Estimate {
     }
 }
 
-/// The result of [`retrieval_attention`].
+/// The result of [`attend`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Attended {
     /// Normalised attention output `[heads, head_dim]`.
@@ -88,7 +88,7 @@ pub struct Attended {
 /// sets gives a [`Partial`]; their [`merge`] is normalised. All heads of the group attend to
 /// both sets. With every id `0..=position` selected the output equals full causal attention
 /// to rounding.
-pub fn retrieval_attention(query: &RetrievalQuery<'_>, source: &dyn KvSource) -> Result<Attended> {
+pub fn attend(query: &RetrievalQuery<'_>, source: &dyn KvSource) -> Result<Attended> {
     let d = query.rope.head_dim();
     let heads = some_rows("queries", query.queries.len(), d)?;
     // Ids are u32 and the window's end is `position + 1`.
@@ -108,8 +108,9 @@ pub fn retrieval_attention(query: &RetrievalQuery<'_>, source: &dyn KvSource) ->
         .retrieved(query.position, query.selection.ids())
         .collect();
 
-    let (dense_partial, dense_logits) = attend(query, &queries, heads, &dense, source)?;
-    let (retrieved_partial, retrieved_logits) = attend(query, &queries, heads, &retrieved, source)?;
+    let (dense_partial, dense_logits) = attend_ids(query, &queries, heads, &dense, source)?;
+    let (retrieved_partial, retrieved_logits) =
+        attend_ids(query, &queries, heads, &retrieved, source)?;
     let mut total = merge(&dense_partial, &retrieved_partial)?;
     if let Some(estimate) = query.estimate {
         let partial = Partial::from_logits(&estimate.logits, &estimate.means, heads, d)?;
@@ -134,7 +135,7 @@ pub fn retrieval_attention(query: &RetrievalQuery<'_>, source: &dyn KvSource) ->
 }
 
 /// The partial of the rotated `queries` over `ids`, and its logits `[heads, ids.len()]`.
-fn attend(
+fn attend_ids(
     query: &RetrievalQuery<'_>,
     queries: &[f32],
     heads: usize,

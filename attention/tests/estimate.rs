@@ -3,7 +3,7 @@
 //! against any query, and a single bucket with centroid 0 and the values' mean stands for them.
 
 use kvdb_attention::reference::full_attention_f64;
-use kvdb_attention::{retrieval_attention, DenseKv, DensePolicy, Estimate, RetrievalQuery};
+use kvdb_attention::{attend, DenseKv, DensePolicy, Estimate, RetrievalQuery};
 use kvdb_index::{Selection, UnvisitedBucket};
 use kvdb_model::RopeStyle;
 use kvdb_tests::{random_vec, seeded, test_rope};
@@ -59,8 +59,8 @@ fn estimate_is_exact_for_keys_that_score_like_their_centroid() -> kvdb_attention
             .sum();
         (err / exact.iter().map(|b| b * b).sum::<f64>()).sqrt()
     };
-    let with = retrieval_attention(&query(Some(&estimate)), &kv)?;
-    let without = retrieval_attention(&query(None), &kv)?;
+    let with = attend(&query(Some(&estimate)), &kv)?;
+    let without = attend(&query(None), &kv)?;
     assert!(
         error(&with.output) < 1e-5,
         "seed {seed}: {}",

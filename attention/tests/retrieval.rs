@@ -6,8 +6,8 @@
 
 use kvdb_attention::reference::{attention_over_f64, full_attention_f64};
 use kvdb_attention::{
-    logits, merge, retrieval_attention, Attended, AttentionError, DenseKv, DensePolicy, KvSource,
-    Partial, Result, RetrievalQuery,
+    logits, merge, Attended, AttentionError, DenseKv, DensePolicy, KvSource, Partial, Result,
+    RetrievalQuery,
 };
 use kvdb_index::Selection;
 use kvdb_model::{Rope, RopeStyle};
@@ -45,7 +45,7 @@ fn scale_for(d: usize) -> f32 {
 }
 
 /// Runs retrieval attention with the given selection.
-fn attend(
+fn attend_selection(
     queries: &[f32],
     position: usize,
     rope: &Rope,
@@ -62,7 +62,7 @@ fn attend(
         selection,
         estimate: None,
     };
-    retrieval_attention(&query, kv)
+    kvdb_attention::attend(&query, kv)
 }
 
 /// (1) With every token selected, retrieval attention is full attention, for many shapes,
@@ -84,7 +84,7 @@ fn all_selected_equals_full_attention() -> Result<()> {
                     let queries = random_vec(&mut rng, heads * d);
                     let position = n - 1;
                     let all: Selection = (0..n as u32).collect();
-                    let got = attend(&queries, position, &rope, policy, &all, &kv)?;
+                    let got = attend_selection(&queries, position, &rope, policy, &all, &kv)?;
                     let exact = full_attention_f64(
                         &queries,
                         kv.keys(),
@@ -243,8 +243,8 @@ fn dense_overlap_is_dropped() -> Result<()> {
         overlapping.extend((position as u32 + 1..n as u32).take(5)); // future tokens
         let overlapping = Selection::new(overlapping);
 
-        let clean = attend(&queries, position, &rope, policy, &useful, &kv)?;
-        let dirty = attend(&queries, position, &rope, policy, &overlapping, &kv)?;
+        let clean = attend_selection(&queries, position, &rope, policy, &useful, &kv)?;
+        let dirty = attend_selection(&queries, position, &rope, policy, &overlapping, &kv)?;
         let context = format!("seed {seed} case {case}: n {n} position {position} {policy:?}");
         assert_eq!(clean, dirty, "{context}");
         let mut expected_ids = dense.clone();
@@ -275,7 +275,7 @@ fn weights_are_the_softmax() -> Result<()> {
         let kv = random_kv(&mut rng, n, d)?;
         let queries = random_vec(&mut rng, heads * d);
         let all: Selection = (0..n as u32).collect();
-        let got = attend(&queries, position, &rope, policy, &all, &kv)?;
+        let got = attend_selection(&queries, position, &rope, policy, &all, &kv)?;
         let all_ids: Vec<u32> = (0..n as u32).collect();
         let exact = attention_over_f64(
             &queries,
@@ -324,7 +324,7 @@ fn empty_selection_is_dense_only() -> Result<()> {
         let rope = test_rope(STYLES[case % 2], d);
         let kv = random_kv(&mut rng, n, d)?;
         let queries = random_vec(&mut rng, heads * d);
-        let got = attend(
+        let got = attend_selection(
             &queries,
             position,
             &rope,
@@ -361,7 +361,7 @@ fn empty_selection_is_dense_only() -> Result<()> {
         }
         let dense_only = Selection::new(dense.clone());
         assert_eq!(
-            attend(&queries, position, &rope, policy, &dense_only, &kv)?,
+            attend_selection(&queries, position, &rope, policy, &dense_only, &kv)?,
             got,
             "{context}"
         );
@@ -391,35 +391,35 @@ fn errors_not_panics() -> Result<()> {
     let queries = [0.3; 16];
 
     assert!(matches!(
-        attend(&queries[..9], 5, &rope, policy, &none, &kv),
+        attend_selection(&queries[..9], 5, &rope, policy, &none, &kv),
         Err(AttentionError::Shape { .. })
     ));
     assert!(matches!(
-        attend(&[], 5, &rope, policy, &none, &kv),
+        attend_selection(&[], 5, &rope, policy, &none, &kv),
         Err(AttentionError::Empty { .. })
     ));
     // The dense part reaches past the source.
     assert!(matches!(
-        attend(&queries, 12, &rope, policy, &none, &kv),
+        attend_selection(&queries, 12, &rope, policy, &none, &kv),
         Err(AttentionError::IdOutOfRange { id: 10, len: 10 })
     ));
     // A selected id past the source (but not past the position).
     let far = Selection::new(vec![3, 40]);
     let big = DensePolicy { sink: 0, window: 1 };
     assert!(matches!(
-        attend(&queries, 50, &rope, big, &far, &kv),
+        attend_selection(&queries, 50, &rope, big, &far, &kv),
         Err(AttentionError::IdOutOfRange { .. })
     ));
     assert!(matches!(
-        attend(&queries, u32::MAX as usize, &rope, policy, &none, &kv),
+        attend_selection(&queries, u32::MAX as usize, &rope, policy, &none, &kv),
         Err(AttentionError::Position { .. })
     ));
     assert!(matches!(
-        attend(&queries, 5, &rope, policy, &none, &Short),
+        attend_selection(&queries, 5, &rope, policy, &none, &Short),
         Err(AttentionError::Length { .. })
     ));
     let zero = self::test_rope(RopeStyle::Halves, 0);
-    assert!(attend(&queries, 5, &zero, policy, &none, &kv).is_err());
+    assert!(attend_selection(&queries, 5, &zero, policy, &none, &kv).is_err());
 
     assert!(DenseKv::new(vec![0.0; 9], vec![0.0; 9], 8).is_err());
     assert!(DenseKv::new(vec![0.0; 16], vec![0.0; 8], 8).is_err());

@@ -1,7 +1,7 @@
 //! Merge attention on the CPU: one decode step of one GQA group (4 query heads, head dim 256)
 //! over a corpus of 16K, 128K or 1M tokens drawn from the fitted key model, attending to a
 //! dense part (sink 4 + window 2048) and k ∈ {256, 2048} retrieved keys, merged by
-//! log-sum-exp (`kvdb_attention::retrieval_attention`: gather the pre-RoPE keys and values,
+//! log-sum-exp (`kvdb_attention::attend`: gather the pre-RoPE keys and values,
 //! rotate, score, two partials, merge, normalise), against full attention over every token.
 //!
 //! Full attention is given its best case: keys already rotated (as a plain KV cache holds
@@ -14,7 +14,7 @@ use std::cell::OnceCell;
 
 use anyhow::Result;
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
-use kvdb_attention::{logits, retrieval_attention, DenseKv, DensePolicy, Partial, RetrievalQuery};
+use kvdb_attention::{attend, logits, DenseKv, DensePolicy, Partial, RetrievalQuery};
 use kvdb_benches::key_model::KeyModel;
 use kvdb_benches::micro::{corpus_sizes, size_label, status, time_iters, CORPUS_SEED};
 use kvdb_index::{FlatIndex, GroupQuery, KeyIndex, SearchParams, Selection};
@@ -104,7 +104,7 @@ fn run(c: &mut Criterion) -> Result<()> {
                         estimate: None,
                     };
                     time_iters(iters, || {
-                        retrieval_attention(&query, &step.kv)
+                        attend(&query, &step.kv)
                             .unwrap_or_else(|e| panic!("retrieval attention: {e}"))
                     })
                 })

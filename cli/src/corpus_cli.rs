@@ -11,7 +11,7 @@ use kvdb::ingest::{ingest as run_ingest, IngestEvent};
 use kvdb::models::ComputeDevice;
 use kvdb::ram_tier::parse_bytes;
 use kvdb::session::{AskOptions, AttentionMode, Corpus, Retrieval};
-use kvdb::store::{Access, Store, StoredLayer};
+use kvdb::store::{Access, LayerPolicy, Store};
 use kvdb_attention::DensePolicy;
 use kvdb_index::IndexSpec;
 use kvdb_model::LoadOptions;
@@ -451,7 +451,7 @@ pub(crate) fn corpus(command: CorpusCommand) -> Result<()> {
                 retrieval,
                 m.layers
                     .iter()
-                    .filter(|l| matches!(l, StoredLayer::Last { .. }))
+                    .filter(|l| matches!(l, LayerPolicy::Last { .. }))
                     .count()
             );
             println!(

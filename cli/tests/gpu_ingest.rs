@@ -47,7 +47,7 @@ mod on_gpu {
     /// [`CHUNK`] tokens.
     fn corpus_with_small_chunks(model: &LoadedModel, path: &Path, device: &str) -> Result<Store> {
         let store = Store::open(path, Access::Write)?;
-        let layers = kvdb::ingest::layer_policy(model.model.config());
+        let layers = kvdb::store::LayerPolicy::for_model(model.model.config());
         store.create_corpus(
             "c",
             model.record.clone(),

@@ -748,7 +748,7 @@ fn a_listed_spec_that_fails_to_build_is_dropped() -> Result<()> {
         let mut manifest = store.create_corpus(
             name,
             loaded.record.clone(),
-            kvdb::ingest::layer_policy(loaded.model.config()),
+            kvdb::store::LayerPolicy::for_model(loaded.model.config()),
             kvdb::store::DEFAULT_BLOCK_SIZE,
             kvdb::store::PrefillRecord::default(),
         )?;

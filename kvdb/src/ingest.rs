@@ -15,16 +15,14 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use half::f16;
-use kvdb_model::{
-    EncodeOptions, Forward, LayerKind, Logits, Model, ModelConfig, SequenceOptions, Tokenizer,
-};
+use kvdb_model::{EncodeOptions, Forward, Logits, Model, ModelConfig, SequenceOptions, Tokenizer};
 use rayon::prelude::*;
 
 use crate::documents::SourceDocument;
 use crate::error::{Error, Result};
 use crate::store::{
-    validate_corpus_name, Batch, BlockKey, CorpusManifest, DocumentRecord, Kv, ModelRecord,
-    PendingDocument, PrefillRecord, Store, StoredLayer, DEFAULT_BLOCK_SIZE,
+    validate_corpus_name, Batch, BlockKey, CorpusManifest, DocumentRecord, Kv, LayerPolicy,
+    ModelRecord, PendingDocument, PrefillRecord, Store, DEFAULT_BLOCK_SIZE,
 };
 
 /// Tokens prefilled (and committed) per step on the CPU, counted from each document's first
@@ -111,21 +109,6 @@ pub fn model_record(config: &ModelConfig, sha256: &str, fallback_name: &str) -> 
         head_dim: config.head_dim,
         context_length: config.context_length,
     }
-}
-
-/// The layer policy of a new corpus: global layers store everything, sliding-window layers
-/// only what their window can still see.
-pub fn layer_policy(config: &ModelConfig) -> Vec<StoredLayer> {
-    config
-        .layers
-        .iter()
-        .map(|l| match l.kind {
-            LayerKind::Global => StoredLayer::All,
-            LayerKind::SlidingWindow { window } => StoredLayer::Last {
-                keep: window.saturating_sub(1),
-            },
-        })
-        .collect()
 }
 
 /// Checks that `manifest` was made with the model `record` describes.
@@ -262,7 +245,7 @@ fn open_corpus(store: &Store, name: &str, model: ModelRef<'_>) -> Result<CorpusM
             id: 0,
             model: model.record.clone(),
             block_size: DEFAULT_BLOCK_SIZE,
-            layers: layer_policy(model.model.config()),
+            layers: LayerPolicy::for_model(model.model.config()),
             indexes: vec!["flat".to_string()],
             tokens: 0,
             documents: 0,

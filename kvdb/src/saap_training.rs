@@ -40,9 +40,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::error::{Error, Result};
-use crate::ingest::layer_policy;
 use crate::models::LoadedModel;
-use crate::store::StoredLayer;
+use crate::store::LayerPolicy;
 
 /// A drill's question comes at least this many tokens after its fact (estimated from the
 /// text's characters per token): past [`kvdb_index::saap::MIN_TRAINING_DISTANCE`] with room.
@@ -451,9 +450,9 @@ pub fn train_artifact(
     on_event: &mut dyn FnMut(TrainEvent),
 ) -> Result<SaapArtifact> {
     let config = model.model.config().clone();
-    let policy = layer_policy(&config);
+    let policy = LayerPolicy::for_model(&config);
     let layers: Vec<usize> = (0..config.n_layers())
-        .filter(|&l| policy[l] == StoredLayer::All)
+        .filter(|&l| policy[l] == LayerPolicy::All)
         .collect();
     if layers.is_empty() {
         return Err(Error::NoRetrievalLayers);

@@ -10,9 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::Tensor;
-use kvdb_attention::{
-    retrieval_attention, Attended, DenseKv, DensePolicy, Estimate, KvSource, RetrievalQuery,
-};
+use kvdb_attention::{attend, Attended, DenseKv, DensePolicy, Estimate, KvSource, RetrievalQuery};
 use kvdb_index::{Found, GroupQuery, IndexSpec, SearchParams, Searcher};
 use kvdb_model::{
     AttentionBackend, AttentionInput, BackendSequence, EncodeOptions, FullAttention, Logits, Rope,
@@ -27,7 +25,7 @@ pub use crate::gpu_session::GpuUpload;
 use crate::indexes::{load_indexes, IndexSet, LayerIndexes};
 use crate::ingest::{check_model, ModelRef};
 use crate::ram_tier::{RamTier, TierStats};
-use crate::store::{interleave_heads, CorpusManifest, DocumentRecord, Store, StoredLayer};
+use crate::store::{interleave_heads, CorpusManifest, DocumentRecord, LayerPolicy, Store};
 
 /// Tokens per provenance passage (passages are aligned to their document's first token).
 pub const PASSAGE_TOKENS: usize = 32;
@@ -258,7 +256,7 @@ impl Corpus {
         let mut windows = Vec::new();
         for spec in &config.layers {
             match manifest.layers[spec.index] {
-                StoredLayer::Last { .. } => {
+                LayerPolicy::Last { .. } => {
                     let range = manifest.stored_range(spec.index, n);
                     let (keys, values) = store.layer_kv(&manifest, spec.index, range.clone())?;
                     let shape = (range.len(), heads, d);
@@ -270,7 +268,7 @@ impl Corpus {
                         positions: range,
                     });
                 }
-                StoredLayer::All => {}
+                LayerPolicy::All => {}
             }
         }
         let tier = RamTier::new(store.clone(), &manifest, ram_budget);
@@ -1374,7 +1372,7 @@ fn attend_selected(
                 corpus_tokens: step.n,
                 tail: tails[g],
             };
-            Ok(retrieval_attention(
+            Ok(attend(
                 &RetrievalQuery {
                     queries: step.group_queries(i, g),
                     position,

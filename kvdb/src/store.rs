@@ -59,6 +59,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use half::f16;
+use kvdb_model::{LayerKind, ModelConfig};
 use rocksdb::{
     ColumnFamilyDescriptor, DBCompressionType, DBRecoveryMode, ErrorKind, FlushOptions,
     IngestExternalFileOptions, IteratorMode, Options, SstFileWriter, WriteBatch, WriteOptions, DB,
@@ -138,10 +139,11 @@ pub struct ModelRecord {
     pub context_length: usize,
 }
 
-/// What a corpus keeps of one layer.
+/// What a corpus keeps of one layer (ARCHITECTURE.md's layer policy), one per layer in the
+/// manifest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
-pub enum StoredLayer {
+pub enum LayerPolicy {
     /// Every token's keys and values (the layer attends to everything: a retrieval layer).
     All,
     /// Only the last `keep` tokens (a sliding-window layer never looks further back).
@@ -149,6 +151,23 @@ pub enum StoredLayer {
         /// Tokens kept.
         keep: usize,
     },
+}
+
+impl LayerPolicy {
+    /// The policy of a new corpus's layers: global layers store everything, sliding-window
+    /// layers only what their window can still see.
+    pub fn for_model(config: &ModelConfig) -> Vec<Self> {
+        config
+            .layers
+            .iter()
+            .map(|l| match l.kind {
+                LayerKind::Global => Self::All,
+                LayerKind::SlidingWindow { window } => Self::Last {
+                    keep: window.saturating_sub(1),
+                },
+            })
+            .collect()
+    }
 }
 
 /// A document whose ingest was interrupted: its tokens up to the corpus's `tokens` are stored.
@@ -178,7 +197,7 @@ pub struct CorpusManifest {
     /// Tokens per key/value block.
     pub block_size: usize,
     /// Per layer, what is stored (the layer policy).
-    pub layers: Vec<StoredLayer>,
+    pub layers: Vec<LayerPolicy>,
     /// Index specs queries may use (the first is the default).
     pub indexes: Vec<String>,
     /// Committed tokens: the corpus's context is tokens `0..tokens`.
@@ -228,7 +247,7 @@ impl CorpusManifest {
     /// Layers that store every token (retrieval layers), in order.
     pub fn retrieval_layers(&self) -> Vec<usize> {
         (0..self.layers.len())
-            .filter(|&l| self.layers[l] == StoredLayer::All)
+            .filter(|&l| self.layers[l] == LayerPolicy::All)
             .collect()
     }
 
@@ -243,7 +262,7 @@ impl CorpusManifest {
     /// The tokens of layer `layer` that are stored when the corpus holds `tokens` tokens.
     pub fn stored_range(&self, layer: usize, tokens: usize) -> Range<usize> {
         match self.layers.get(layer) {
-            Some(StoredLayer::Last { keep }) => tokens.saturating_sub(*keep)..tokens,
+            Some(LayerPolicy::Last { keep }) => tokens.saturating_sub(*keep)..tokens,
             _ => 0..tokens,
         }
     }
@@ -650,7 +669,7 @@ impl Store {
         &self,
         name: &str,
         model: ModelRecord,
-        layers: Vec<StoredLayer>,
+        layers: Vec<LayerPolicy>,
         block_size: usize,
         prefill: PrefillRecord,
     ) -> Result<CorpusManifest> {

@@ -7,9 +7,8 @@ use axum::http::{header, StatusCode};
 use axum::Json;
 use kvdb::documents::{document_from_bytes, supported, SourceDocument};
 use kvdb::indexes::{check_specs, list_indexes, remove_index as remove_index_from, IndexInfo};
-use kvdb::ingest::layer_policy;
 use kvdb::store::{
-    validate_corpus_name, CorpusManifest, PrefillRecord, StoredLayer, DEFAULT_BLOCK_SIZE,
+    validate_corpus_name, CorpusManifest, LayerPolicy, PrefillRecord, DEFAULT_BLOCK_SIZE,
 };
 use kvdb_index::IndexSpec;
 use kvdb_model::LayerKind;
@@ -39,7 +38,7 @@ pub struct CreateCorpus {
     /// must keep everything.
     #[serde(default)]
     #[schema(value_type = Option<Vec<Object>>, example = json!([{"kind": "last", "keep": 511}, {"kind": "all"}]))]
-    pub layers: Option<Vec<StoredLayer>>,
+    pub layers: Option<Vec<LayerPolicy>>,
 }
 
 /// A corpus as the API describes it.
@@ -223,7 +222,7 @@ pub(crate) async fn create(
         let config = model.model.config();
         let layers = match body.layers {
             Some(layers) => check_layers(config, layers)?,
-            None => layer_policy(config),
+            None => LayerPolicy::for_model(config),
         };
         let _catalog = s.lock_catalog()?;
         if s.store.manifest(&body.name).is_ok() {
@@ -265,8 +264,8 @@ pub(crate) async fn create(
 /// A layer policy the engine can honour for `config`'s layers.
 fn check_layers(
     config: &kvdb_model::ModelConfig,
-    layers: Vec<StoredLayer>,
-) -> ApiResult<Vec<StoredLayer>> {
+    layers: Vec<LayerPolicy>,
+) -> ApiResult<Vec<LayerPolicy>> {
     if layers.len() != config.n_layers() {
         return Err(ApiError::invalid(format!(
             "`layers` lists {} layers, the model has {}",
@@ -276,8 +275,8 @@ fn check_layers(
     }
     for (spec, layer) in config.layers.iter().zip(&layers) {
         match (&spec.kind, layer) {
-            (LayerKind::Global, StoredLayer::All) => {}
-            (LayerKind::SlidingWindow { window }, StoredLayer::Last { keep })
+            (LayerKind::Global, LayerPolicy::All) => {}
+            (LayerKind::SlidingWindow { window }, LayerPolicy::Last { keep })
                 if *keep + 1 >= *window => {}
             (kind, _) => {
                 return Err(ApiError::invalid(format!(
