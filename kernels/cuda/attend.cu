@@ -228,6 +228,17 @@ __device__ __forceinline__ void group_scores(const uint4 (&kr)[UNROLL], const fl
     }
 }
 
+// The row numbers of the team's first UNROLL rows (NO_ROW past n): row u * TEAMS + team.
+template <class RowOf>
+__device__ __forceinline__ void first_rows(const RowOf& row_of, u32 n, u32 (&rows)[UNROLL]) {
+    const u32 team = threadIdx.x / LANES;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const u32 t = u * TEAMS + team;
+        rows[u] = t < n ? row_of(t) : NO_ROW;
+    }
+}
+
 // Attends the thread's team to rows row_of(0..n) of k/v, updating its state. Teams of LANES
 // threads share a row, each thread 8 columns; every thread of the block runs the same number
 // of iterations, so the shuffles see whole warps.
@@ -239,11 +250,7 @@ __device__ __forceinline__ void attend_rows(const RowOf& row_of, u32 n, const u1
     // Row numbers one iteration ahead: where they come from memory (lists, buckets), their
     // loads overlap the previous rows' instead of delaying the keys and values behind them.
     u32 next[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const u32 t = u * TEAMS + team;
-        next[u] = t < n ? row_of(t) : NO_ROW;
-    }
+    first_rows(row_of, n, next);
     for (u32 base = 0; base < n; base += STEP) {
         uint4 kr[UNROLL], vr[UNROLL];
         bool live[UNROLL];
@@ -546,11 +553,7 @@ __device__ __forceinline__ void mass_rows(const RowOf& row_of, u32 n, const u16*
                                           float* __restrict__ mass) {
     const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
     u32 next[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const u32 t = u * TEAMS + team;
-        next[u] = t < n ? row_of(t) : NO_ROW;
-    }
+    first_rows(row_of, n, next);
     // Every thread runs the same iterations, so that the shuffles see whole warps.
     for (u32 base = 0; base < n; base += STEP) {
         uint4 kr[UNROLL];
