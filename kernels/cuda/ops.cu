@@ -129,6 +129,17 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS)
     for (u32 j = first; j < hidden; j += stride) dst[j] = to_float(src[j]) * scale;
 }
 
+// v[u] = p[base + u * NORM_THREADS] for the NORM_UNROLL elements of one step of a norm's
+// strided loop (0 past width): independent loads, all issued before any is used.
+__device__ __forceinline__ void load_step(const float* __restrict__ p, u32 width, u32 base,
+                                          float (&v)[NORM_UNROLL]) {
+#pragma unroll
+    for (int u = 0; u < NORM_UNROLL; ++u) {
+        const u32 j = base + u * NORM_THREADS;
+        v[u] = j < width ? p[j] : 0.0f;
+    }
+}
+
 // sum(row[j]²) over the block: thread t sums elements t, t + NORM_THREADS, ... in order,
 // NORM_UNROLL loads issued before any is used; then block_sum.
 __device__ __forceinline__ float sum_squares(const float* __restrict__ row, u32 width,
@@ -136,11 +147,7 @@ __device__ __forceinline__ float sum_squares(const float* __restrict__ row, u32 
     float ss = 0.0f;
     for (u32 base = threadIdx.x; base < width; base += NORM_THREADS * NORM_UNROLL) {
         float v[NORM_UNROLL];
-#pragma unroll
-        for (int u = 0; u < NORM_UNROLL; ++u) {
-            const u32 j = base + u * NORM_THREADS;
-            v[u] = j < width ? row[j] : 0.0f;
-        }
+        load_step(row, width, base, v);
 #pragma unroll
         for (int u = 0; u < NORM_UNROLL; ++u) ss += v[u] * v[u];
     }
@@ -158,12 +165,8 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     OUT_T* dst = out + (u64)blockIdx.x * width;
     for (u32 base = threadIdx.x; base < width; base += NORM_THREADS * NORM_UNROLL) {
         float v[NORM_UNROLL], w[NORM_UNROLL];
-#pragma unroll
-        for (int u = 0; u < NORM_UNROLL; ++u) {
-            const u32 j = base + u * NORM_THREADS;
-            v[u] = j < width ? row[j] : 0.0f;
-            w[u] = j < width ? weight[j] : 0.0f;
-        }
+        load_step(row, width, base, v);
+        load_step(weight, width, base, w);
 #pragma unroll
         for (int u = 0; u < NORM_UNROLL; ++u) {
             const u32 j = base + u * NORM_THREADS;
@@ -185,18 +188,12 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 #endif
     for (u32 base = threadIdx.x; base < width; base += NORM_THREADS * NORM_UNROLL) {
         float v[NORM_UNROLL], old[NORM_UNROLL];
+        load_step(row, width, base, v);
+        load_step(dst, width, base, old);
 #if NORMED
         float w[NORM_UNROLL];
+        load_step(weight, width, base, w);
 #endif
-#pragma unroll
-        for (int u = 0; u < NORM_UNROLL; ++u) {
-            const u32 j = base + u * NORM_THREADS;
-            v[u] = j < width ? row[j] : 0.0f;
-            old[u] = j < width ? dst[j] : 0.0f;
-#if NORMED
-            w[u] = j < width ? weight[j] : 0.0f;
-#endif
-        }
 #pragma unroll
         for (int u = 0; u < NORM_UNROLL; ++u) {
             const u32 j = base + u * NORM_THREADS;
