@@ -25,7 +25,8 @@
 //
 // `attention_mass` walks the list part again after `attend`: each row's attention weight
 // (summed over the group's heads, from the logits and `lse`) is added to `mass[row]`, the
-// attention each stored token received: what provenance ranks passages by.
+// attention each stored token received: what provenance ranks passages by. `attend` keeps
+// its queries in `q_keep` and its log-sum-exp in `lse` for it.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -56,18 +57,23 @@ __device__ __forceinline__ void unpack8(uint4 raw, float* x) {
         x[2 * i] = __uint_as_float(w[i] << 16);
         x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
 #else
-        const u16 lo = (u16)(w[i] & 0xffffu), hi = (u16)(w[i] >> 16);
-        asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * i]) : "h"(lo));
-        asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * i + 1]) : "h"(hi));
+        // Both halves of the word in one statement: split into 16-bit registers inside the
+        // asm, so that the compiler keeps no u16 copies alive (which cost the f16 variant
+        // 29 more registers than bf16's and a quarter of its occupancy).
+        asm("{.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;}"
+            : "=f"(x[2 * i]), "=f"(x[2 * i + 1])
+            : "r"(w[i]));
 #endif
     }
 }
 
-// Running softmax state of one thread: its 8 columns of every group head's output.
+// Running softmax state of one thread: its 8 columns of every group head's output, and the
+// rows its team attended (not NO_ROW).
 struct State {
     float m[GROUP];
     float l[GROUP];
     float o[GROUP][8];
+    u32 rows;
 };
 
 // Rows of a slice of the dense part: run 0 then run 1.
@@ -274,21 +280,24 @@ __device__ __forceinline__ void attend_rows(const RowOf& row_of, u32 n, const u1
         group_scores(kr, qf, s);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
+            st.rows += live[u];
             if (!live[u]) {
 #pragma unroll
                 for (int g = 0; g < GROUP; ++g) s[u][g] = NEG_INF;
             }
         }
-        float vf[UNROLL][8];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) unpack8(vr[u], vf[u]);
+        // The new maxima rescale the state, and s becomes each row's weight.
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
             float mx = st.m[g];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) mx = fmaxf(mx, s[u][g]);
-            // Nothing seen yet: skipping avoids -inf - -inf.
-            if (mx == NEG_INF) continue;
+            // Nothing seen yet: the rows weigh nothing (and -inf - -inf is avoided).
+            if (mx == NEG_INF) {
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) s[u][g] = 0.f;
+                continue;
+            }
             const float c = exp2f(st.m[g] - mx);
             st.l[g] *= c;
 #pragma unroll
@@ -296,10 +305,20 @@ __device__ __forceinline__ void attend_rows(const RowOf& row_of, u32 n, const u1
             st.m[g] = mx;
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-                const float p = exp2f(s[u][g] - mx);
-                st.l[g] += p;
+                s[u][g] = exp2f(s[u][g] - mx);
+                st.l[g] += s[u][g];
+            }
+        }
+        // Then the values, one row at a time: only that row's 8 floats are unpacked at once
+        // (all rows unpacked together cost the f16 variant its occupancy).
 #pragma unroll
-                for (int i = 0; i < 8; ++i) st.o[g][i] = fmaf(p, vf[u][i], st.o[g][i]);
+        for (int u = 0; u < UNROLL; ++u) {
+            float vf[8];
+            unpack8(vr[u], vf);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) st.o[g][i] = fmaf(s[u][g], vf[i], st.o[g][i]);
             }
         }
     }
@@ -460,13 +479,29 @@ attend(const u16* __restrict__ q, float scale_log2,
        const u32* __restrict__ bucket_off, const u32* __restrict__ bucket_ids,
        // results
        u32 group_size, float* __restrict__ partials, u32* __restrict__ counters,
-       float* __restrict__ out, float* __restrict__ lse) {
+       float* __restrict__ out, float* __restrict__ lse, u64* __restrict__ bucket_rows,
+       u16* __restrict__ q_keep) {
     const u32 h = blockIdx.y, x = blockIdx.x;
     const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+    // The first item of each head keeps the head's queries for `attention_mass`, which may
+    // run after the caller's query buffer has changed.
+    if (x == 0) {
+        const u64 head = (u64)h * GROUP * HEAD_DIM;
+        const uint4* src = reinterpret_cast<const uint4*>(q + head);
+        uint4* dst = reinterpret_cast<uint4*>(q_keep + head);
+        for (u32 i = threadIdx.x; i < GROUP * HEAD_DIM / 8; i += THREADS) dst[i] = __ldg(src + i);
+    }
+    // The bucket rows this block attends, when the launch counts them (the ids of the
+    // visited buckets outside the runs: what the index selected).
+    __shared__ u32 sm_rows;
+    const bool counts = bucket_rows != nullptr && bucket_off != nullptr &&
+                        x >= dense_items + lrun_items;
+    if (threadIdx.x == 0) sm_rows = 0;
 
     float qf[GROUP][8];
     load_queries(q, h, scale_log2, qf);
     State st;
+    st.rows = 0;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
         st.m[g] = NEG_INF;
@@ -489,20 +524,26 @@ attend(const u16* __restrict__ q, float scale_log2,
         part.item(x - dense_items, h, AttendVisit{lk + head, lv + head, &qf, &st});
     }
 
-    // Combine the teams of the block into this item's partial.
-    __shared__ float sm_o[TEAMS][GROUP][HEAD_DIM];
+    // Combine the teams of the block into this item's partial. The outputs are stored 16
+    // bytes at a time (eight scalar stores a thread would hit the same banks 8 ways).
+    __shared__ __align__(16) float sm_o[TEAMS][GROUP][HEAD_DIM];
     __shared__ float sm_m[TEAMS][GROUP];
     __shared__ float sm_l[TEAMS][GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sm_o[team][g][lane * 8 + i] = st.o[g][i];
+        float4* o = reinterpret_cast<float4*>(&sm_o[team][g][lane * 8]);
+        o[0] = make_float4(st.o[g][0], st.o[g][1], st.o[g][2], st.o[g][3]);
+        o[1] = make_float4(st.o[g][4], st.o[g][5], st.o[g][6], st.o[g][7]);
         if (lane == 0) {
             sm_m[team][g] = st.m[g];
             sm_l[team][g] = st.l[g];
         }
     }
+    // A team's lanes counted the same rows: its first lane adds them (the bucket items
+    // passed a barrier in ListPart::item since sm_rows was zeroed).
+    if (counts && lane == 0 && st.rows > 0) atomicAdd(&sm_rows, st.rows);
     __syncthreads();
+    if (counts && threadIdx.x == 0 && sm_rows > 0) atomicAdd(bucket_rows, (u64)sm_rows);
     float* partial = partials + ((u64)h * gridDim.x + x) * PARTIAL;
     for (u32 e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
         const u32 g = e / HEAD_DIM, col = e % HEAD_DIM;

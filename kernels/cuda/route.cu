@@ -7,46 +7,29 @@
 // is a power of two up to 32.
 //
 // Layouts: queries [kv_heads, GROUP, head_dim] f32; centroids [kv_heads, buckets, head_dim]
-// f32; bucket b of KV head h is list h * buckets + b of the CSR (`bucket_off`,
-// `bucket_ids`, ids ascending within a bucket), and list kv_heads * buckets is empty;
-// `visited` [kv_heads, probes] gets those list numbers (probes <= buckets).
-// `selected` counts the ids of the visited buckets inside [lo, hi): the keys the step
-// attends to besides the dense part.
+// f32; `visited` [kv_heads, probes] gets list numbers of the partition's CSR of ids, in
+// which bucket b of KV head h is list h * buckets + b and list kv_heads * buckets is empty
+// (probes <= buckets). Routing never reads the ids: the bucket attention that reads the
+// visits counts the ids it attends.
 //
-// Grid: one block of ROUTE_THREADS per KV head; dynamic shared memory holds the buckets'
-// scores (padded to whole SCAN chunks). Each step is split over several threads per bucket,
-// so that its loads are in flight together and no thread runs a long loop alone.
+// Grid: (KV heads, slices), blocks of ROUTE_THREADS. Every block of a head scores all of its
+// buckets (dynamic shared memory holds the scores, padded to whole SCAN chunks), then ranks
+// only its slice of them against all: the ranking, most of the work, is spread over
+// several multiprocessors with no block waiting for another (one block a head ran the whole
+// head on one multiprocessor, instruction-bound). Each step is split over several threads
+// per bucket, so that its loads are in flight together and no thread runs a long loop
+// alone.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #define NEG_INF __int_as_float(0xff800000)
 
-// The first index of ids[0..n) (ascending) at or past `value`, searched by a whole warp
-// (every lane calls it with the same arguments): each round the lanes test 32 evenly spaced
-// positions and the range shrinks 32-fold, so a bucket of 100K ids takes four rounds of
-// loads instead of seventeen dependent ones.
-__device__ __forceinline__ u32 warp_lower_bound(const u32* ids, u32 n, u32 value) {
-    const u32 lane = threadIdx.x % 32;
-    u32 lo = 0, hi = n;  // the answer lies in [lo, hi]
-    while (lo < hi) {
-        const u32 step = (hi - lo + 31) / 32;
-        const u32 at = lo + lane * step;
-        const bool below = at < hi && ids[at] < value;
-        // Ids ascend, so the lanes below `value` are the first `k`.
-        const u32 k = __popc(__ballot_sync(0xffffffffu, below));
-        if (k == 0) break;
-        const u32 past = lo + k * step;
-        lo = lo + (k - 1) * step + 1;
-        hi = past < hi ? past : hi;
-    }
-    return lo;
-}
-
 // Threads of a block (`ROUTE_THREADS` in route.rs).
 #define ROUTE_THREADS 512
-// Buckets each thread scores between uses of their loads (loads in flight).
-#define BUCKETS_IN_FLIGHT 4
+// Buckets each thread scores between uses of their loads (loads in flight): 8 take a
+// head's 256 buckets in one pass when the group's queries leave the registers for them.
+#define BUCKETS_IN_FLIGHT (GROUP <= 4 ? 8 : 4)
 // Scores each ranking thread compares between checks of its count (loads in flight).
 #define SCAN 8
 
@@ -60,16 +43,14 @@ __device__ __forceinline__ void load8(const float* p, float (&x)[8]) {
 
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, u32 head_dim,
-              u32 buckets, u32 probes, const u32* __restrict__ bucket_off,
-              const u32* __restrict__ bucket_ids, u32 lo, u32 hi, u32* __restrict__ visited,
-              u64* __restrict__ selected) {
+              u32 buckets, u32 probes,
+              u32* __restrict__ visited) {
     // The buckets' scores, padded with -inf to whole SCAN chunks.
     extern __shared__ float scores[];
     const u32 padded = (buckets + SCAN - 1) / SCAN * SCAN;
-    __shared__ u32 ranked;
+    __shared__ u32 scored;
     const u32 h = blockIdx.x;
-    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (threadIdx.x == 0) ranked = 0;
+    if (threadIdx.x == 0) scored = 0;
     for (u32 b = buckets + threadIdx.x; b < padded; b += blockDim.x) scores[b] = NEG_INF;
     // Each bucket's score, the group's best inner product with its centroid, from `lanes`
     // adjacent threads that each hold 8 dimensions of every group query in registers (read
@@ -104,19 +85,21 @@ route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, 
         }
     }
     __syncthreads();
-    // Each bucket's rank in (score descending, bucket ascending): the buckets ranked below
-    // `probes` are the visits, in that order. `split` adjacent threads count a bucket's
-    // betters together, each over every split-th chunk of SCAN scores (consecutive threads
-    // read consecutive words: no bank conflicts); a thread stops once it alone has counted
-    // `probes` (the bucket is then not visited), and the shuffles add the parts up.
-    // Comparisons are branch-free, so a warp's lanes never diverge inside a chunk. NaN
-    // scores compare false both ways: never better than another, never visited.
+    // Each bucket of the slice gets its rank in (score descending, bucket ascending): the
+    // buckets ranked below `probes` are the visits, in that order. `split` adjacent threads
+    // count a bucket's betters together, each over every split-th chunk of SCAN scores
+    // (consecutive threads read consecutive words: no bank conflicts); a thread stops once
+    // it alone has counted `probes` (the bucket is then not visited), and the shuffles add
+    // the parts up. Comparisons are branch-free, so a warp's lanes never diverge inside a
+    // chunk. NaN scores compare false both ways: never better than another, never visited.
+    const u32 per = (buckets + gridDim.y - 1) / gridDim.y;
+    const u32 first = min(blockIdx.y * per, buckets), end = min(first + per, buckets);
     u32 split = 1;
-    while (split < 32 && split * 2 * padded <= blockDim.x) split *= 2;
+    while (split < 32 && split * 2 * (end - first) <= blockDim.x) split *= 2;
     const u32 part = threadIdx.x % split;
-    for (u32 base = 0; base < padded; base += blockDim.x / split) {
+    for (u32 base = first; base < end; base += blockDim.x / split) {
         const u32 b = base + threadIdx.x / split;
-        const float s = b < buckets ? scores[b] : NEG_INF;
+        const float s = b < end ? scores[b] : NEG_INF;
         u32 rank = 0;
         for (u32 o0 = part * SCAN; o0 < padded && rank < probes; o0 += split * SCAN) {
 #pragma unroll
@@ -127,26 +110,17 @@ route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, 
             }
         }
         for (u32 off = 1; off < split; off <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, off);
-        if (part == 0 && b < buckets && s == s && rank < probes) {
-            visited[(u64)h * probes + rank] = h * buckets + b;
-            atomicAdd(&ranked, 1u);
-        }
+        if (part == 0 && b < end && s == s && rank < probes) visited[(u64)h * probes + rank] = h * buckets + b;
     }
-    __syncthreads();
-    // Fewer buckets than probes could win (NaN scores): the rest visit the empty list after
-    // every head's buckets.
-    for (u32 r = ranked + threadIdx.x; r < probes; r += blockDim.x)
-        visited[(u64)h * probes + r] = gridDim.x * buckets;
-    __syncthreads();
-    // The visited buckets' eligible ids, one bucket per warp: two warp-wide searches. The
-    // block's writes to `visited` are visible after the barrier above.
-    u64 count = 0;
-    for (u32 r = warp; r < probes; r += blockDim.x / 32) {
-        const u32 list = visited[(u64)h * probes + r];
-        const u32 a = bucket_off[list], z = bucket_off[list + 1];
-        const u32 from = warp_lower_bound(bucket_ids + a, z - a, lo);
-        const u32 to = warp_lower_bound(bucket_ids + a, z - a, hi);
-        count += to - from;
+    // Fewer buckets than probes could win (NaN scores): the first slice's block has the rest
+    // visit the empty list after every head's buckets. Every block holds all the scores, so
+    // it counts the winners without asking the others.
+    if (blockIdx.y == 0) {
+        u32 valid = 0;
+        for (u32 b = threadIdx.x; b < buckets; b += blockDim.x) valid += scores[b] == scores[b];
+        atomicAdd(&scored, valid);
+        __syncthreads();
+        for (u32 r = min(scored, probes) + threadIdx.x; r < probes; r += blockDim.x)
+            visited[(u64)h * probes + r] = gridDim.x * buckets;
     }
-    if (lane == 0 && count > 0) atomicAdd(selected, count);
 }

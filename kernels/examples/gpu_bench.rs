@@ -31,8 +31,8 @@ use kvdb_kernels::cudarc::driver::sys::{
 };
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice};
 use kvdb_kernels::{
-    attention_mass, bucket_attention, flash_decode, retrieval_attention, BlockCache, Buckets, Csr,
-    Dense, Gpu, HostKv, KvCache, ListPart, Partition, Query, Selected, Visits, Workspace,
+    attention_mass, bucket_attention, flash_decode, retrieval_attention, BlockCache, Csr, Dense,
+    Gpu, HostKv, KvCache, ListPart, Partition, Query, Selected, Visits, Workspace,
 };
 use serde_json::{json, Value};
 
@@ -538,22 +538,12 @@ impl<'g> Bench<'g> {
         let position = self.n as u32 - 1;
         let window_start = position + 1 - WINDOW;
         let runs = [0..SINK, window_start..position + 1];
-        let eligible = SINK..window_start;
         let (gpu, scale) = (self.gpu, self.scale());
         let (copies, ws, out) = (&self.copies, &mut self.workspace, &mut self.out);
         let route = |i: usize, visits: &mut [Visits]| -> Result<()> {
             let q = route_queries[i % SETS].as_view();
-            Ok(partition.route(gpu, &q, eligible.clone(), &mut visits[i % SETS])?)
+            Ok(partition.route(gpu, &q, &mut visits[i % SETS])?)
         };
-        // One route per set: the ids each head selects, on average.
-        for i in 0..SETS {
-            route(i, &mut visits)?;
-        }
-        let selected = visits
-            .iter()
-            .map(|v| Ok(v.selected(gpu)? as usize))
-            .sum::<Result<usize>>()?
-            / (SETS * s.kv_heads);
         let mut attend = |i: usize, visits: &[Visits], ws: &mut Workspace| -> Result<()> {
             let kv = &copies[i % copies.len()];
             let heads = queries[i % SETS].as_view();
@@ -561,12 +551,7 @@ impl<'g> Bench<'g> {
                 heads: &heads,
                 scale,
             };
-            let part = Buckets {
-                kv,
-                runs: &runs,
-                ids: partition.ids(),
-                visited: visits[i % SETS].visited(),
-            };
+            let part = partition.list_part(&visits[i % SETS], kv, &runs);
             let dense = Dense { kv, runs: &[] };
             Ok(bucket_attention(
                 gpu,
@@ -577,6 +562,17 @@ impl<'g> Bench<'g> {
                 &mut out.as_view_mut(),
             )?)
         };
+        // One route and attention per set: the ids each head selects, on average (the
+        // attention counts them).
+        for i in 0..SETS {
+            route(i, &mut visits)?;
+            attend(i, &visits, ws)?;
+        }
+        let selected = visits
+            .iter()
+            .map(|v| Ok(v.selected(gpu)? as usize))
+            .sum::<Result<usize>>()?
+            / (SETS * s.kv_heads);
         let mut rows = Vec::new();
         let t = time_events(gpu, self.iters, |i| route(i, &mut visits))?;
         let graph = time_graph(gpu, SETS, self.iters, |i| route(i, &mut visits))?;
@@ -591,27 +587,11 @@ impl<'g> Bench<'g> {
         let graph = time_graph(gpu, SETS, self.iters, |i| attend(i, &visits, ws))?;
         rows.push(("bucket_attention".to_string(), tokens, t, graph));
         // Provenance after the attention, as the session runs it: the weight of each
-        // attended corpus row, from the last launch's log-sum-exp.
+        // attended corpus row, from the last launch's queries and log-sum-exp.
         let mut mass: CudaSlice<f32> = gpu.zeros(self.n)?;
         let mut weigh = |i: usize, visits: &[Visits], ws: &Workspace| -> Result<()> {
-            let heads = queries[i % SETS].as_view();
-            let query = Query {
-                heads: &heads,
-                scale,
-            };
-            let part = Buckets {
-                kv: &copies[i % copies.len()],
-                runs: &runs,
-                ids: partition.ids(),
-                visited: visits[i % SETS].visited(),
-            };
-            Ok(attention_mass(
-                gpu,
-                ws,
-                query,
-                ListPart::Buckets(part),
-                &mut mass,
-            )?)
+            let part = partition.list_part(&visits[i % SETS], &copies[i % copies.len()], &runs);
+            Ok(attention_mass(gpu, ws, ListPart::Buckets(part), &mut mass)?)
         };
         let t = time_events(gpu, self.iters, |i| weigh(i, &visits, ws))?;
         let graph = time_graph(gpu, SETS, self.iters, |i| weigh(i, &visits, ws))?;

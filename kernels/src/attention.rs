@@ -23,12 +23,25 @@ pub struct Query<'a, T> {
 }
 
 /// Scratch of the launches: one partial per work item and per group of items, counters that
-/// the kernel leaves at zero, and the last launch's log-sum-exp of every query head (what
-/// [`attention_mass`] weighs rows with). Grows on demand; reuse one across steps.
+/// the kernel leaves at zero, and the last launch's queries and log-sum-exp of every query
+/// head (what [`attention_mass`] weighs rows with, so that it needs nothing of the caller's
+/// but the rows: it may run later, on another stream). Grows on demand; reuse one across
+/// steps.
 pub struct Workspace {
     partials: CudaSlice<f32>,
     counters: CudaSlice<u32>,
     lse: CudaSlice<f32>,
+    /// The last launch's queries, as the kernel read them (16-bit elements).
+    queries: CudaSlice<u16>,
+    last: Option<Launched>,
+}
+
+/// What a workspace's last launch attended: its kernel variant, KV heads and logit scale.
+#[derive(Debug, Clone, Copy)]
+struct Launched {
+    variant: Variant,
+    kv_heads: usize,
+    scale: f32,
 }
 
 impl std::fmt::Debug for Workspace {
@@ -37,6 +50,7 @@ impl std::fmt::Debug for Workspace {
             .field("partial_floats", &self.partials.len())
             .field("counters", &self.counters.len())
             .field("lse", &self.lse.len())
+            .field("last", &self.last)
             .finish()
     }
 }
@@ -48,6 +62,8 @@ impl Workspace {
             partials: gpu.zeros(1)?,
             counters: gpu.zeros(1)?,
             lse: gpu.zeros(1)?,
+            queries: gpu.zeros(1)?,
+            last: None,
         })
     }
 
@@ -57,6 +73,7 @@ impl Workspace {
         partial_floats: usize,
         counters: usize,
         query_heads: usize,
+        query_elements: usize,
     ) -> Result<()> {
         if self.partials.len() < partial_floats {
             self.partials = gpu.zeros(partial_floats)?;
@@ -66,6 +83,9 @@ impl Workspace {
         }
         if self.lse.len() < query_heads {
             self.lse = gpu.zeros(query_heads)?;
+        }
+        if self.queries.len() < query_elements {
+            self.queries = gpu.zeros(query_elements)?;
         }
         Ok(())
     }
@@ -138,6 +158,10 @@ pub struct Buckets<'a, T> {
     pub ids: &'a Csr,
     /// One list of bucket numbers per KV head.
     pub visited: &'a Csr,
+    /// Where an attention launch adds the number of bucket ids it attended (those outside
+    /// `runs`: what the index selected), as [`crate::Visits`] keeps it; [`attention_mass`]
+    /// leaves it alone. [`crate::Partition::buckets`] sets it.
+    pub count: Option<&'a CudaSlice<u64>>,
 }
 
 /// What a launch attends to besides its dense part, and what [`attention_mass`] weighs.
@@ -191,6 +215,7 @@ struct Rows<'a, T> {
     runs: [(u32, u32); 2],
     lists: Option<&'a Csr>,
     buckets: Option<&'a Csr>,
+    count: Option<&'a CudaSlice<u64>>,
 }
 
 impl<T> Rows<'_, T> {
@@ -291,14 +316,18 @@ pub fn bucket_attention<T: KvElement>(
 }
 
 /// Adds to `mass[id]` the attention weight that row `id` of `part`'s buffer received in the
-/// workspace's last launch (summed over each KV head's query heads, and over the KV heads):
-/// the attention mass of stored tokens that provenance ranks passages by. `query` and
-/// `part` must be the last launch's. Rows are token ids for a resident [`KvCache`] (what
-/// provenance needs); for a [`crate::BlockCache::gather`] selection they are cache slots.
+/// workspace's last launch, from the queries and log-sum-exp it kept (summed over each KV
+/// head's query heads, and over the KV heads): the attention mass of stored tokens that
+/// provenance ranks passages by. `part` must be the last launch's list part. Rows are token
+/// ids for a resident [`KvCache`] (what provenance needs); for a
+/// [`crate::BlockCache::gather`] selection they are cache slots.
+///
+/// It reads nothing the caller may change after the launch but `part`'s buffers, so `gpu`
+/// may be another stream's handle ([`Gpu::fork`]) that waits for the launch's event; the
+/// workspace's next launch must then wait for this one.
 pub fn attention_mass<T: KvElement>(
     gpu: &Gpu,
     workspace: &Workspace,
-    query: Query<'_, T>,
     part: ListPart<'_, T>,
     mass: &mut CudaSlice<f32>,
 ) -> Result<()> {
@@ -310,25 +339,26 @@ pub fn attention_mass<T: KvElement>(
         rows.rows.rows,
         mass.len(),
     )?;
-    let group = group_of(query, kv_heads, head_dim)?;
-    if workspace.lse.len() < kv_heads * group {
-        return Err(KernelError::Length {
-            what: "the workspace's log-sum-exp (no launch before the mass)",
-            expected: kv_heads * group,
-            found: workspace.lse.len(),
-        });
-    }
+    let last = workspace
+        .last
+        .filter(|l| {
+            l.kv_heads == kv_heads && l.variant.head_dim == head_dim && l.variant.dtype == T::DTYPE
+        })
+        .ok_or_else(|| KernelError::NotLastLaunch {
+            asked: format!("{kv_heads} KV heads of {head_dim} {:?}", T::DTYPE),
+            last: workspace.last.map_or("none".into(), |l| {
+                format!(
+                    "{} KV heads of {} {:?}",
+                    l.kv_heads, l.variant.head_dim, l.variant.dtype
+                )
+            }),
+        })?;
     let run_items = rows.run_rows().div_ceil(MASS_CHUNK);
     let items = run_items + rows.list_items(MASS_CHUNK);
     if items == 0 {
         return Ok(());
     }
-    let variant = Variant {
-        dtype: T::DTYPE,
-        head_dim,
-        group,
-    };
-    let function = gpu.attend_source_kernel(variant, "attention_mass")?;
+    let function = gpu.attend_source_kernel(last.variant, "attention_mass")?;
     let too_large = |what, value| KernelError::TooLarge { what, value };
     let items_u32 = u32::try_from(items).map_err(|_| too_large("mass work items", items))?;
     let heads_u32 = heads_u32(kv_heads)?;
@@ -339,11 +369,11 @@ pub fn attention_mass<T: KvElement>(
         .buckets
         .map_or((0, 0), |b| (gpu.address(&b.offsets), gpu.address(&b.items)));
     let (q, keys, lse) = (
-        query.heads.device_ptr(gpu.stream()).0,
+        gpu.address(&workspace.queries),
         gpu.address(rows.rows.keys),
         gpu.address(&workspace.lse),
     );
-    let scale_log2 = query.scale * std::f32::consts::LOG2_E;
+    let scale_log2 = last.scale * std::f32::consts::LOG2_E;
     let (chunk, run_items) = (MASS_CHUNK as u32, run_items as u32);
     let mass_ptr = gpu.address(mass);
     let mut builder = gpu.stream().launch_builder(&function);
@@ -428,6 +458,7 @@ fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
             runs: runs_of(selected.runs, selected.rows.rows)?,
             lists: Some(selected.lists),
             buckets: None,
+            count: None,
         }),
         ListPart::Buckets(b) => {
             b.ids
@@ -444,6 +475,7 @@ fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
                 runs: runs_of(b.runs, b.kv.tokens())?,
                 lists: Some(b.visited),
                 buckets: Some(b.ids),
+                count: b.count,
             })
         }
     }
@@ -580,7 +612,17 @@ fn launch<T: KvElement>(
         launch.kv_heads * (items + groups) * partial,
         launch.kv_heads * (groups + 1),
         launch.kv_heads * group,
+        launch.query.heads.len(),
     )?;
+    workspace.last = Some(Launched {
+        variant: Variant {
+            dtype: T::DTYPE,
+            head_dim,
+            group,
+        },
+        kv_heads: launch.kv_heads,
+        scale: launch.query.scale,
+    });
 
     let address = |data: &CudaSlice<u32>| gpu.address(data);
     let none = Rows {
@@ -588,6 +630,7 @@ fn launch<T: KvElement>(
         runs: [(0, 0); 2],
         lists: None,
         buckets: None,
+        count: None,
     };
     let list = launch.list.unwrap_or(none);
     let (list_keys, list_values, list_stride) = match launch.list {
@@ -628,6 +671,8 @@ fn launch<T: KvElement>(
         counters: gpu.address(&workspace.counters),
         out: out.device_ptr_mut(gpu.stream()).0,
         lse: gpu.address(&workspace.lse),
+        bucket_rows: list.count.map_or(0, |c| gpu.address(c)),
+        q_keep: gpu.address(&workspace.queries),
     };
     let config = LaunchConfig {
         grid_dim: (items_u32, heads_u32, 1),
@@ -664,7 +709,9 @@ fn launch<T: KvElement>(
         .arg(&args.partials)
         .arg(&args.counters)
         .arg(&args.out)
-        .arg(&args.lse);
+        .arg(&args.lse)
+        .arg(&args.bucket_rows)
+        .arg(&args.q_keep);
     // Safety: the arguments match `attend`'s signature in order and type; every address is
     // of a live buffer whose length was checked against the rows the kernel reads.
     unsafe { builder.launch(config) }.map_err(driver("launching attend"))?;
@@ -696,4 +743,6 @@ struct Args {
     counters: u64,
     out: u64,
     lse: u64,
+    bucket_rows: u64,
+    q_keep: u64,
 }

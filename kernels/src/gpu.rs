@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+    ValidAsZeroBits,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 
@@ -134,10 +135,10 @@ pub struct Gpu {
     /// device of compute capability 9.0, unless [`Gpu::portable`] turned them off.
     hopper: bool,
     multiprocessors: u32,
-    attend: Mutex<HashMap<Variant, AttendKernel>>,
-    fill: Mutex<Option<CudaFunction>>,
+    attend: Arc<Mutex<HashMap<Variant, AttendKernel>>>,
+    fill: Arc<Mutex<Option<CudaFunction>>>,
     /// The model's kernels (ops, prefill), by entry point and defines.
-    compiled: Mutex<HashMap<String, CudaFunction>>,
+    compiled: Arc<Mutex<HashMap<String, CudaFunction>>>,
     /// Where compiled PTX is kept between runs, if anywhere.
     ptx_cache: Option<PathBuf>,
 }
@@ -194,9 +195,9 @@ impl Gpu {
             arch: format!("compute_{major}{minor}"),
             hopper: (major, minor) == (9, 0),
             multiprocessors: multiprocessors.max(1) as u32,
-            attend: Mutex::new(HashMap::new()),
-            fill: Mutex::new(None),
-            compiled: Mutex::new(HashMap::new()),
+            attend: Arc::default(),
+            fill: Arc::default(),
+            compiled: Arc::default(),
             ptx_cache: None,
         })
     }
@@ -250,6 +251,45 @@ impl Gpu {
     /// The stream every launch of this crate is queued on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// A handle on the same device with a stream of its own, sharing this handle's compiled
+    /// kernels: what is queued on it runs beside this handle's work, ordered only by events
+    /// ([`Gpu::record`], [`Gpu::wait`]).
+    pub fn fork(&self) -> Result<Self> {
+        Ok(Self {
+            ctx: self.ctx.clone(),
+            stream: self.ctx.new_stream().map_err(driver("creating a stream"))?,
+            arch: self.arch.clone(),
+            hopper: self.hopper,
+            multiprocessors: self.multiprocessors,
+            attend: self.attend.clone(),
+            fill: self.fill.clone(),
+            compiled: self.compiled.clone(),
+            ptx_cache: self.ptx_cache.clone(),
+        })
+    }
+
+    /// A new event (without timing), for [`Gpu::record`] and [`Gpu::wait`]: made once and
+    /// recorded again for each use, since creating one costs a driver call per use.
+    pub fn event(&self) -> Result<CudaEvent> {
+        self.ctx
+            .new_event(None)
+            .map_err(driver("creating an event"))
+    }
+
+    /// Records `event`: it completes once everything queued on the stream so far has run.
+    pub fn record(&self, event: &CudaEvent) -> Result<()> {
+        event
+            .record(&self.stream)
+            .map_err(driver("recording an event"))
+    }
+
+    /// Makes what is queued on the stream from now on wait for `event` (of any stream).
+    pub fn wait(&self, event: &CudaEvent) -> Result<()> {
+        self.stream
+            .wait(event)
+            .map_err(driver("waiting for another stream's event"))
     }
 
     /// Number of streaming multiprocessors.

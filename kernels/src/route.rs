@@ -5,16 +5,21 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 
-use crate::attention::{lanes_of, MAX_VISITED_BUCKETS};
-use crate::buffers::Csr;
+use crate::attention::{lanes_of, Buckets, MAX_VISITED_BUCKETS};
+use crate::buffers::{Csr, KvCache};
 use crate::error::{driver, length, KernelError, Result};
 use crate::gpu::Gpu;
 
 const SOURCE: &str = include_str!("../cuda/route.cu");
 
-/// Threads of a routing block (one block per KV head; `ROUTE_THREADS` in `route.cu`):
-/// several per bucket, so that a head's centroid loads are in flight together.
+/// Threads of a routing block (`ROUTE_THREADS` in `route.cu`): several per bucket, so that a
+/// head's centroid loads are in flight together.
 const ROUTE_THREADS: u32 = 512;
+
+/// Buckets each routing block ranks (a KV head's buckets are ranked in slices of about this
+/// many, each by its own block), and most slices per head.
+const SLICE_BUCKETS: usize = 32;
+const MAX_SLICES: usize = 16;
 
 /// Most query heads per KV head a [`Partition`] routes (`GROUP` in `route.cu`, compiled per
 /// group: one running sum per head in registers).
@@ -48,8 +53,8 @@ impl std::fmt::Debug for Partition {
 }
 
 /// A query's visits to a [`Partition`]: the buckets of its last step per KV head (what
-/// [`crate::Buckets::visited`] takes), and the ids of all its steps' visited buckets inside
-/// their eligible ranges, counted on the GPU.
+/// [`crate::Buckets::visited`] takes), and the ids that the bucket attention of all its
+/// steps attended in them (outside the dense runs), counted on the GPU.
 pub struct Visits {
     visited: Csr,
     selected: CudaSlice<u64>,
@@ -69,7 +74,8 @@ impl Visits {
         &self.visited
     }
 
-    /// The ids the visits selected so far (waits for the stream).
+    /// The ids the bucket attention over these visits attended so far, the visited ids
+    /// outside each step's dense runs (waits for the stream).
     pub fn selected(&self, gpu: &Gpu) -> Result<u64> {
         Ok(gpu.download(&self.selected)?.first().copied().unwrap_or(0))
     }
@@ -152,16 +158,28 @@ impl Partition {
         })
     }
 
+    /// The list part of a bucket launch over `visits` of this partition, rows of `kv` with
+    /// `runs` (sinks and window) attended whole: the launch counts what it attends in
+    /// [`Visits::selected`].
+    pub fn list_part<'a, T>(
+        &'a self,
+        visits: &'a Visits,
+        kv: &'a KvCache<T>,
+        runs: &'a [Range<u32>],
+    ) -> Buckets<'a, T> {
+        Buckets {
+            kv,
+            runs,
+            ids: &self.ids,
+            visited: &visits.visited,
+            count: Some(&visits.selected),
+        }
+    }
+
     /// Routes one decode step: each KV head's group of `queries` (`[kv_heads, group,
     /// head_dim]`, f32, in the partition's space) visits the buckets of best score, written
-    /// to `visits`, whose count of ids inside `eligible` grows by the visited ones.
-    pub fn route(
-        &self,
-        gpu: &Gpu,
-        queries: &CudaView<'_, f32>,
-        eligible: Range<u32>,
-        visits: &mut Visits,
-    ) -> Result<()> {
+    /// to `visits`.
+    pub fn route(&self, gpu: &Gpu, queries: &CudaView<'_, f32>, visits: &mut Visits) -> Result<()> {
         let per_group = self.kv_heads * self.head_dim;
         if !queries.len().is_multiple_of(per_group) || queries.is_empty() {
             return Err(KernelError::Length {
@@ -188,14 +206,9 @@ impl Partition {
         let smem = self.buckets.next_multiple_of(8) * size_of::<f32>();
         let function = gpu.kernel(SOURCE, "route_buckets", &[("GROUP", group.to_string())])?;
         let q = queries.device_ptr(gpu.stream()).0;
-        let (centroids, off, ids) = (
+        let (centroids, visited) = (
             gpu.address(&self.centroids),
-            gpu.address(&self.ids.offsets),
-            gpu.address(&self.ids.items),
-        );
-        let (visited, selected) = (
             gpu.address(&visits.visited.items),
-            gpu.address(&visits.selected),
         );
         let (head_dim, buckets) = (self.head_dim as u32, self.buckets as u32);
         let mut builder = gpu.stream().launch_builder(&function);
@@ -205,21 +218,17 @@ impl Partition {
             .arg(&head_dim)
             .arg(&buckets)
             .arg(&probes)
-            .arg(&off)
-            .arg(&ids)
-            .arg(&eligible.start)
-            .arg(&eligible.end)
-            .arg(&visited)
-            .arg(&selected);
+            .arg(&visited);
+        let slices = self.buckets.div_ceil(SLICE_BUCKETS).clamp(1, MAX_SLICES) as u32;
         let config = LaunchConfig {
-            grid_dim: (self.kv_heads as u32, 1, 1),
+            grid_dim: (self.kv_heads as u32, slices, 1),
             block_dim: (ROUTE_THREADS, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         // Safety: the arguments match `route_buckets`'s signature in order and type; the
         // queries hold `kv_heads * group * head_dim` floats, the centroids
-        // `kv_heads * buckets * head_dim`, `visited` `kv_heads * probes` items with
-        // probes <= buckets, and the CSR `kv_heads * buckets + 1` lists.
+        // `kv_heads * buckets * head_dim`, and `visited` `kv_heads * probes` items with
+        // probes <= buckets.
         unsafe { builder.launch(config) }.map_err(driver("launching route_buckets"))?;
         Ok(())
     }

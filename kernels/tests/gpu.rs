@@ -357,7 +357,7 @@ mod on_gpu {
             close(&what, &got, &layer.reference(&attended)?, TOLERANCE)?;
             let mut mass = gpu.zeros::<f32>(tokens)?;
             let part = ListPart::Selected(Selected::resident(&kv, &ids));
-            attention_mass(gpu, &workspace, query, part, &mut mass)?;
+            attention_mass(gpu, &workspace, part, &mut mass)?;
             // The mass of the selected rows alone: the dense runs are not the list part.
             let mut want = layer.mass(&attended, tokens)?;
             ids_of(&runs)
@@ -494,11 +494,13 @@ mod on_gpu {
                 kv: &ring,
                 runs: &tail_runs,
             };
+            let counted: CudaSlice<u64> = gpu.upload(&[7])?;
             let part = Buckets {
                 kv: &corpus,
                 runs: &runs,
                 ids: &buckets,
                 visited: &visited_csr,
+                count: Some(&counted),
             };
             bucket_attention(
                 gpu,
@@ -524,9 +526,17 @@ mod on_gpu {
                 visited[0].len()
             );
             close(&what, &got, &layer.reference(&attended)?, TOLERANCE)?;
+            // The launch added the bucket ids it attended to the count.
+            let from_buckets = attended.iter().map(|ids| ids.len() - dense_ids.len());
+            let want = 7 + from_buckets.sum::<usize>() as u64;
+            let count = gpu.download(&counted)?[0];
+            ensure!(
+                count == want,
+                "{what}: counted {count} bucket ids, want {want}"
+            );
             let mut mass = gpu.zeros::<f32>(n.max(1))?;
             if n > 0 {
-                attention_mass(gpu, &workspace, query, ListPart::Buckets(part), &mut mass)?;
+                attention_mass(gpu, &workspace, ListPart::Buckets(part), &mut mass)?;
             }
             let want = layer.mass(&attended, n)?;
             close(
@@ -549,7 +559,8 @@ mod on_gpu {
     }
 
     /// GPU routing visits the buckets of best group score (the CPU's choice, up to float
-    /// ties) and counts the ids of the visited buckets inside the eligible range.
+    /// ties), and the bucket attention over its visits counts the visited ids outside its
+    /// runs (those of an eligible range) across steps.
     #[test]
     fn routing_matches_reference() -> Result<()> {
         let Some((gpu, mut rng)) = start("routing_matches_reference") else {
@@ -574,9 +585,24 @@ mod on_gpu {
             let on_gpu = gpu.upload(&queries)?;
             let lo = rng.random_range(0..tokens as u32);
             let eligible = lo..rng.random_range(lo..=tokens as u32);
+            let runs = [0..eligible.start, eligible.end..tokens as u32];
+            // The attention reads keys and values (zeros here) and attended queries.
+            let zeros = vec![half::f16::ZERO; kv_heads * tokens * head_dim];
+            let kv = KvCache::upload(&gpu, &zeros, &zeros, kv_heads, head_dim)?;
+            let heads = gpu.upload(&vec![half::f16::ONE; queries.len()])?;
+            let heads = heads.as_view();
+            let query = Query {
+                heads: &heads,
+                scale: 1.0,
+            };
+            let (mut workspace, mut out) = (Workspace::new(&gpu)?, gpu.zeros(queries.len())?);
             // Twice: the count adds up over steps.
             for _ in 0..2 {
-                partition.route(&gpu, &on_gpu.as_view(), eligible.clone(), &mut visits)?;
+                partition.route(&gpu, &on_gpu.as_view(), &mut visits)?;
+                let part = partition.list_part(&visits, &kv, &runs);
+                let dense = Dense { kv: &kv, runs: &[] };
+                let mut out = out.as_view_mut();
+                bucket_attention(&gpu, &mut workspace, query, dense, part, &mut out)?;
             }
             let visited: Vec<u32> = visits.visited().to_lists(&gpu)?.concat();
             let mut selected = 0u64;
@@ -631,7 +657,7 @@ mod on_gpu {
         let partition = Partition::new(&gpu, &centroids, &lists, kv_heads, head_dim)?;
         let mut visits = partition.visits(&gpu, probes)?;
         let queries = gpu.upload(&vec![1.0f32; kv_heads * 4 * head_dim])?;
-        partition.route(&gpu, &queries.as_view(), 0..1000, &mut visits)?;
+        partition.route(&gpu, &queries.as_view(), &mut visits)?;
         let visited: Vec<u32> = visits.visited().to_lists(&gpu)?.concat();
         let want: Vec<u32> = (0..kv_heads as u32)
             .flat_map(|h| (0..probes as u32).map(move |b| h * buckets as u32 + b))
@@ -843,6 +869,7 @@ mod on_gpu {
             runs: &[],
             ids: &buckets,
             visited: &visited,
+            count: None,
         };
         ensure!(out_of_range(bucket_attention(
             &gpu,
@@ -866,6 +893,7 @@ mod on_gpu {
                 runs: &[],
                 ids: &buckets,
                 visited: &visited,
+                count: None,
             },
             &mut out.as_view_mut()
         )));
@@ -883,10 +911,23 @@ mod on_gpu {
         ensure!(wrong_length(attention_mass(
             &gpu,
             &ws,
-            query,
             ListPart::Selected(Selected::resident(&kv, &none)),
             &mut mass
         )));
+        // The mass weighs the rows of the workspace's last launch: there was none, then one
+        // of f16 rows, not bf16 ones.
+        let not_last =
+            |r: kvdb_kernels::Result<()>| matches!(r, Err(KernelError::NotLastLaunch { .. }));
+        let (mut fresh, mut mass) = (Workspace::new(&gpu)?, gpu.zeros::<f32>(100)?);
+        let two = Csr::from_lists(&gpu, &[vec![1u32], vec![2]])?;
+        let part = ListPart::Selected(Selected::resident(&kv, &two));
+        ensure!(not_last(attention_mass(&gpu, &fresh, part, &mut mass)));
+        flash_decode(&gpu, &mut fresh, query, &kv, 100, &mut out.as_view_mut())?;
+        attention_mass(&gpu, &fresh, part, &mut mass)?;
+        let zeros = vec![half::bf16::ZERO; 2 * 100 * 64];
+        let bf16 = KvCache::upload(&gpu, &zeros, &zeros, 2, 64)?;
+        let part = ListPart::Selected(Selected::resident(&bf16, &two));
+        ensure!(not_last(attention_mass(&gpu, &fresh, part, &mut mass)));
         let partition = Partition::new(&gpu, &[0.0; 2 * 3 * 64], &vec![vec![0u32]; 6], 2, 64);
         ensure!(unsupported(partition?.visits(&gpu, 4).map(|_| ())));
         let unsorted = Partition::new(&gpu, &[0.0; 2 * 64], &[vec![2u32, 1], vec![]], 2, 64);
@@ -901,7 +942,6 @@ mod on_gpu {
         ensure!(unsupported(partition.route(
             &gpu,
             &seventeen.as_view(),
-            0..2,
             &mut visits
         )));
         // Head dims whose rows are not 8 dimensions for each of a power of two of threads.

@@ -16,7 +16,10 @@
 //! Under full attention every corpus row is attended densely, with the tail as the list.
 //! Provenance is computed on the GPU as well: after each answer token's attention,
 //! `attention_mass` adds the weight every attended corpus token received to a buffer that is
-//! read once, when the answer is complete.
+//! read once, when the answer is complete. It runs on a stream of its own ([`Provenance`]),
+//! beside the rest of the layer (the output projection and the MLP), since nothing of the
+//! step waits for it; the next attention launch, which reuses the workspace it reads, waits
+//! for it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -28,8 +31,8 @@ use half::f16;
 use kvdb_kernels::cudarc::driver::sys::CUevent_flags;
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
-    attention_mass, bucket_attention, retrieval_attention, Buckets, Csr, Dense, KernelError,
-    KvCache, ListPart, Partition, Query, Selected, Visits, Workspace, MAX_ROUTED_BUCKETS,
+    attention_mass, bucket_attention, retrieval_attention, Csr, Dense, KernelError, KvCache,
+    ListPart, Partition, Query, Selected, Visits, Workspace, MAX_ROUTED_BUCKETS,
     MAX_VISITED_BUCKETS,
 };
 use kvdb_model::{
@@ -302,7 +305,7 @@ fn with_sequence<'c, R>(
         lists: Csr::from_lists::<&[u32]>(gpu.gpu(), &[]).map_err(ModelError::from)?,
         n,
         heads: (config.n_heads, config.n_kv_heads, config.head_dim),
-        mass: None,
+        provenance: None,
         timer: profile.then(StageTimer::default),
     };
     let result = {
@@ -328,7 +331,7 @@ fn with_sequence<'c, R>(
     };
     let GpuSession {
         mut session,
-        mass,
+        provenance,
         routes,
         timer,
         ..
@@ -337,8 +340,13 @@ fn with_sequence<'c, R>(
         session.gpu_stages = timer.seconds()?;
     }
     let device = gpu.gpu();
-    if let Some(mass) = mass {
-        session.add_mass(&device.download(&mass).map_err(ModelError::from)?);
+    if let Some(mut provenance) = provenance {
+        provenance.join(device)?;
+        session.add_mass(
+            &device
+                .download(&provenance.mass)
+                .map_err(ModelError::from)?,
+        );
     }
     for visits in routes.iter().flat_map(|r| r.visits.iter().flatten()) {
         let selected = visits.selected(device).map_err(ModelError::from)?;
@@ -385,6 +393,9 @@ impl Routes {
 
 /// One query's attention at the retrieval layers of a GPU sequence.
 struct GpuSession<'c, 'm> {
+    /// The attention mass each corpus token received from the answer, once it starts.
+    /// First, so that it is dropped first: its stream may still read the buffers below.
+    provenance: Option<Provenance>,
     session: Session<'c>,
     kv: Arc<GpuCorpusKv>,
     /// Routing on the GPU, when the query's index allows it.
@@ -398,10 +409,71 @@ struct GpuSession<'c, 'm> {
     n: usize,
     /// Query heads, KV heads, head dim.
     heads: (usize, usize, usize),
-    /// The attention mass each corpus token received from the answer, once it starts.
-    mass: Option<CudaSlice<f32>>,
     /// Events around each stage's launches, when the query is profiled.
     timer: Option<StageTimer>,
+}
+
+/// Provenance's stream: the attention mass each corpus token received, added up there by
+/// `attention_mass` after each attention launch, beside the layer's remaining work.
+struct Provenance {
+    /// A handle on the model's device with a stream of its own.
+    gpu: kvdb_kernels::Gpu,
+    /// One weight per corpus token.
+    mass: CudaSlice<f32>,
+    /// Recorded on the model's stream after each attention launch the mass waits for.
+    launched: CudaEvent,
+    /// Recorded on this stream after each mass launch.
+    done: CudaEvent,
+    /// Whether a mass launch may still run (`done` not yet waited for).
+    pending: bool,
+}
+
+impl Provenance {
+    fn new(gpu: &kvdb_model::Gpu, n: usize) -> Result<Self> {
+        Ok(Self {
+            gpu: gpu.fork().map_err(ModelError::from)?,
+            mass: gpu.zeros(n).map_err(ModelError::from)?,
+            launched: gpu.event().map_err(ModelError::from)?,
+            done: gpu.event().map_err(ModelError::from)?,
+            pending: false,
+        })
+    }
+
+    /// Makes what `gpu` queues from now on wait for the last mass launch.
+    fn join(&mut self, gpu: &kvdb_model::Gpu) -> Result<()> {
+        if std::mem::take(&mut self.pending) {
+            gpu.wait(&self.done).map_err(ModelError::from)?;
+        }
+        Ok(())
+    }
+
+    /// Adds the workspace's last launch's weights of `part`'s rows to the mass, on this
+    /// stream, once what `gpu` queued so far (that launch) has run.
+    fn add<T: kvdb_kernels::KvElement>(
+        &mut self,
+        gpu: &kvdb_model::Gpu,
+        timer: &mut Option<StageTimer>,
+        workspace: &Workspace,
+        part: ListPart<'_, T>,
+    ) -> Result<()> {
+        gpu.record(&self.launched).map_err(ModelError::from)?;
+        self.gpu.wait(&self.launched).map_err(ModelError::from)?;
+        let (side, mass) = (&self.gpu, &mut self.mass);
+        StageTimer::time(timer, side, "provenance", || {
+            attention_mass(side, workspace, part, mass)
+        })?;
+        self.gpu.record(&self.done).map_err(ModelError::from)?;
+        self.pending = true;
+        Ok(())
+    }
+}
+
+impl Drop for Provenance {
+    /// Buffers freed after this (the workspace's, the corpus's) may be in use by a mass
+    /// launch still running on this stream (after an error, say): wait for it.
+    fn drop(&mut self) {
+        let _ = self.gpu.synchronize();
+    }
 }
 
 /// GPU time per stage of a query's attention layers, from CUDA events recorded around each
@@ -502,6 +574,10 @@ impl GpuSession<'_, '_> {
                 }
             };
         for i in 0..call.positions.len() {
+            // The last mass launch reads the workspace (and the lists) this launch rewrites.
+            if let Some(provenance) = self.provenance.as_mut() {
+                provenance.join(gpu)?;
+            }
             let position = first + i;
             let queries = call.queries.slice(i * q..(i + 1) * q);
             let query = Query {
@@ -547,19 +623,14 @@ impl GpuSession<'_, '_> {
             let part = match (&mut routed, &found) {
                 (Some((partition, visits)), _) => {
                     let raw = call.raw_queries.slice(i * q..(i + 1) * q);
-                    let eligible = policy.candidates(position);
-                    let eligible = eligible.start.min(n as u32)..eligible.end.min(n as u32);
                     StageTimer::time(&mut self.timer, gpu, "routing", || {
-                        partition.route(gpu, &raw, eligible, visits)
+                        partition.route(gpu, &raw, visits)
                     })?;
                     self.session
                         .record_routed(position, kv_heads, partition.buckets());
-                    let part = Buckets {
-                        kv: corpus,
-                        runs: &corpus_runs,
-                        ids: partition.ids(),
-                        visited: visits.visited(),
-                    };
+                    // The launch counts the visited ids outside the corpus runs: those in
+                    // the policy's candidates, since every corpus id precedes `position`.
+                    let part = partition.list_part(visits, corpus, &corpus_runs);
                     let workspace = &mut self.workspace;
                     StageTimer::time(&mut self.timer, gpu, "attention", || {
                         bucket_attention(gpu, workspace, query, dense, part, &mut out)
@@ -591,15 +662,11 @@ impl GpuSession<'_, '_> {
             };
             // Provenance: the weight each corpus token received from this answer token.
             if self.session.counts_mass_at(position) {
-                if self.mass.is_none() {
-                    self.mass = Some(gpu.zeros(n).map_err(ModelError::from)?);
-                }
-                if let Some(mass) = self.mass.as_mut() {
-                    let workspace = &self.workspace;
-                    StageTimer::time(&mut self.timer, gpu, "provenance", || {
-                        attention_mass(gpu, workspace, query, part, mass)
-                    })?;
-                }
+                let provenance = match &mut self.provenance {
+                    Some(provenance) => provenance,
+                    empty => empty.insert(Provenance::new(gpu, n)?),
+                };
+                provenance.add(gpu, &mut self.timer, &self.workspace, part)?;
             }
         }
         Ok(())
