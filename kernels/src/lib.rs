@@ -11,13 +11,13 @@
 //!
 //! | item | job |
 //! |---|---|
-//! | `Gpu` | the device, its stream, kernels compiled per (dtype, head dim, GQA group) |
+//! | `Gpu` | the device, its stream (and forks of it sharing the kernels), kernels compiled per (dtype, head dim, GQA group) |
 //! | `KvCache`, `Csr` | a layer's keys and values on the GPU; per-head id lists and bucket layouts |
 //! | `flash_decode` | exact attention over every token: the baseline |
 //! | `retrieval_attention` | dense part (sinks + window) plus each KV head's selected ids, merged in one launch |
 //! | `bucket_attention` | dense part plus every key of each head's visited buckets, which its work items share evenly |
-//! | `attention_mass` | the attention each stored row received in the last launch, added up: provenance on the GPU |
-//! | `Partition`, `Visits` | a bucket index's centroids and buckets on the GPU; routing a step's queries to buckets there |
+//! | `attention_mass` | the attention each stored row received in the workspace's last launch (from the queries and log-sum-exp it kept), added up: provenance on the GPU, on any stream |
+//! | `Partition`, `Visits` | a bucket index's centroids and buckets on the GPU; routing a step's queries to buckets there, and the ids the bucket attention then attended |
 //! | `HostKv`, `BlockCache` | keys and values in pinned host memory behind an LRU GPU cache of blocks |
 //! | `Gemm` | the model's matrix products: cuBLASLt, and a matrix-vector kernel (`cuda/gemv.cu`) for a decode step's one row |
 //! | `ops` | the model's element-wise kernels: embedding, norms, attention inputs (RoPE, KV writes), activations |
