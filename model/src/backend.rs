@@ -249,31 +249,50 @@ impl AttentionBackend for FullAttention {
             &input.values.transpose(0, 1)?,
             sliding_keep(input.layer),
         )?;
+        let span = CausalSpan {
+            first_query: input.positions.start,
+            first_key: cache.first_position,
+            window,
+            scale: input.scale,
+        };
         causal_attention(
             &q,
             &cache.keys.narrow(1, 0, cache.len)?,
             &cache.values.narrow(1, 0, cache.len)?,
-            input.positions.start,
-            cache.first_position,
-            window,
-            input.scale,
+            span,
         )
     }
 }
 
+/// Where the queries and keys of a [`causal_attention`] call sit, and how they attend.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CausalSpan {
+    /// Position of the first query.
+    pub first_query: usize,
+    /// Position of the first key.
+    pub first_key: usize,
+    /// A sliding window: a query at `p` sees keys after `p - window` (`None`: all before it).
+    pub window: Option<usize>,
+    /// Scale of `q · k`.
+    pub scale: f32,
+}
+
 /// Causal (optionally sliding-window) attention of rotated queries `[t, h, d]` at positions
 /// `first_query..first_query + t` over keys and values `[n_kv, s, d]` at positions
-/// `first_key..first_key + s`. GQA: query head `i` reads KV head `i / (h / n_kv)`.
+/// `first_key..first_key + s` (`span`). GQA: query head `i` reads KV head `i / (h / n_kv)`.
 /// Returns `[t, h, d]`.
 pub fn causal_attention(
     q: &Tensor,
     keys: &Tensor,
     values: &Tensor,
-    first_query: usize,
-    first_key: usize,
-    window: Option<usize>,
-    scale: f32,
+    span: CausalSpan,
 ) -> Result<Tensor> {
+    let CausalSpan {
+        first_query,
+        first_key,
+        window,
+        scale,
+    } = span;
     let (t, h, d) = q.dims3()?;
     let (n_kv, s, _) = keys.dims3()?;
     let group = h / n_kv;

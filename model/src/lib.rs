@@ -37,7 +37,8 @@ mod rope;
 pub mod tokenizer;
 
 pub use backend::{
-    causal_attention, AttentionBackend, AttentionInput, Capture, CapturedLayer, FullAttention,
+    causal_attention, AttentionBackend, AttentionInput, Capture, CapturedLayer, CausalSpan,
+    FullAttention,
 };
 pub use config::{
     Activation, Architecture, LayerKind, LayerSpec, ModelConfig, RopeConfig, RopeScaling, RopeStyle,
