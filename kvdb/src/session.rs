@@ -731,8 +731,10 @@ impl Corpus {
         let spec = r.index.clone().map_or_else(|| self.default_index(), Ok)?;
         Ok(Retriever {
             budget: Budget {
-                k: r.k.or(spec.default_k()).unwrap_or(DEFAULT_K),
-                breadth: r.breadth,
+                search: SearchParams {
+                    breadth: r.breadth,
+                    ..SearchParams::top(r.k.or(spec.default_k()).unwrap_or(DEFAULT_K), 0..0)
+                },
                 policy: r.policy,
             },
             stats: RetrievalStats {
@@ -852,17 +854,25 @@ impl Corpus {
 }
 
 /// What each search of a query's retrieval gets.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Budget {
-    /// Keys retrieved (top-k indexes).
-    k: usize,
-    /// The index's breadth override ([`Retrieval::breadth`]).
-    breadth: Option<usize>,
+    /// The search's `k` and breadth override ([`Retrieval::breadth`]); its candidates are
+    /// each position's ([`Budget::params`]).
+    search: SearchParams,
     /// The dense part, excluded from the candidates.
     policy: DensePolicy,
 }
 
 impl Budget {
+    /// The parameters of a search at `position` after `n` corpus tokens.
+    fn params(&self, position: usize, n: usize, estimate: bool) -> SearchParams {
+        SearchParams {
+            candidates: self.policy_at(position, n).candidates(position),
+            estimate,
+            ..self.search.clone()
+        }
+    }
+
     /// The dense part at `position` after `n` corpus tokens: the tail is never indexed, so
     /// the window always covers it.
     fn policy_at(&self, position: usize, n: usize) -> DensePolicy {
@@ -1007,7 +1017,9 @@ impl<'c> Session<'c> {
     /// The query's breadth override ([`Retrieval::breadth`]).
     #[cfg(feature = "gpu")]
     pub(crate) fn breadth(&self) -> Option<usize> {
-        self.retriever.as_ref().and_then(|r| r.budget.breadth)
+        self.retriever
+            .as_ref()
+            .and_then(|r| r.budget.search.breadth)
     }
 
     /// Counts one token's searches at a layer whose buckets were routed elsewhere (on a
@@ -1069,7 +1081,7 @@ impl<'c> Session<'c> {
             tails: heads.iter().map(|head| &head.tail).collect(),
             means: heads.iter().map(|h| h.bucket_means.as_deref()).collect(),
         };
-        Ok((rows, retriever.budget))
+        Ok((rows, retriever.budget.clone()))
     }
 
     fn count_attention(&mut self, started: Instant) {
@@ -1309,12 +1321,7 @@ fn search(
                         queries: step.group_queries(i, g),
                         position,
                     };
-                    let candidates = budget.policy_at(position, step.n).candidates(position);
-                    let params = SearchParams {
-                        estimate,
-                        breadth: budget.breadth,
-                        ..SearchParams::top(budget.k, candidates)
-                    };
+                    let params = budget.params(position, step.n, estimate);
                     Ok(head.searcher.search(&query, &params)?)
                 })
                 .collect::<Result<Vec<_>>>()
