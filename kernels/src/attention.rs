@@ -160,7 +160,7 @@ pub struct Buckets<'a, T> {
     pub visited: &'a Csr,
     /// Where an attention launch adds the number of bucket ids it attended (those outside
     /// `runs`: what the index selected), as [`crate::Visits`] keeps it; [`attention_mass`]
-    /// leaves it alone. [`crate::Partition::buckets`] sets it.
+    /// leaves it alone. [`crate::Partition::list_part`] sets it.
     pub count: Option<&'a CudaSlice<u64>>,
 }
 
