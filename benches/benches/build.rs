@@ -33,6 +33,7 @@ fn run(c: &mut Criterion) -> Result<()> {
         rope: model.rope(),
         seed: CORPUS_SEED,
         saap: None,
+        queries: None,
     };
     let mut group = c.benchmark_group(format!("build/d128/{}", size_label(n)));
     group.sampling_mode(SamplingMode::Flat).sample_size(10);

@@ -184,6 +184,7 @@ impl IndexCache {
             rope: rope.clone(),
             seed: CORPUS_SEED,
             saap: None,
+            queries: None,
         };
         if let Ok(bytes) = std::fs::read(&path) {
             let started = Instant::now();

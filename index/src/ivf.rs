@@ -15,7 +15,12 @@
 //! (pre-RoPE) keys and queries instead: SAAP's observation is that the un-rotated key
 //! geometry is stable across positions. `ivfC,npP,norope,all` is SAAP's k-means baseline.
 //!
-//! Saved bytes hold the centroids alone; loading has faiss assign the keys (which are in the
+//! `fit` (with `norope`) ranks the lists by a routing fitted on the corpus's sampled queries
+//! instead of by centroid ([`crate::fitted`]): where those queries' attention mass fell.
+//! Without a sample (a corpus ingested before samples were kept) it is built, and says so, as
+//! the same spec without `fit`.
+//!
+//! Saved bytes hold the centroids (and the fitted routing) alone; loading has faiss assign the keys (which are in the
 //! store) to their lists again, so the saved form does not duplicate the keys.
 
 use std::time::Instant;
@@ -26,6 +31,7 @@ use faiss::{FlatIndex as FaissFlat, Index as _};
 use serde::{Deserialize, Serialize};
 
 use crate::common::{check_add, check_query, decode, eligible, encode, top_indices};
+use crate::fitted::FittedRouting;
 use crate::kernel::dot;
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::kmeans::kmeans;
@@ -55,6 +61,8 @@ pub struct IvfIndex {
     centroids: Vec<f32>,
     /// Ids of each list, ascending.
     lists: Vec<Vec<u32>>,
+    /// With `fit`: what ranks the lists instead of the centroids.
+    routing: Option<FittedRouting>,
     stats: BuildStats,
 }
 
@@ -70,6 +78,13 @@ impl std::fmt::Debug for IvfIndex {
 /// What [`IvfIndex::save`] writes.
 #[derive(Serialize, Deserialize)]
 struct Body {
+    centroids: Vec<f32>,
+    routing: Option<FittedRouting>,
+}
+
+/// What saves written before `fit` existed hold.
+#[derive(Deserialize)]
+struct CentroidsOnly {
     centroids: Vec<f32>,
 }
 
@@ -109,6 +124,9 @@ impl IvfIndex {
         let mut index =
             Self::with_centroids(effective, *spec, rotated, centroids, BuildStats::default())?;
         index.assign(keys, 0)?;
+        if effective.fit {
+            index.fit_routing(context, &mut warnings)?;
+        }
         index.stats = BuildStats::finished(n, context.seed, started, warnings);
         Ok(index)
     }
@@ -121,7 +139,12 @@ impl IvfIndex {
         body: &[u8],
         keys: &[f32],
     ) -> Result<Self> {
-        let body: Body = decode(body)?;
+        let body: Body = decode(body).or_else(|_| {
+            decode::<CentroidsOnly>(body).map(|old| Body {
+                centroids: old.centroids,
+                routing: None,
+            })
+        })?;
         let d = context.rope.head_dim();
         if body.centroids.len() != spec.lists * d {
             return Err(IndexError::Corrupt(format!(
@@ -132,9 +155,53 @@ impl IvfIndex {
         }
         let mut rotated = FlatIndex::new(context.rope.clone());
         rotated.add(keys)?;
-        let mut index = Self::with_centroids(*spec, *spec, rotated, body.centroids, stats)?;
+        if let Some(routing) = &body.routing {
+            if routing.vectors.len() != body.centroids.len() || routing.bias.len() != spec.lists {
+                return Err(IndexError::Corrupt(format!(
+                    "a fitted routing of {} floats and {} biases for {} lists of {d}",
+                    routing.vectors.len(),
+                    routing.bias.len(),
+                    spec.lists
+                )));
+            }
+        }
+        // Built with `fit` but without a sample: built, and so loaded, as without `fit`.
+        let built = IvfSpec {
+            fit: body.routing.is_some(),
+            ..*spec
+        };
+        let mut index = Self::with_centroids(built, *spec, rotated, body.centroids, stats)?;
+        index.routing = body.routing;
         index.assign(keys, 0)?;
         Ok(index)
+    }
+
+    /// Fits the lists' routing on the context's query sample; without one (or without a
+    /// usable one) routes by centroid, marks the spec so and says why in `warnings`.
+    fn fit_routing(
+        &mut self,
+        context: &BuildContext<'_>,
+        warnings: &mut Vec<String>,
+    ) -> Result<()> {
+        let fitted = match &context.queries {
+            Some(sample) => {
+                FittedRouting::fit(sample, &self.keys, &self.assignments(), &self.centroids)?
+            }
+            None => None,
+        };
+        match fitted {
+            Some((routing, _)) => self.routing = Some(routing),
+            None => {
+                self.spec.fit = false;
+                warnings.push(format!(
+                    "no sampled queries to fit the routing on (the corpus keeps none, or none \
+                     had {} keys before it): built {}",
+                    crate::fitted::MIN_KEYS,
+                    IndexSpec::Ivf(self.spec)
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// An index over `keys` (not yet assigned) whose faiss quantizer holds `centroids`
@@ -166,6 +233,7 @@ impl IvfIndex {
             keys,
             centroids,
             lists: Vec::new(),
+            routing: None,
             stats,
         })
     }
@@ -238,10 +306,13 @@ impl StatelessSearch for IvfIndex {
             .chunks_exact(d)
             .map(|c| heads.iter().map(|q| dot(q, c)).collect())
             .collect();
-        let group: Vec<f32> = logits
-            .iter()
-            .map(|l| l.iter().copied().fold(f32::NEG_INFINITY, f32::max))
-            .collect();
+        let group: Vec<f32> = match &self.routing {
+            Some(routing) => routing.scores(partition, d),
+            None => logits
+                .iter()
+                .map(|l| l.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+                .collect(),
+        };
         let probed = top_indices(&group, params.breadth_or(self.spec.probes));
         let ids: Vec<u32> = probed
             .iter()
@@ -304,6 +375,7 @@ impl KeyIndex for IvfIndex {
                 rope: self.keys.rope().clone(),
                 seed: self.stats.seed,
                 saap: None,
+                queries: None,
             };
             *self = Self::build(&self.requested, &context, keys)?;
             return Ok(());
@@ -333,6 +405,7 @@ impl KeyIndex for IvfIndex {
     fn save(&self) -> Result<Vec<u8>> {
         encode(&Body {
             centroids: self.centroids.clone(),
+            routing: self.routing.clone(),
         })
     }
 
@@ -356,8 +429,10 @@ impl BucketIndex for IvfIndex {
         of
     }
 
+    /// Routing by centroid only: the GPU's routing kernel has no per-bucket bias yet, so a
+    /// fitted routing searches on the CPU.
     fn linear_routing(&self) -> Option<LinearRouting<'_>> {
-        (self.spec.norope && self.spec.all).then_some(LinearRouting {
+        (self.spec.norope && self.spec.all && self.routing.is_none()).then_some(LinearRouting {
             centroids: &self.centroids,
             lists: &self.lists,
             probes: self.spec.probes,

@@ -4,7 +4,7 @@ use std::ops::Range;
 
 use kvdb_model::Rope;
 
-use crate::{IndexSpec, Result, Selection};
+use crate::{IndexError, IndexSpec, Result, Selection};
 
 /// Per-call search options.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,6 +116,40 @@ pub struct BuildContext<'a> {
     pub seed: u64,
     /// SAAP's trained centroids and classifier for this layer and KV head (saap only).
     pub saap: Option<&'a crate::saap::SaapHead>,
+    /// Queries of the layer's KV head that met the keys at ingest, for indexes that learn
+    /// from them (`ivf…,fit`); `None` where none were kept.
+    pub queries: Option<QuerySample<'a>>,
+}
+
+/// A sample of the pre-RoPE queries of one layer's KV head (its GQA group's heads), taken
+/// as the keys were made: what indexes that learn where queries look are fitted on.
+#[derive(Debug, Clone, Copy)]
+pub struct QuerySample<'a> {
+    /// `[samples, group, head_dim]`.
+    pub queries: &'a [f32],
+    /// The position of each sample (its query attended the keys before it).
+    pub positions: &'a [u32],
+    /// Attention logits are `scale · q · k` (rotated).
+    pub scale: f32,
+    /// The last keys before a query that decoding attends densely anyway (its recent
+    /// window): left out of the attention a sample is fitted on.
+    pub recent: usize,
+}
+
+impl QuerySample<'_> {
+    /// Query heads per sample; fails unless the queries are whole groups of `head_dim` rows,
+    /// one per position.
+    pub fn group(&self, head_dim: usize) -> Result<usize> {
+        let rows = head_dim * self.positions.len();
+        if rows == 0 || !self.queries.len().is_multiple_of(rows) {
+            return Err(IndexError::Shape {
+                what: "query sample",
+                len: self.queries.len(),
+                head_dim: rows.max(1),
+            });
+        }
+        Ok(self.queries.len() / rows)
+    }
 }
 
 /// An index over the pre-RoPE keys of one KV head of one layer.

@@ -33,7 +33,7 @@
 //! use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
 //! # fn main() -> kvdb_index::Result<()> {
 //! let config = RopeConfig { base: 10_000.0, style: RopeStyle::Halves, scaling: RopeScaling::None };
-//! let context = BuildContext { rope: Rope::new(&config, 8, None), seed: 0, saap: None };
+//! let context = BuildContext { rope: Rope::new(&config, 8, None), seed: 0, saap: None, queries: None };
 //! let keys: Vec<f32> = (0..8 * 100).map(|i| (i as f32 * 0.37).sin()).collect(); // ids 0..100
 //! let spec: IndexSpec = "flat".parse()?;
 //! let index = kvdb_index::build(&spec, &context, &keys)?;
@@ -49,6 +49,8 @@
 
 mod common;
 mod error;
+#[cfg(feature = "faiss")]
+mod fitted;
 mod flat;
 mod hip;
 mod hnsw;
@@ -71,7 +73,7 @@ pub use ihip::IhipIndex;
 #[cfg(feature = "faiss")]
 pub use ivf::IvfIndex;
 pub use key_index::{
-    BucketIndex, BuildContext, BuildStats, Found, GroupQuery, KeyIndex, LinearRouting,
+    BucketIndex, BuildContext, BuildStats, Found, GroupQuery, KeyIndex, LinearRouting, QuerySample,
     SearchParams, Searcher, UnvisitedBucket,
 };
 pub use lsh::LshIndex;

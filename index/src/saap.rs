@@ -937,6 +937,7 @@ mod tests {
             rope: rope(),
             seed: 0,
             saap: Some(head),
+            queries: None,
         };
         let spec = SaapSpec {
             centroids: head.buckets(),

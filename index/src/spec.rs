@@ -10,8 +10,9 @@ use crate::IndexError;
 pub const GRAMMAR: &str = "\
 index specs:
   flat                                   exact top-k over every key
-  ivf<C>,np<P>[,norope][,all]            faiss IVF-Flat, C lists, P probed; norope: partition on
-                                         de-roped keys; all: attend every key of the probed lists
+  ivf<C>,np<P>[,norope][,all][,fit]      faiss IVF-Flat, C lists, P probed; norope: partition on
+                                         de-roped keys; all: attend every key of the probed lists;
+                                         fit: route by the corpus's queries (needs norope)
   hnsw<M>,ef<E>[,efc<C>]                 hnsw_rs graph, M links, ef_search E, ef_construction C
   lsh:L=<tables>,K=<bits>[,min=<n>][,seed=<s>]
                                          sign random projections, keys colliding in >= n tables
@@ -21,7 +22,7 @@ index specs:
                                          InfiniteHiP multi-stage chunk pruning (presets: paper,
                                          <N>k for a final budget of N*1024 keys)";
 
-/// `ivf<C>,np<P>[,norope][,all]`: faiss IndexIVFFlat with inner product.
+/// `ivf<C>,np<P>[,norope][,all][,fit]`: faiss IndexIVFFlat with inner product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct IvfSpec {
     /// Inverted lists (k-means centroids).
@@ -32,6 +33,9 @@ pub struct IvfSpec {
     pub norope: bool,
     /// Attend every key of the probed lists instead of their top-k.
     pub all: bool,
+    /// Rank the lists by a routing fitted on the corpus's sampled queries (where the
+    /// queries' attention mass fell) instead of by centroid; needs `norope`.
+    pub fit: bool,
 }
 
 /// `hnsw<M>,ef<E>[,efc<C>]`: an hnsw_rs graph over augmented keys.
@@ -324,6 +328,9 @@ impl fmt::Display for IndexSpec {
                 if s.all {
                     write!(f, ",all")?;
                 }
+                if s.fit {
+                    write!(f, ",fit")?;
+                }
                 Ok(())
             }
             Self::Hnsw(s) => write!(f, "hnsw{},ef{},efc{}", s.m, s.ef_search, s.ef_construction),
@@ -436,23 +443,31 @@ impl<'a> Fields<'a> {
             .next()
             .ok_or_else(|| self.error(body, "missing `np<P>`"))?;
         let probes = self.number(probes_token, "np")?;
-        let (mut norope, mut all) = (false, false);
+        let (mut norope, mut all, mut fit) = (false, false, false);
         for token in tokens {
             let flag = match token {
                 "norope" => &mut norope,
                 "all" => &mut all,
-                _ => return Err(self.error(token, "expected `norope` or `all`")),
+                "fit" => &mut fit,
+                _ => return Err(self.error(token, "expected `norope`, `all` or `fit`")),
             };
             if *flag {
                 return Err(self.error(token, "given twice"));
             }
             *flag = true;
         }
+        if fit && !norope {
+            return Err(self.error(
+                "fit",
+                "needs `norope` (routing is fitted on pre-RoPE queries)",
+            ));
+        }
         let spec = IndexSpec::Ivf(IvfSpec {
             lists,
             probes,
             norope,
             all,
+            fit,
         });
         self.checked(spec, body, &[("ivf", lists_token), ("np", probes_token)])
     }
@@ -628,6 +643,7 @@ mod tests {
             ("ivf1024,np32", "ivf1024,np32"),
             ("ivf256,np8,norope,all", "ivf256,np8,norope,all"),
             ("ivf256,np8,all", "ivf256,np8,all"),
+            ("ivf256,np8,fit,all,norope", "ivf256,np8,norope,all,fit"),
             ("hnsw32,ef128", "hnsw32,ef128,efc200"),
             ("hnsw16,ef64,efc100", "hnsw16,ef64,efc100"),
             ("lsh:L=64,K=10", "lsh:L=64,K=10,min=2,seed=0"),
@@ -664,6 +680,7 @@ mod tests {
             ("ivf16,np32", "np32"),
             ("ivf16,np4,fast", "fast"),
             ("ivf16,np4,all,all", "all"),
+            ("ivf16,np4,all,fit", "fit"),
             ("hnsw32", "hnsw32"),
             ("hnsw32,ef", "ef"),
             ("lsh:L=4", "L=4"),

@@ -137,6 +137,7 @@ fn build_context<'a>(data: &Clustered, seed: u64, head: &'a SaapHead) -> BuildCo
         rope: data.rope.clone(),
         seed,
         saap: Some(head),
+        queries: None,
     }
 }
 
@@ -273,6 +274,7 @@ fn linear_routing_is_the_search() -> anyhow::Result<()> {
         rope: data.rope.clone(),
         seed,
         saap: None,
+        queries: None,
     };
     for spec in ["ivf64,np2,norope", "ivf64,np2,all"] {
         let index = kvdb_index::build(&spec.parse::<IndexSpec>()?, &context, &data.keys)?;

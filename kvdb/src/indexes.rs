@@ -10,14 +10,15 @@
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
+use kvdb_attention::DensePolicy;
 use kvdb_index::saap::SaapArtifact;
-use kvdb_index::{BuildContext, IndexSpec, KeyIndex};
+use kvdb_index::{BuildContext, IndexSpec, KeyIndex, QuerySample};
 use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::ingest::ModelRef;
-use crate::store::{CorpusManifest, IndexKey, Kv, Store};
+use crate::store::{CorpusManifest, IndexKey, Kv, QuerySampleRows, Store};
 
 /// The indexes of one spec over a corpus: per retrieval layer, in layer order, one per KV
 /// head.
@@ -178,6 +179,7 @@ fn build_context<'a>(
         rope: rope.clone(),
         seed: 0,
         saap,
+        queries: None,
     })
 }
 
@@ -441,7 +443,21 @@ impl Parts<'_, '_> {
             }
             None => None,
         };
-        let context = build_context(self.model, layer, head_artifact)?;
+        let wants_queries = matches!(self.spec, IndexSpec::Ivf(i) if i.fit);
+        let sample = if wants_queries {
+            self.store.query_sample(self.manifest, layer, head)?
+        } else {
+            QuerySampleRows::default()
+        };
+        let context = BuildContext {
+            queries: (!sample.positions.is_empty()).then(|| QuerySample {
+                queries: &sample.queries,
+                positions: &sample.positions,
+                scale: self.model.model.config().attention_scale,
+                recent: DensePolicy::default().window,
+            }),
+            ..build_context(self.model, layer, head_artifact)?
+        };
         let index = match &saved {
             Some(bytes) => {
                 let index = kvdb_index::load(bytes, &context, &keys)?;

@@ -22,7 +22,8 @@ use crate::documents::SourceDocument;
 use crate::error::{Error, Result};
 use crate::store::{
     validate_corpus_name, Batch, BlockKey, CorpusManifest, DocumentRecord, Kv, LayerPolicy,
-    ModelRecord, PendingDocument, PrefillRecord, Store, DEFAULT_BLOCK_SIZE,
+    ModelRecord, PendingDocument, PrefillRecord, QueryKey, Store, DEFAULT_BLOCK_SIZE,
+    QUERY_SAMPLE_STRIDE,
 };
 
 /// Tokens prefilled (and committed) per step on the CPU, counted from each document's first
@@ -624,7 +625,13 @@ impl<'s> Prefiller<'s> {
                     .ok_or_else(|| {
                         Error::Corrupt(format!("layer {layer} produced no keys for the chunk"))
                     })?;
-                Ok(LayerRows { from, keys, values })
+                let sampled = self.sample_queries(layer, start, chunk.len())?;
+                Ok(LayerRows {
+                    from,
+                    keys,
+                    values,
+                    sampled,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         // Only where the model runs ahead: on the CPU this would only delay a stop.
@@ -635,6 +642,34 @@ impl<'s> Prefiller<'s> {
         self.position = end;
         Ok(rows)
     }
+
+    /// The sampled queries ([`QUERY_SAMPLE_STRIDE`]) of a retrieval layer's chunk of `tokens`
+    /// tokens from `start`, where the model keeps its queries (on the CPU); empty otherwise.
+    fn sample_queries(
+        &mut self,
+        layer: usize,
+        start: usize,
+        tokens: usize,
+    ) -> Result<SampledQueries> {
+        if self.layout.layers[layer] != LayerPolicy::All {
+            return Ok(SampledQueries::default());
+        }
+        let s = QUERY_SAMPLE_STRIDE;
+        let first = (start + 1).div_ceil(s) * s - 1;
+        let positions: Vec<usize> = (first..start + tokens).step_by(s).collect();
+        let rows: Vec<usize> = positions.iter().map(|p| p - start).collect();
+        Ok(match self.sequence.take_queries(layer, &rows)? {
+            Some(queries) => SampledQueries { positions, queries },
+            None => SampledQueries::default(),
+        })
+    }
+}
+
+/// A chunk's sampled queries of one layer: positions and `[positions, n_heads, head_dim]` f16.
+#[derive(Default)]
+struct SampledQueries {
+    positions: Vec<usize>,
+    queries: Vec<f16>,
 }
 
 /// One layer's rows of a prefilled chunk, `[rows, n_kv_heads, head_dim]` f16 each, starting
@@ -643,6 +678,7 @@ struct LayerRows {
     from: usize,
     keys: Vec<f16>,
     values: Vec<f16>,
+    sampled: SampledQueries,
 }
 
 /// A prefilled chunk on its way to a commit.
@@ -796,10 +832,19 @@ impl<'s> Committer<'s> {
                         })?;
                     }
                 }
-                Ok((layer, stored.start / b, blocks))
+                Ok((layer, stored.start / b, blocks, rows.sampled))
             })
             .collect::<Result<Vec<_>>>()?;
-        for (layer, unread, blocks) in blocks {
+        let row = self.next.model.n_heads * d;
+        for (layer, unread, blocks, sampled) in blocks {
+            for (&position, queries) in sampled
+                .positions
+                .iter()
+                .zip(sampled.queries.chunks_exact(row))
+            {
+                self.batch
+                    .put_queries(QueryKey::new(id, layer, position), queries)?;
+            }
             for (kv, key, rows) in blocks {
                 self.pending_bytes += rows.len() * 2;
                 self.batch.put_block(kv, key, rows);

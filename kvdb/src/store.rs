@@ -11,6 +11,7 @@
 //! | `keys`   | corpus id u32, layer u16, KV head u16, block u32 (BE) | `[tokens, head_dim]` f16 LE, pre-RoPE |
 //! | `values` | as `keys`                                    | `[tokens, head_dim]` f16 LE          |
 //! | `index`  | corpus id u32, index number u16, layer u16, KV head u16 (BE) | `kvdb_index::save` bytes (structure only; the keys stay in `keys`) |
+//! | `queries` | corpus id u32, layer u16, position u32 (BE) | a retrieval layer's sampled query, `[n_heads, head_dim]` f16 LE, pre-RoPE ([`QUERY_SAMPLE_STRIDE`]; written with the manifest, through the log) |
 //!
 //! Blocks hold `block_size` consecutive tokens (the last one of a corpus may be partial and
 //! is rewritten whole when tokens are appended). Big-endian keys keep a corpus's blocks in
@@ -68,8 +69,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-/// The on-disk format this build reads and writes.
-pub const FORMAT_VERSION: u32 = 2;
+/// The on-disk format this build reads and writes. Version 3 added the `queries` family
+/// (a sample of each retrieval layer's queries, see [`QUERY_SAMPLE_STRIDE`]); corpora written
+/// before hold none, and indexes that learn from queries are built without them.
+pub const FORMAT_VERSION: u32 = 3;
 
 /// The oldest format this kvdb reads. Version 1 manifests have no `prefill` record (they
 /// were all written on the CPU in chunks of 512 tokens, which is what it defaults to); a
@@ -80,7 +83,17 @@ pub const OLDEST_FORMAT_VERSION: u32 = 1;
 pub const DEFAULT_BLOCK_SIZE: usize = 64;
 
 /// Column families, in the order they are opened.
-const FAMILIES: [&str; 6] = ["meta", "docs", "tokens", "keys", "values", "index"];
+const FAMILIES: [&str; 7] = [
+    "meta", "docs", "tokens", "keys", "values", "index", "queries",
+];
+
+/// An ingest keeps the pre-RoPE queries of one position in this many (those with `position %
+/// QUERY_SAMPLE_STRIDE == QUERY_SAMPLE_STRIDE - 1`) of every retrieval layer, all query heads:
+/// what indexes that learn where queries look are fitted on (`ivf…,fit`). At 4 query heads
+/// per KV head that is 1/8 of the bytes of the layer's keys and values. One in 64 was too
+/// few on the default model's ~5.6K-token fit of index/tests/real.rs: with 256 lists the fit
+/// lost 8% of the mass to routing by centroid; one in 16 matched it.
+pub const QUERY_SAMPLE_STRIDE: usize = 16;
 
 /// The most the live write-ahead log files may hold together (RocksDB's
 /// `max_total_wal_size`); past it RocksDB flushes the column families that keep the oldest
@@ -341,6 +354,54 @@ impl BlockKey {
     }
 }
 
+/// The address of one sampled query row: corpus, layer and position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueryKey {
+    /// Corpus id.
+    pub corpus: u32,
+    /// Layer.
+    pub layer: u16,
+    /// The query's position.
+    pub position: u32,
+}
+
+impl QueryKey {
+    /// The row of `position` in `layer` of corpus `corpus` (narrowed as [`BlockKey::new`]).
+    pub fn new(corpus: u32, layer: usize, position: usize) -> Self {
+        Self {
+            corpus,
+            layer: layer as u16,
+            position: position as u32,
+        }
+    }
+
+    fn bytes(&self) -> [u8; 10] {
+        let mut k = [0u8; 10];
+        k[..4].copy_from_slice(&self.corpus.to_be_bytes());
+        k[4..6].copy_from_slice(&self.layer.to_be_bytes());
+        k[6..].copy_from_slice(&self.position.to_be_bytes());
+        k
+    }
+
+    fn parse(bytes: &[u8]) -> Option<Self> {
+        let bytes: &[u8; 10] = bytes.try_into().ok()?;
+        Some(Self {
+            corpus: u32::from_be_bytes(bytes[..4].try_into().ok()?),
+            layer: u16::from_be_bytes(bytes[4..6].try_into().ok()?),
+            position: u32::from_be_bytes(bytes[6..].try_into().ok()?),
+        })
+    }
+}
+
+/// One layer's KV head's sampled queries ([`Store::query_sample`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct QuerySampleRows {
+    /// Positions, ascending.
+    pub positions: Vec<u32>,
+    /// Pre-RoPE queries `[positions, group, head_dim]`.
+    pub queries: Vec<f32>,
+}
+
 /// The address of one saved index: corpus, the index's number in the manifest's `indexes`,
 /// layer and KV head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -461,8 +522,19 @@ impl Store {
             return Err(Error::StoreMissing { path });
         }
         let mut opts = db_options();
+        // A reader opens the families that exist: a store no writer of this version has
+        // opened yet lacks the newer ones (a writer creates them).
+        let existing = match access {
+            Access::Read => DB::list_cf(&opts, &path).ok(),
+            Access::Write => None,
+        };
         let families = FAMILIES
             .iter()
+            .filter(|name| {
+                existing
+                    .as_ref()
+                    .is_none_or(|e| e.iter().any(|f| f == *name))
+            })
             .map(|name| ColumnFamilyDescriptor::new(*name, family_options(name)));
         // Read before RocksDB opens, so that it never names a commit the replay could miss.
         let noted = read_commit_note(&path);
@@ -706,7 +778,7 @@ impl Store {
         let key = format!("{CORPUS_PREFIX}{name}");
         batch.batch.delete_cf(self.cf("meta")?, key.as_bytes());
         let (from, to) = (manifest.id.to_be_bytes(), (manifest.id + 1).to_be_bytes());
-        for family in ["docs", "tokens", "keys", "values", "index"] {
+        for family in ["docs", "tokens", "keys", "values", "index", "queries"] {
             batch.batch.delete_range_cf(self.cf(family)?, from, to);
         }
         self.commit(batch)?;
@@ -796,6 +868,55 @@ impl Store {
             interleave_heads(&per_head(Kv::Keys)?, d),
             interleave_heads(&per_head(Kv::Values)?, d),
         ))
+    }
+
+    /// The sampled pre-RoPE queries of one layer's KV head (the heads of its GQA group), in
+    /// position order, up to the corpus's length: empty for a corpus ingested before samples
+    /// were kept (format 2) and where the layer keeps none.
+    pub fn query_sample(
+        &self,
+        manifest: &CorpusManifest,
+        layer: usize,
+        kv_head: usize,
+    ) -> Result<QuerySampleRows> {
+        let mut sample = QuerySampleRows::default();
+        let Ok(family) = self.cf("queries") else {
+            return Ok(sample);
+        };
+        let m = &manifest.model;
+        let (d, group) = (m.head_dim, m.n_heads / m.n_kv_heads.max(1));
+        let row_bytes = m.n_heads * d * 2;
+        let heads = kv_head * group * d * 2..(kv_head + 1) * group * d * 2;
+        let from = QueryKey::new(manifest.id, layer, 0).bytes();
+        for item in self.db.iterator_cf(
+            family,
+            IteratorMode::From(&from, rocksdb::Direction::Forward),
+        ) {
+            let (key, bytes) = item?;
+            let Some(key) = QueryKey::parse(&key) else {
+                return Err(Error::Corrupt(format!(
+                    "a query sample key of {} bytes",
+                    key.len()
+                )));
+            };
+            if key.corpus != manifest.id || key.layer as usize != layer {
+                break;
+            }
+            if key.position as usize >= manifest.tokens {
+                // Written by an ingest that did not commit its manifest.
+                break;
+            }
+            if bytes.len() != row_bytes {
+                return Err(Error::Corrupt(format!(
+                    "the query sample of layer {layer} at {} holds {} bytes, not {row_bytes}",
+                    key.position,
+                    bytes.len()
+                )));
+            }
+            sample.positions.push(key.position);
+            sample.queries.extend(decode_f16(&bytes[heads.clone()])?);
+        }
+        Ok(sample)
     }
 
     /// Rows `range` of one layer's keys or values for one KV head, f32 `[rows, head_dim]`,
@@ -1434,6 +1555,14 @@ impl Batch<'_> {
     /// yet, and the resumed ingest writes them again, bit for bit.
     pub fn put_block(&mut self, kv: Kv, key: BlockKey, rows: Vec<f16>) {
         self.blocks[kv as usize].puts.insert(key.bytes(), rows);
+    }
+
+    /// Writes the sampled queries of one position of a layer, `[n_heads, head_dim]` f16 (a
+    /// resumed ingest writes the same bytes again).
+    pub fn put_queries(&mut self, key: QueryKey, queries: &[f16]) -> Result<()> {
+        self.batch
+            .put_cf(self.store.cf("queries")?, key.bytes(), encode_f16(queries));
+        Ok(())
     }
 
     /// Writes one saved index.

@@ -6,11 +6,14 @@ use anyhow::{ensure, Result};
 use kvdb::store::{Access, PrefillRecord, Store, FORMAT_VERSION};
 use kvdb::Error;
 
-/// Rewrites the store record's version and strips `prefill` from corpus `c`'s manifest,
-/// as a version 1 kvdb wrote them, through RocksDB directly.
+/// Rewrites the store record's version, strips `prefill` from corpus `c`'s manifest and
+/// drops the `queries` family, as a version 1 kvdb wrote them, through RocksDB directly.
 fn rewrite_as(path: &std::path::Path, version: u32) -> Result<()> {
-    let families = ["meta", "docs", "tokens", "keys", "values", "index"];
-    let db = rocksdb::DB::open_cf(&rocksdb::Options::default(), path, families)?;
+    let families = [
+        "meta", "docs", "tokens", "keys", "values", "index", "queries",
+    ];
+    let mut db = rocksdb::DB::open_cf(&rocksdb::Options::default(), path, families)?;
+    db.drop_cf("queries")?;
     let meta = db.cf_handle("meta").expect("the store has a meta family");
     let record: serde_json::Value =
         serde_json::from_slice(&db.get_cf(meta, b"store")?.expect("a record"))?;
@@ -57,15 +60,19 @@ fn version_1_stores_are_read_and_upgraded() -> Result<()> {
     }
     ensure!(Store::open(&path, Access::Read)?.manifest("c")?.prefill == chosen);
     rewrite_as(&path, 1)?;
-    // Read as it is: the prefill record defaults to what version 1 did.
-    let read = Store::open(&path, Access::Read)?.manifest("c")?;
+    // Read as it is: the prefill record defaults to what version 1 did, and there is no
+    // query sample (nor its family, which a reader does not create).
+    let reader = Store::open(&path, Access::Read)?;
+    let read = reader.manifest("c")?;
+    ensure!(reader.query_sample(&read, 0, 0)?.positions.is_empty());
+    drop(reader);
     ensure!(
         read.prefill == PrefillRecord::default(),
         "{:?}",
         read.prefill
     );
     ensure!(read.prefill.device == "cpu" && read.prefill.chunk == 512);
-    // A writer marks the store version 2; the manifest still reads.
+    // A writer marks the store with the current version; the manifest still reads.
     drop(Store::open(&path, Access::Write)?);
     let store = Store::open(&path, Access::Read)?;
     ensure!(store.manifest("c")?.prefill == PrefillRecord::default());
@@ -84,7 +91,11 @@ fn stores_of_a_later_version_are_refused() -> Result<()> {
     for access in [Access::Read, Access::Write] {
         match Store::open(&path, access) {
             Err(e @ Error::FormatVersion { .. }) => {
-                ensure!(e.to_string().contains("format version 3"), "{e}")
+                ensure!(
+                    e.to_string()
+                        .contains(&format!("format version {}", FORMAT_VERSION + 1)),
+                    "{e}"
+                )
             }
             other => anyhow::bail!("{access:?}: expected a format error, got {other:?}"),
         }

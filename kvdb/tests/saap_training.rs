@@ -2,12 +2,14 @@
 //! heads): drills planted within the token budget, every retrieval head trained, progress
 //! reported in order, and a clear error when the drills leave no room for the text.
 
+mod support;
+
 use anyhow::Result;
-use kvdb::models::{load, ComputeDevice, LoadedModel};
+use kvdb::models::LoadedModel;
 use kvdb::saap_training::{train_artifact, SaapTraining, TrainEvent};
 use kvdb_index::saap::{SaapArtifact, TrainOptions};
-use kvdb_model::LoadOptions;
-use kvdb_tests::{gpl_text, TinyFile, TinyModel};
+use kvdb_tests::gpl_text;
+use support::tiny_gemma3;
 
 fn training(tokens: usize, drills: usize) -> SaapTraining {
     SaapTraining {
@@ -23,20 +25,6 @@ fn training(tokens: usize, drills: usize) -> SaapTraining {
     }
 }
 
-/// The tiny gemma3 with a context long enough for drills, loaded (keep the file alive).
-fn tiny_gemma3() -> Result<(TinyFile, LoadedModel)> {
-    let file = TinyModel {
-        context_length: 8192,
-        ..TinyModel::gemma3()
-    }
-    .write_temp()?;
-    let model = load(
-        Some(file.path()),
-        &LoadOptions::default(),
-        ComputeDevice::Cpu,
-    )?;
-    Ok((file, model))
-}
 
 /// An artifact trained on the GPL text, and the events it reported, in order.
 fn trained(

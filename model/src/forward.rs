@@ -65,6 +65,15 @@ pub trait Forward {
     /// state. `None` unless the state was made with
     /// [`SequenceOptions::store_kv`].
     fn take_stored(&mut self, layer: usize, rows: Range<usize>) -> Result<Option<StoredKv>>;
+
+    /// The pre-RoPE queries the last [`Forward::forward`] call produced for `layer` at its
+    /// token indices `rows` (`[rows, n_heads, head_dim]`, f16), taken out of the state: the
+    /// sample an ingest keeps for indexes that learn from queries. `None` where the state
+    /// keeps no queries (only the CPU's, made with [`SequenceOptions::store_kv`], does).
+    fn take_queries(&mut self, layer: usize, rows: &[usize]) -> Result<Option<Vec<f16>>> {
+        let _ = (layer, rows);
+        Ok(None)
+    }
 }
 
 /// One layer's keys and values for the store, as [`Forward::take_stored`] hands them over:
@@ -118,8 +127,17 @@ pub(crate) fn check_call(
 pub struct CpuSequence<'m> {
     model: &'m Model,
     attention: FullAttention,
-    /// Per layer, the last call's rounded keys and values; `None` when not storing.
-    stored: Option<Vec<Option<(Tensor, Tensor)>>>,
+    /// Per layer, the last call's rounded keys and values and its pre-RoPE queries; `None`
+    /// when not storing.
+    stored: Option<Vec<Option<StoredLayer>>>,
+}
+
+/// One layer's tensors of the last call, kept for [`Forward::take_stored`] and
+/// [`Forward::take_queries`] (each takes its part).
+#[derive(Debug, Clone)]
+struct StoredLayer {
+    kv: Option<(Tensor, Tensor)>,
+    queries: Option<Tensor>,
 }
 
 impl<'m> CpuSequence<'m> {
@@ -133,10 +151,11 @@ impl<'m> CpuSequence<'m> {
     }
 }
 
-/// Exact attention that rounds keys and values to f16 first and keeps them per layer.
+/// Exact attention that rounds keys and values to f16 first and keeps them per layer, with
+/// the queries.
 struct Rounding<'a> {
     attention: &'a mut FullAttention,
-    stored: &'a mut [Option<(Tensor, Tensor)>],
+    stored: &'a mut [Option<StoredLayer>],
 }
 
 impl AttentionBackend for Rounding<'_> {
@@ -150,7 +169,10 @@ impl AttentionBackend for Rounding<'_> {
             ..input.clone()
         })?;
         if let Some(slot) = self.stored.get_mut(input.layer.index) {
-            *slot = Some((keys, values));
+            *slot = Some(StoredLayer {
+                kv: Some((keys, values)),
+                queries: Some(input.queries.clone()),
+            });
         }
         Ok(out)
     }
@@ -211,7 +233,8 @@ impl Forward for CpuSequence<'_> {
             .stored
             .as_mut()
             .and_then(|stored| stored.get_mut(layer))
-            .and_then(Option::take);
+            .and_then(Option::as_mut)
+            .and_then(|stored| stored.kv.take());
         let Some((keys, values)) = taken else {
             return Ok(None);
         };
@@ -231,6 +254,35 @@ impl Forward for CpuSequence<'_> {
                 .to_vec1::<f16>()
         };
         Ok(Some((flat(keys)?, flat(values)?)))
+    }
+
+    fn take_queries(&mut self, layer: usize, rows: &[usize]) -> Result<Option<Vec<f16>>> {
+        let taken = self
+            .stored
+            .as_mut()
+            .and_then(|stored| stored.get_mut(layer))
+            .and_then(Option::as_mut)
+            .and_then(|stored| stored.queries.take());
+        let Some(queries) = taken else {
+            return Ok(None);
+        };
+        let tokens = queries.dim(0)?;
+        if let Some(&row) = rows.iter().find(|&&r| r >= tokens) {
+            return Err(ModelError::StoredRows {
+                start: row,
+                end: row + 1,
+                tokens,
+            });
+        }
+        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let ids = Tensor::new(ids.as_slice(), queries.device())?;
+        let picked = queries.index_select(&ids, 0)?;
+        Ok(Some(
+            picked
+                .flatten_all()?
+                .to_dtype(DType::F16)?
+                .to_vec1::<f16>()?,
+        ))
     }
 }
 

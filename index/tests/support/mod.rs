@@ -22,6 +22,7 @@ pub fn context(rope: Rope) -> BuildContext<'static> {
         rope,
         seed: 0,
         saap: None,
+        queries: None,
     }
 }
 

@@ -1,0 +1,97 @@
+//! An ingest on the CPU keeps one position in `QUERY_SAMPLE_STRIDE` of every retrieval
+//! layer's queries (none of a sliding-window layer's), committed with the corpus, and
+//! `ivf…,fit` indexes are fitted on them; a tiny random-weight gemma3 (one global layer of
+//! five, two KV heads) on part of the GPL.
+
+mod support;
+
+use std::sync::Arc;
+
+use anyhow::{ensure, Result};
+use kvdb::documents::SourceDocument;
+use kvdb::ingest::ingest;
+use kvdb::store::{Access, Store, QUERY_SAMPLE_STRIDE};
+use kvdb_index::IndexSpec;
+use kvdb_tests::gpl_text;
+use support::tiny_gemma3;
+
+#[test]
+fn ingest_samples_queries_and_fit_indexes_use_them() -> Result<()> {
+    let (_file, model) = tiny_gemma3()?;
+    let text: String = gpl_text()?.chars().take(6000).collect();
+    // Two documents, ingested one after the other, split at the first paragraph break past
+    // the middle: the sample goes on across ingests.
+    let middle = text.len() / 2;
+    let split = middle + text[middle..].find("\n\n").unwrap_or(0) + 2;
+    let (first, second) = text.split_at(split);
+    let documents: Vec<SourceDocument> = [first, second]
+        .iter()
+        .enumerate()
+        .map(|(i, text)| SourceDocument {
+            path: format!("gpl/part{i}.txt").into(),
+            title: format!("part{i}"),
+            sha256: kvdb_model::fetch::sha256_hex(text.as_bytes()),
+            bytes: text.len(),
+            text: text.to_string(),
+        })
+        .collect();
+    let dir = tempfile::tempdir()?;
+    let store = Arc::new(Store::open(dir.path(), Access::Write)?);
+    ingest(&store, "c", model.as_ref(), &documents[..1], &mut |_| {})?;
+    ingest(&store, "c", model.as_ref(), &documents[1..], &mut |_| {})?;
+    let manifest = store.manifest("c")?;
+    let config = model.model.config();
+    let (d, group) = (config.head_dim, config.n_heads / config.n_kv_heads);
+    let expected: Vec<u32> = (QUERY_SAMPLE_STRIDE - 1..manifest.tokens)
+        .step_by(QUERY_SAMPLE_STRIDE)
+        .map(|p| p as u32)
+        .collect();
+    let retrieval = manifest.retrieval_layers();
+    ensure!(!retrieval.is_empty() && retrieval.len() < manifest.layers.len());
+    for layer in 0..manifest.layers.len() {
+        let heads = (0..config.n_kv_heads)
+            .map(|head| store.query_sample(&manifest, layer, head))
+            .collect::<kvdb::Result<Vec<_>>>()?;
+        if !retrieval.contains(&layer) {
+            ensure!(
+                heads.iter().all(|h| h.positions.is_empty()),
+                "sliding layer {layer} keeps queries"
+            );
+            continue;
+        }
+        for sample in &heads {
+            ensure!(
+                sample.positions == expected,
+                "layer {layer}: {:?}",
+                sample.positions
+            );
+            ensure!(sample.queries.len() == expected.len() * group * d);
+            ensure!(sample.queries.iter().all(|q| q.is_finite()));
+        }
+        // Each KV head's sample holds its own group's query heads.
+        ensure!(
+            heads[0].queries != heads[1].queries,
+            "layer {layer}: the heads' samples agree"
+        );
+    }
+    let spec: IndexSpec = "ivf8,np2,norope,all,fit".parse()?;
+    let infos = kvdb::indexes::update_indexes(
+        &store,
+        "c",
+        model.as_ref(),
+        std::slice::from_ref(&spec),
+        None,
+        &mut |_| {},
+    )?;
+    let info = infos
+        .iter()
+        .find(|i| i.spec == spec.to_string())
+        .ok_or_else(|| anyhow::anyhow!("no `{spec}` among {infos:?}"))?;
+    ensure!(
+        info.built == spec.to_string(),
+        "built {} ({:?})",
+        info.built,
+        info.warnings
+    );
+    Ok(())
+}
