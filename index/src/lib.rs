@@ -13,7 +13,8 @@
 //! | [`KeyIndex`] | the seam: `add` keys incrementally, open a per-query [`Searcher`], memory, [`BuildStats`], `save` |
 //! | [`Searcher`] | one query's search state across its decode steps (InfiniteHiP caches its stages there) |
 //! | [`FlatIndex`] | exact maximum inner product search over every stored key |
-//! | `IvfIndex` | faiss IndexIVFFlat (feature `faiss`), top-k of the probed lists or all of them |
+//! | `IvfIndex` | faiss IndexIVFFlat (feature `faiss`), top-k of the probed lists or all of them; lists ranked by centroid or (`fit`) by a routing fitted on a [`QuerySample`] |
+//! | [`BuildContext`], [`QuerySample`] | what a build needs besides the keys: RoPE, seed, SAAP's trained head, the corpus's sampled queries |
 //! | [`HnswIndex`] | hnsw_rs over keys augmented so that inner product becomes distance |
 //! | [`LshIndex`] | sign random projections in L tables of K bits, candidates re-scored |
 //! | [`SaapIndex`] | SAAP: k-means buckets on de-roped keys, a trained query classifier |

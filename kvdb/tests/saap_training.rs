@@ -25,7 +25,6 @@ fn training(tokens: usize, drills: usize) -> SaapTraining {
     }
 }
 
-
 /// An artifact trained on the GPL text, and the events it reported, in order.
 fn trained(
     model: &LoadedModel,
