@@ -210,11 +210,16 @@ fn doctor_names_what_is_found_and_what_is_missing() {
     let out = kvdb(&["doctor"], &[]);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    let formats = format!(
+        "reads versions {} to {}",
+        kvdb::store::OLDEST_FORMAT_VERSION,
+        kvdb::store::FORMAT_VERSION
+    );
     for needle in [
         model.as_str(),
         kvdb_model::fetch::DEFAULT_MODEL_SHA256,
         "(verified)",
-        "reads versions 1 to 2",
+        formats.as_str(),
         "RocksDB",
         "cpu features",
         "no problems found",
