@@ -537,7 +537,9 @@ fn bad_input_is_a_clear_error_and_writes_nothing() -> Result<()> {
         let db = rocksdb::DB::open_cf(
             &opts,
             &store,
-            ["meta", "docs", "tokens", "keys", "values", "index"],
+            [
+                "meta", "docs", "tokens", "keys", "values", "index", "queries",
+            ],
         )?;
         let meta = db.cf_handle("meta").expect("meta family");
         db.put_cf(
