@@ -41,7 +41,8 @@ pub(crate) enum IndexCommand {
         #[arg(long, value_enum, default_value = "bar")]
         progress: ProgressMode,
         /// Index specs, e.g. `ivf256,np8` `hnsw16,ef128` `lsh:L=32,K=8` `saap1024,l32`
-        /// `hip:k512,bq32,bk2` `ihip:2k`.
+        /// `hip:k512,bq32,bk2` `ihip:2k`, or a kind alone (`ivf`, `hnsw`, ...) for its
+        /// default.
         #[arg(required = true, value_parser = parse_spec)]
         specs: Vec<IndexSpec>,
     },
@@ -76,8 +77,8 @@ pub(crate) struct SaapTrainArgs {
     /// Seed of k-means, sampling and initialisation.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Buckets per layer and KV head.
-    #[arg(long, default_value_t = TrainOptions::default().centroids)]
+    /// Buckets per layer and KV head (the default is what the `saap` spec alone searches).
+    #[arg(long, default_value_t = SaapTraining::default().options.centroids)]
     centroids: usize,
     /// Tokens to prefill, at most: the text with its drills, in windows of at most the model's
     /// context, each prefilled on its own.

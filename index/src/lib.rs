@@ -8,7 +8,7 @@
 //!
 //! | item | job |
 //! |---|---|
-//! | [`IndexSpec`] | a spec string (`flat`, `ivf1024,np32`, `hnsw32,ef128`, `lsh:L=64,K=10`, `saap1024,l32`, `hip:k512,bq32,bk2`, `ihip:2k`) parsed once; [`GRAMMAR`] |
+//! | [`IndexSpec`] | a spec string (`flat`, `ivf1024,np32`, `hnsw32,ef128`, `lsh:L=64,K=10`, `saap1024,l32`, `hip:k512,bq32,bk2`, `ihip:2k`, or a kind alone for its default: [`IndexSpec::default_of`], [`KINDS`]) parsed once; [`GRAMMAR`] |
 //! | [`build`], [`load`], [`save`] | the factory: a spec and pre-RoPE keys give a `Box<dyn KeyIndex>`; saved bytes round-trip |
 //! | [`KeyIndex`] | the seam: `add` keys incrementally, open a per-query [`Searcher`], memory, [`BuildStats`], `save` |
 //! | [`Searcher`] | one query's search state across its decode steps (InfiniteHiP caches its stages there) |
@@ -81,7 +81,7 @@ pub use lsh::LshIndex;
 pub use saap::SaapIndex;
 pub use selection::Selection;
 pub use spec::{
-    limits, HipSpec, HnswSpec, IhipSpec, IndexSpec, IvfSpec, LshSpec, SaapSpec, GRAMMAR,
+    limits, HipSpec, HnswSpec, IhipSpec, IndexSpec, IvfSpec, LshSpec, SaapSpec, GRAMMAR, KINDS,
 };
 
 /// Version of the bytes [`save`] writes.

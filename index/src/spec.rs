@@ -20,7 +20,14 @@ index specs:
   hip:k<K>,bq<B>,bk<B>                   HiP hierarchical top-k, K keys, query/key blocks
   ihip:<preset> | ihip:lc=256/32/8,k=<k1>/<k2>/<k3>,refresh=16/8/4
                                          InfiniteHiP multi-stage chunk pruning (presets: paper,
-                                         <N>k for a final budget of N*1024 keys)";
+                                         <N>k for a final budget of N*1024 keys)
+a kind alone means its default (measured in docs/benchmarks.md, \"Default specs\"):
+  ivf = ivf512,np8,norope,all,fit        hnsw = hnsw16,ef64,efc200
+  lsh = lsh:L=64,K=4,min=3,seed=0        saap = saap256,l10
+  hip = hip:k256,bq1,bk1                 ihip = ihip:lc=64/16/4,k=1024/256/64,refresh=16/8/4";
+
+/// Every index kind, as a spec names it (and as [`IndexSpec::kind`] returns it).
+pub const KINDS: [&str; 7] = ["flat", "ivf", "hnsw", "lsh", "saap", "hip", "ihip"];
 
 /// `ivf<C>,np<P>[,norope][,all][,fit]`: faiss IndexIVFFlat with inner product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -70,6 +77,15 @@ pub struct SaapSpec {
     /// Buckets visited per search (the top ℓ of the summed classifier outputs, among those
     /// that hold candidate keys).
     pub probes: usize,
+}
+
+impl SaapSpec {
+    /// What `saap` alone means ([`IndexSpec::default_of`]); `kvdb saap train` trains
+    /// artifacts of its buckets unless told otherwise.
+    pub const DEFAULT: Self = Self {
+        centroids: 256,
+        probes: 10,
+    };
 }
 
 /// `hip:k<K>,bq<B>,bk<B>`: HiP's hierarchical top-k.
@@ -188,6 +204,56 @@ impl IndexSpec {
             Self::Ihip(i) => i.budgets.last().copied(),
             _ => None,
         }
+    }
+
+    /// What an index kind named alone means (`--index ivf`), `None` for an unknown kind.
+    ///
+    /// Each default was chosen from `kvdb bench` on the default model at 16K and 32K tokens
+    /// of text no index was tuned on (docs/benchmarks.md, "Default specs"): the cheapest
+    /// setting measured that keeps its kind's recall. The parser expands a kind alone to its
+    /// default, so a manifest always records the concrete spec a corpus was built with, and a
+    /// later change of a default leaves built indexes as they are.
+    ///
+    /// ```
+    /// use kvdb_index::IndexSpec;
+    /// let ivf: IndexSpec = "ivf".parse().unwrap();
+    /// assert_eq!(Some(ivf.clone()), IndexSpec::default_of("ivf"));
+    /// assert_eq!(ivf.to_string().parse::<IndexSpec>().unwrap(), ivf);
+    /// ```
+    pub fn default_of(kind: &str) -> Option<IndexSpec> {
+        Some(match kind {
+            "flat" => Self::Flat,
+            "ivf" => Self::Ivf(IvfSpec {
+                lists: 512,
+                probes: 8,
+                norope: true,
+                all: true,
+                fit: true,
+            }),
+            "hnsw" => Self::Hnsw(HnswSpec {
+                m: 16,
+                ef_search: 64,
+                ef_construction: DEFAULT_EF_CONSTRUCTION,
+            }),
+            "lsh" => Self::Lsh(LshSpec {
+                tables: 64,
+                bits: 4,
+                min_collisions: 3,
+                seed: 0,
+            }),
+            "saap" => Self::Saap(SaapSpec::DEFAULT),
+            "hip" => Self::Hip(HipSpec {
+                k: 256,
+                block_q: 1,
+                block_k: 1,
+            }),
+            "ihip" => Self::Ihip(IhipSpec {
+                chunks: vec![64, 16, 4],
+                budgets: vec![1024, 256, 64],
+                refresh: vec![16, 8, 4],
+            }),
+            _ => return None,
+        })
     }
 
     /// Whether searches return whole buckets (and so ignore `k`).
@@ -611,8 +677,8 @@ impl FromStr for IndexSpec {
     fn from_str(spec: &str) -> Result<Self, Self::Err> {
         let fields = Fields { spec };
         let s = spec.trim();
-        if s == "flat" {
-            Ok(Self::Flat)
+        if let Some(default) = Self::default_of(s) {
+            Ok(default)
         } else if let Some(body) = s.strip_prefix("lsh:") {
             fields.lsh(body)
         } else if let Some(body) = s.strip_prefix("hip:") {
@@ -669,12 +735,33 @@ mod tests {
         }
     }
 
+    /// Each kind alone means its default: a valid spec of that kind, printed in full (so
+    /// the manifest records it) and read back as itself.
+    #[test]
+    fn kinds_alone_mean_their_defaults() {
+        for kind in KINDS {
+            let spec: IndexSpec = kind.parse().unwrap_or_else(|e| panic!("{kind}: {e}"));
+            assert_eq!(spec.kind(), kind);
+            assert_eq!(Some(spec.clone()), IndexSpec::default_of(kind));
+            spec.validate().unwrap();
+            assert_eq!(spec.to_string().parse::<IndexSpec>().unwrap(), spec);
+            assert_eq!(format!(" {kind} ").parse::<IndexSpec>().unwrap(), spec);
+        }
+        for kind in &KINDS[1..] {
+            let default = IndexSpec::default_of(kind).unwrap();
+            let line = format!("{kind} = {default}");
+            assert!(GRAMMAR.contains(&line), "the grammar lacks `{line}`");
+        }
+        assert_eq!(IndexSpec::default_of("pq"), None);
+        assert!("ivf ".repeat(2).parse::<IndexSpec>().is_err());
+    }
+
     /// Every bad spec is an error naming the bad token and showing the grammar.
     #[test]
     fn errors_name_the_token() {
         for (bad, token) in [
             ("", ""),
-            ("ivf", "ivf"),
+            ("ivf,np4", "ivf"),
             ("ivf0,np1", "ivf0"),
             ("ivf16", "ivf16"),
             ("ivf16,np32", "np32"),

@@ -292,15 +292,12 @@ impl SaapTraining {
 }
 
 impl Default for SaapTraining {
-    /// The index crate's default options on 16,384 tokens of the text as it is (no drills:
-    /// they help questions at 128 buckets in most runs measured, not in all, and were not
-    /// measured at the default 1024; see docs/benchmarks.md).
+    /// What the `saap` spec alone needs ([`kvdb_index::SaapSpec::DEFAULT`]): an artifact of
+    /// its buckets, trained with drills as the needle measurement was
+    /// ([`Self::drilled`], seed 0), so that `kvdb saap train` and then `--index saap` work
+    /// together without options.
     fn default() -> Self {
-        Self {
-            options: TrainOptions::default(),
-            tokens: 16_384,
-            drills: 0,
-        }
+        Self::drilled(kvdb_index::SaapSpec::DEFAULT.centroids, 0)
     }
 }
 
