@@ -22,7 +22,7 @@ index specs:
                                          InfiniteHiP multi-stage chunk pruning (presets: paper,
                                          <N>k for a final budget of N*1024 keys)
 a kind alone means its default (measured in docs/benchmarks.md, \"Default specs\"):
-  ivf = ivf512,np8,norope,all,fit        hnsw = hnsw16,ef64,efc200
+  ivf = ivf512,np8,norope,all            hnsw = hnsw16,ef64,efc200
   lsh = lsh:L=64,K=4,min=3,seed=0        saap = saap256,l10
   hip = hip:k256,bq1,bk1                 ihip = ihip:lc=64/16/4,k=1024/256/64,refresh=16/8/4";
 
@@ -228,7 +228,7 @@ impl IndexSpec {
                 probes: 8,
                 norope: true,
                 all: true,
-                fit: true,
+                fit: false,
             }),
             "hnsw" => Self::Hnsw(HnswSpec {
                 m: 16,
