@@ -32,7 +32,7 @@ use kvdb_index::{GroupQuery, IndexSpec, SearchParams};
 use kvdb_model::{AttentionInput, EncodeOptions, Rope};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::metrics::{
     argmax, attended, kl_divergence, mass_recall, mean, negative_log_likelihood, output_over,
@@ -131,12 +131,12 @@ impl Preset {
 }
 
 /// One bench run's settings.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BenchOptions {
     /// Text files (.txt, .md, .html) or folders of them: the haystack, in order.
     pub corpus_text: Vec<PathBuf>,
     /// The index specs compared (`flat` is added as the exact control when absent).
-    #[serde(serialize_with = "spec_strings")]
+    #[serde(serialize_with = "spec_strings", deserialize_with = "parsed_specs")]
     pub specs: Vec<IndexSpec>,
     /// Corpus lengths in tokens.
     pub contexts: Vec<usize>,
@@ -168,6 +168,14 @@ pub struct BenchOptions {
 /// Specs are written as their strings, the form they are given in everywhere.
 fn spec_strings<S: serde::Serializer>(specs: &[IndexSpec], s: S) -> Result<S::Ok, S::Error> {
     s.collect_seq(specs.iter().map(IndexSpec::to_string))
+}
+
+/// Specs read back from their strings (a `results.json` being re-rendered).
+fn parsed_specs<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<IndexSpec>, D::Error> {
+    Vec::<String>::deserialize(d)?
+        .iter()
+        .map(|s| s.parse().map_err(serde::de::Error::custom))
+        .collect()
 }
 
 impl BenchOptions {
@@ -210,7 +218,7 @@ impl BenchOptions {
 }
 
 /// One spec at one budget: the unit every measure is reported for.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Point {
     /// The spec string.
     pub spec: String,
@@ -260,7 +268,7 @@ impl Point {
 
 /// Retrieval quality of one point on one retrieval layer and KV head (means over the eval
 /// queries and the group's heads).
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct HeadQuality {
     /// The layer.
     pub layer: usize,
@@ -288,7 +296,7 @@ pub struct HeadQuality {
 }
 
 /// Cost of one index spec on one corpus.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Cost {
     /// The spec as asked and as built.
     pub spec: String,
@@ -307,7 +315,7 @@ pub struct Cost {
 }
 
 /// End-to-end accuracy of one point (or full attention) over the eval tokens.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EndToEnd {
     /// `full` or the point's label.
     pub label: String,
@@ -322,7 +330,7 @@ pub struct EndToEnd {
 }
 
 /// One planted needle and who found it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NeedleResult {
     /// Depth in `0..1`.
     pub depth: f64,
@@ -333,7 +341,7 @@ pub struct NeedleResult {
 }
 
 /// Everything measured on one context length.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ContextResult {
     /// Corpus tokens.
     pub tokens: usize,
@@ -350,8 +358,12 @@ pub struct ContextResult {
 }
 
 /// A whole bench run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BenchResult {
+    /// The command line that made the run, as the report shows it (empty until the caller
+    /// sets it; absent from runs saved before it was recorded).
+    #[serde(default)]
+    pub command: String,
     /// The settings.
     pub options: BenchOptions,
     /// The model file and its sha256.
@@ -410,6 +422,7 @@ pub fn run(model: ModelRef<'_>, options: &BenchOptions, bar: &ProgressBar) -> Re
         contexts.push(run_context(model, options, &paragraphs, tokens, bar)?);
     }
     Ok(BenchResult {
+        command: String::new(),
         options: options.clone(),
         model: model.record.name.clone(),
         model_sha256: model.record.sha256.clone(),

@@ -9,13 +9,14 @@ use plotters::prelude::*;
 use crate::harness::{BenchError, BenchResult, ContextResult, HeadQuality, Result};
 use crate::metrics::mean;
 
+fn io(what: &Path) -> impl FnOnce(std::io::Error) -> BenchError {
+    let what = what.display().to_string();
+    move |source| BenchError::Io { what, source }
+}
+
 /// Writes `report.md`, `results.json` and the plots into `dir` (created when absent) and
-/// returns the files written. `command` is the command line that made the run.
-pub fn write_report(result: &BenchResult, dir: &Path, command: &str) -> Result<Vec<PathBuf>> {
-    let io = |what: &Path| {
-        let what = what.display().to_string();
-        move |source| BenchError::Io { what, source }
-    };
+/// returns the files written; the report shows `result.command`.
+pub fn write_report(result: &BenchResult, dir: &Path) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let mut files = Vec::new();
     let json = dir.join("results.json");
@@ -31,7 +32,7 @@ pub fn write_report(result: &BenchResult, dir: &Path, command: &str) -> Result<V
     needle_heatmap(result, &heatmap)?;
     plots.push(heatmap);
     let md = dir.join("report.md");
-    std::fs::write(&md, markdown(result, command, &plots)).map_err(io(&md))?;
+    std::fs::write(&md, markdown(result, &plots)).map_err(io(&md))?;
     files.push(md);
     files.extend(plots);
     Ok(files)
@@ -56,11 +57,24 @@ pub fn overall(heads: &[HeadQuality]) -> HeadQuality {
     }
 }
 
-fn markdown(result: &BenchResult, command: &str, plots: &[PathBuf]) -> String {
+/// The run saved in `dir/results.json` by [`write_report`], to draw its report again (with
+/// plots added since) without measuring again.
+pub fn read_results(dir: &Path) -> Result<BenchResult> {
+    let path = dir.join("results.json");
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    serde_json::from_str(&text)
+        .map_err(|e| BenchError::Input(format!("reading {}: {e}", path.display())))
+}
+
+fn markdown(result: &BenchResult, plots: &[PathBuf]) -> String {
     let o = &result.options;
     let mut s = String::new();
     let _ = writeln!(s, "# kvdb bench\n");
-    let _ = writeln!(s, "Command: `{command}`\n");
+    if result.command.is_empty() {
+        let _ = writeln!(s, "Command: not recorded in results.json\n");
+    } else {
+        let _ = writeln!(s, "Command: `{}`\n", result.command);
+    }
     let _ = writeln!(
         s,
         "Model `{}` (sha256 {}), {} threads, {:.0} s in all. Seed {}; dense part: sink {} + \
@@ -243,19 +257,30 @@ fn context_plots(c: &ContextResult, dir: &Path) -> Result<Vec<PathBuf>> {
     let mut error = series(|q| q.selectivity, |q| q.output_error);
     error.push(("random".into(), random_error));
     let latency = series(|q| q.mass_recall, |q| q.latency_p50_us);
+    let scored = series(|q| q.scored, |q| q.mass_recall);
     let charts = [
         (
             format!("recall_vs_selectivity_{n}.svg"),
             format!("{n} tokens: attention-mass recall vs keys attended"),
             "keys attended / eligible keys",
             "mass recall",
+            XScale::Linear,
             recall,
+        ),
+        (
+            format!("recall_vs_scored_{n}.svg"),
+            format!("{n} tokens: attention-mass recall vs keys scored (the search's cost)"),
+            "vectors scored / eligible keys (log)",
+            "mass recall",
+            XScale::Log,
+            scored,
         ),
         (
             format!("error_vs_selectivity_{n}.svg"),
             format!("{n} tokens: output error vs keys attended"),
             "keys attended / eligible keys",
             "relative L2 error of the attention output",
+            XScale::Linear,
             error,
         ),
         (
@@ -263,38 +288,91 @@ fn context_plots(c: &ContextResult, dir: &Path) -> Result<Vec<PathBuf>> {
             format!("{n} tokens: search latency vs mass recall"),
             "mass recall",
             "search µs per head-query (p50)",
+            XScale::Linear,
             latency,
         ),
     ];
     let mut files = Vec::new();
-    for (name, title, x, y, lines) in charts {
+    for (name, title, x, y, scale, lines) in charts {
         let path = dir.join(name);
-        line_chart(&path, &title, x, y, &lines).map_err(plot_error(&path))?;
+        line_chart(&path, &title, (x, scale), y, &lines).map_err(plot_error(&path))?;
         files.push(path);
     }
     Ok(files)
 }
 
+/// How a chart's x axis is drawn.
+#[derive(Debug, Clone, Copy)]
+enum XScale {
+    Linear,
+    /// For shares that span orders of magnitude (a bucket index scores 1% of the keys, a
+    /// graph search more than all of them).
+    Log,
+}
+
 fn line_chart(
     path: &Path,
     title: &str,
-    x_desc: &str,
+    (x_desc, scale): (&str, XScale),
     y_desc: &str,
     lines: &[(String, Vec<(f64, f64)>)],
 ) -> std::result::Result<(), String> {
-    let all = lines.iter().flat_map(|(_, p)| p.iter());
-    let (x_max, y_max) = all.fold((0f64, 0f64), |(x, y), p| (x.max(p.0), y.max(p.1)));
+    let all = || lines.iter().flat_map(|(_, p)| p.iter());
+    let (x_max, y_max) = all().fold((0f64, 0f64), |(x, y), p| (x.max(p.0), y.max(p.1)));
     let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
-    let mut chart = ChartBuilder::on(&root)
+    let y_range = 0f64..(y_max * 1.05).max(1e-9);
+    match scale {
+        XScale::Linear => {
+            let x_range = 0f64..(x_max * 1.05).max(1e-9);
+            draw_lines(&root, title, (x_range, y_range), (x_desc, y_desc), lines)?;
+        }
+        XScale::Log => {
+            // A log axis has no zero: points at zero (a search that scored nothing) are left
+            // out, and the lowest positive value sets the start.
+            let positive: Vec<(String, Vec<(f64, f64)>)> = lines
+                .iter()
+                .map(|(label, points)| {
+                    let kept = points.iter().copied().filter(|p| p.0 > 0.0).collect();
+                    (label.clone(), kept)
+                })
+                .collect();
+            let x_min = all()
+                .map(|p| p.0)
+                .filter(|&x| x > 0.0)
+                .fold(f64::MAX, f64::min);
+            let x_min = if x_min == f64::MAX { 1e-3 } else { x_min / 1.5 };
+            let x_range = (x_min..(x_max * 1.5).max(x_min * 10.0)).log_scale();
+            draw_lines(
+                &root,
+                title,
+                (x_range, y_range),
+                (x_desc, y_desc),
+                &positive,
+            )?;
+        }
+    }
+    root.present().map_err(|e| e.to_string())
+}
+
+/// Draws `lines` (with a point marker each and a legend) on axes `ranges`.
+fn draw_lines<X>(
+    root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    title: &str,
+    ranges: (X, std::ops::Range<f64>),
+    (x_desc, y_desc): (&str, &str),
+    lines: &[(String, Vec<(f64, f64)>)],
+) -> std::result::Result<(), String>
+where
+    X: plotters::coord::ranged1d::AsRangedCoord<Value = f64>,
+    X::CoordDescType: plotters::coord::ranged1d::ValueFormatter<f64>,
+{
+    let mut chart = ChartBuilder::on(root)
         .caption(title, ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(
-            0f64..(x_max * 1.05).max(1e-9),
-            0f64..(y_max * 1.05).max(1e-9),
-        )
+        .build_cartesian_2d(ranges.0, ranges.1)
         .map_err(|e| e.to_string())?;
     chart
         .configure_mesh()
@@ -325,8 +403,7 @@ fn line_chart(
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
-        .map_err(|e| e.to_string())?;
-    root.present().map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())
 }
 
 /// Share of needles found per attention method (rows) and context × depth (columns).

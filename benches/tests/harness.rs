@@ -93,12 +93,17 @@ fn flat_is_exact_random_covers_its_share_and_the_report_is_written() -> Result<(
     assert_eq!(context.needles.len(), 1);
 
     let out = dir.path().join("report");
-    let files = write_report(&result, &out, "kvdb bench (test)")?;
+    let result = kvdb_benches::harness::BenchResult {
+        command: "kvdb bench (test)".into(),
+        ..result
+    };
+    let files = write_report(&result, &out)?;
     for name in [
         "report.md",
         "results.json",
         "needles.svg",
         &format!("recall_vs_selectivity_{n}.svg"),
+        &format!("recall_vs_scored_{n}.svg"),
     ] {
         assert!(files.contains(&out.join(name)), "{name} missing");
         assert!(
@@ -111,5 +116,13 @@ fn flat_is_exact_random_covers_its_share_and_the_report_is_written() -> Result<(
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json"))?)?;
     assert_eq!(json["options"]["specs"][0], "flat");
+    // A saved run reads back as itself, so its report can be drawn again.
+    let again = kvdb_benches::report::read_results(&out)?;
+    assert_eq!(again.command, result.command);
+    assert_eq!(again.options.specs, result.options.specs);
+    let (was, is) = (&result.contexts[0], &again.contexts[0]);
+    assert_eq!(is.quality.len(), was.quality.len());
+    assert_eq!(is.quality[0].0, was.quality[0].0);
+    assert_eq!(is.needles[0].answers, was.needles[0].answers);
     Ok(())
 }

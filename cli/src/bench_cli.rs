@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvdb::models::ComputeDevice;
 use kvdb_benches::harness::{run, BenchOptions, Preset};
-use kvdb_benches::report::write_report;
+use kvdb_benches::report::{read_results, write_report};
 use kvdb_index::IndexSpec;
 use kvdb_model::LoadOptions;
 
@@ -27,14 +27,18 @@ pub(crate) struct BenchArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Real text (.txt, .md, .html files or folders) for the haystacks and the eval text.
-    #[arg(long = "corpus-text", required = true, num_args = 1..)]
+    #[arg(long = "corpus-text", required_unless_present = "rerender", num_args = 1..)]
     corpus_text: Vec<PathBuf>,
     /// Index specs to compare (`flat`, the exact control, is always added).
-    #[arg(long = "index", required = true, num_args = 1.., value_parser = parse_spec)]
+    #[arg(long = "index", required_unless_present = "rerender", num_args = 1.., value_parser = parse_spec)]
     index: Vec<IndexSpec>,
     /// Folder for report.md, results.json and the plots.
     #[arg(long)]
     out: PathBuf,
+    /// Measure nothing: draw the report and plots of the run saved in `--out` again from its
+    /// results.json (after a kvdb update that adds plots or columns).
+    #[arg(long, conflicts_with_all = ["corpus_text", "index"])]
+    rerender: bool,
     /// The grid to run; the options below override parts of it.
     #[arg(long, value_enum, default_value = "quick")]
     preset: PresetArg,
@@ -66,6 +70,12 @@ pub(crate) struct BenchArgs {
 }
 
 pub(crate) fn bench(args: BenchArgs) -> Result<()> {
+    if args.rerender {
+        let result = read_results(&args.out)?;
+        let files = write_report(&result, &args.out)
+            .with_context(|| format!("writing the report into {}", args.out.display()))?;
+        return list(files);
+    }
     let preset = match args.preset {
         PresetArg::Quick => Preset::Quick,
         PresetArg::Full => Preset::Full,
@@ -101,12 +111,17 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         "{spinner} [{elapsed_precise}] {msg}",
     )?);
     bar.enable_steady_tick(std::time::Duration::from_millis(200));
-    let result = run(loaded.as_ref(), &options, &bar)?;
+    let mut result = run(loaded.as_ref(), &options, &bar)?;
     bar.finish_and_clear();
-    let command = std::env::args().collect::<Vec<_>>().join(" ");
-    let files = write_report(&result, &args.out, &command)
+    result.command = std::env::args().collect::<Vec<_>>().join(" ");
+    let files = write_report(&result, &args.out)
         .with_context(|| format!("writing the report into {}", args.out.display()))?;
     eprintln!("kvdb: bench done in {:.0} s", result.seconds);
+    list(files)
+}
+
+/// Prints the files a report wrote, one per line.
+fn list(files: Vec<PathBuf>) -> Result<()> {
     for file in files {
         println!("{}", file.display());
     }
