@@ -4,7 +4,12 @@
 use std::path::Path;
 
 fn main() {
-    let lock_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.lock");
+    // Read at run time, not with `env!`: Cargo shares one compiled build script between
+    // checkouts that share a target directory, and a path baked in at compile time named
+    // another checkout's lock file, which did not exist here, so the script ran on every
+    // build (rebuilding this crate each time) and reported "unknown" versions.
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default();
+    let lock_path = Path::new(&manifest_dir).join("../Cargo.lock");
     println!("cargo:rerun-if-changed={}", lock_path.display());
     let lock = std::fs::read_to_string(&lock_path).unwrap_or_default();
     let version = |package: &str| {
