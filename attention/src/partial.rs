@@ -1,6 +1,6 @@
 //! [`Partial`] attention over a token set and the exact log-sum-exp [`merge`].
 
-use kvdb_index::kernel::dot;
+use kvdb_simd::{axpy, dot};
 
 use crate::error::{length, rows};
 use crate::{AttentionError, Result};
@@ -48,14 +48,6 @@ pub fn logits(queries: &[f32], keys: &[f32], head_dim: usize, scale: f32) -> Vec
         }
     }
     logits
-}
-
-/// `y += a · x` over the common length.
-#[inline]
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
-    }
 }
 
 /// The largest element, `-inf` for none, NaN when any element is NaN.

@@ -85,7 +85,19 @@ fn cpu(report: &mut Report) {
         ];
         let found: Vec<&str> = has.iter().filter(|(_, on)| *on).map(|(n, _)| *n).collect();
         report.line("cpu", format!("x86-64, {cores} cores, {}", found.join(" ")));
-        // What the compiler was allowed to use everywhere (.cargo/config.toml's target-cpu).
+        let level = kvdb_simd::level();
+        let forced = level != kvdb_simd::Level::detected();
+        report.line(
+            "cpu kernels",
+            format!(
+                "{}{}",
+                level.name(),
+                if forced { " (KVDB_CPU=baseline)" } else { "" }
+            ),
+        );
+        // What the compiler was allowed to use everywhere: the x86-64 baseline unless
+        // RUSTFLAGS asked for more (`-C target-cpu=native` gives a faster binary for this CPU
+        // only).
         let required = [
             ("avx2", cfg!(target_feature = "avx2")),
             ("fma", cfg!(target_feature = "fma")),
@@ -106,7 +118,7 @@ fn cpu(report: &mut Report) {
                 "cpu features",
                 format!(
                     "this binary was built for {} and the CPU lacks them: it will stop with an \
-                     illegal instruction; build with RUSTFLAGS=\"-C target-cpu=x86-64\"",
+                     illegal instruction; build without a target-cpu in RUSTFLAGS",
                     missing.join(", ")
                 ),
             );

@@ -10,8 +10,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::rows;
-use crate::kernel::dot;
 use crate::{BuildStats, GroupQuery, IndexError, Result};
+use kvdb_simd::dot;
 
 /// Keys rotated per rayon task.
 const ROTATE_CHUNK_ROWS: usize = 1024;

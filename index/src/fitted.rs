@@ -20,8 +20,8 @@
 use rayon::prelude::*;
 
 use crate::flat::FlatIndex;
-use crate::kernel::dot;
 use crate::{GroupQuery, KeyIndex, QuerySample, Result};
+use kvdb_simd::dot;
 
 /// A bucket's share of the mass is fitted in log space with this floor, so that buckets with
 /// no mass for a query do not dominate the fit with `ln 0`.

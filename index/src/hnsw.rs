@@ -17,6 +17,7 @@ use std::time::Instant;
 use hnsw_rs::hnsw::Point;
 use hnsw_rs::prelude::{Distance, FilterT, Hnsw};
 use kvdb_model::Rope;
+use kvdb_simd::squared_l2;
 use rayon::prelude::*;
 
 use crate::common::{check_add, check_query, decode, eligible, encode};
@@ -70,27 +71,6 @@ impl Distance<f32> for CountingL2 {
             d
         }
     }
-}
-
-/// `|a − b|²` over the common length, written (like `kernel::dot`) so that LLVM vectorises it.
-#[inline]
-fn squared_l2(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0.0f32; 8];
-    let (blocks_a, blocks_b) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (tail_a, tail_b) = (blocks_a.remainder(), blocks_b.remainder());
-    for (x, y) in blocks_a.zip(blocks_b) {
-        for ((s, x), y) in acc.iter_mut().zip(x).zip(y) {
-            let d = x - y;
-            *s += d * d;
-        }
-    }
-    let mut tail = 0.0f32;
-    for (x, y) in tail_a.iter().zip(tail_b) {
-        tail += (x - y) * (x - y);
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 /// Runs `f` and counts the distances it evaluated on this thread.

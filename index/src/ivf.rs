@@ -32,13 +32,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::common::{check_add, check_query, decode, eligible, encode, top_indices};
 use crate::fitted::FittedRouting;
-use crate::kernel::dot;
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::kmeans::kmeans;
 use crate::{
     BucketIndex, BuildContext, BuildStats, FlatIndex, Found, GroupQuery, IndexError, IndexSpec,
     IvfSpec, KeyIndex, LinearRouting, Result, SearchParams, Searcher, Selection, UnvisitedBucket,
 };
+use kvdb_simd::dot;
 
 /// Fewest training keys per list: below this, k-means has too little to place a centroid
 /// well and the lists are reduced (faiss itself refuses fewer than one per list and warns

@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
 use crate::error::{rows, IndexError, Result};
-use crate::kernel::dot;
+use kvdb_simd::dot;
 
 /// k-means trains on at most this many points per centroid (faiss's default as well).
 pub const MAX_POINTS_PER_CENTROID: usize = 256;

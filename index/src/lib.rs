@@ -20,7 +20,6 @@
 //! | [`SaapIndex`] | SAAP: k-means buckets on de-roped keys, a trained query classifier |
 //! | [`HipIndex`], [`IhipIndex`] | HiP's hierarchical top-k and InfiniteHiP's multi-stage chunk pruning |
 //! | [`Selection`], [`Found`] | sorted, duplicate-free token ids, with the search's cost |
-//! | [`kernel`] | the dot product the indexes and the attention crate share |
 //!
 //! Layouts are stated once. A token id is a `u32`, the token's position in the corpus
 //! context: token `i` sits at RoPE position `i`. Keys and queries are row-major f32 slices,
@@ -58,7 +57,6 @@ mod hnsw;
 mod ihip;
 #[cfg(feature = "faiss")]
 mod ivf;
-pub mod kernel;
 mod key_index;
 pub mod kmeans;
 mod lsh;

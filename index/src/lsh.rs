@@ -16,12 +16,12 @@ use rand_distr::StandardNormal;
 use rayon::prelude::*;
 
 use crate::common::{check_add, check_query, decode, eligible, encode};
-use crate::kernel::dot;
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::{
     BuildContext, BuildStats, FlatIndex, Found, GroupQuery, IndexError, IndexSpec, KeyIndex,
     LshSpec, Result, SearchParams, Searcher, Selection,
 };
+use kvdb_simd::dot;
 
 /// Version of the body `save` writes.
 const BODY_VERSION: u32 = 1;

@@ -69,13 +69,13 @@ use crate::common::{
     check_add, check_query, decode, eligible, encode, rotated_keys, rotated_queries, top_indices,
 };
 use crate::error::rows;
-use crate::kernel::dot;
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::kmeans::{kmeans, nearest};
 use crate::{
     BucketIndex, BuildContext, BuildStats, Found, GroupQuery, IndexError, IndexSpec, KeyIndex,
     Result, SaapSpec, SearchParams, Searcher, Selection, UnvisitedBucket,
 };
+use kvdb_simd::dot;
 
 /// Width of the classifier's hidden layer.
 pub const HIDDEN: usize = 1024;

@@ -24,7 +24,11 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    // floor(y) from a truncating conversion, which vectorises on every x86-64 (`floor` itself
+    // is an instruction only from SSE4.1 on, a libm call before).
+    let y = x * std::f32::consts::LOG2_E + 0.5;
+    let truncated = y as i32;
+    let n = (truncated - i32::from(y < truncated as f32)) as f32;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
@@ -70,12 +74,19 @@ impl CustomOp2 for GatedActivation {
         let kind = self.0;
         out.par_chunks_mut(CHUNK)
             .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
-            .for_each(|(o, (g, u))| {
-                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                    *o = act(kind, g) * u;
-                }
-            });
+            .for_each(|(o, (g, u))| gated_chunk(kind, g, u, o));
         Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+kvdb_simd::multiversion! {
+    variants gated_chunk_variants;
+    /// `out = act(gate) * up` over one chunk, 8 lanes wide with AVX2 where the CPU has it.
+    fn gated_chunk(kind: Activation, gate: &[f32], up: &[f32], out: &mut [f32])
+    {
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = act(kind, g) * u;
+        }
     }
 }
 
@@ -132,20 +143,28 @@ impl candle_core::CustomOp1 for CausalSoftmax {
                     if a >= b {
                         return;
                     }
-                    let (x, o) = (&x[a..b], &mut o[a..b]);
-                    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut sum = 0f32;
-                    for (o, &v) in o.iter_mut().zip(x) {
-                        *o = fast_exp(v - max);
-                    }
-                    for &v in o.iter() {
-                        sum += v;
-                    }
-                    let inv = 1.0 / sum;
-                    o.iter_mut().for_each(|v| *v *= inv);
+                    softmax_row(&x[a..b], &mut o[a..b]);
                 });
         }
         Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+}
+
+kvdb_simd::multiversion! {
+    variants softmax_row_variants;
+    /// `o = softmax(x)` for one row's visible scores.
+    fn softmax_row(x: &[f32], o: &mut [f32])
+    {
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for (o, &v) in o.iter_mut().zip(x) {
+            *o = fast_exp(v - max);
+        }
+        for &v in o.iter() {
+            sum += v;
+        }
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|v| *v *= inv);
     }
 }
 
@@ -192,22 +211,6 @@ pub(crate) fn causal_softmax(
 /// Weight rows per parallel task of [`small_matmul`].
 const GEMV_ROWS: usize = 64;
 
-/// Dot product with 16 independent lanes, which the compiler turns into SIMD FMAs (a plain
-/// iterator sum is sequential: floating-point addition does not reassociate).
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (a16, a_rest) = a.split_at(a.len() - a.len() % 16);
-    let (b16, b_rest) = b.split_at(a16.len());
-    for (x, y) in a16.chunks_exact(16).zip(b16.chunks_exact(16)) {
-        for l in 0..16 {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
-        }
-    }
-    let tail: f32 = a_rest.iter().zip(b_rest).map(|(x, y)| x * y).sum();
-    acc.iter().sum::<f32>() + tail
-}
-
 /// `x Wᵀ` for a few rows of `x` (`[m, k]`) and a row-major weight `w` (`[n, k]`), both f32
 /// and contiguous: each weight row is read once for all `m` rows. For decode, where a
 /// general matrix product spends its time packing and synchronising.
@@ -239,7 +242,7 @@ pub(crate) fn small_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         .for_each(|(o, wblock)| {
             for (orow, wrow) in o.chunks_mut(m).zip(wblock.chunks(k)) {
                 for (oj, xrow) in orow.iter_mut().zip(xs.chunks(k)) {
-                    *oj = dot(wrow, xrow);
+                    *oj = kvdb_simd::dot(wrow, xrow);
                 }
             }
         });
@@ -407,6 +410,34 @@ mod tests {
         }
         assert!(worst < 5e-7, "worst relative error {worst}");
         assert_eq!(fast_exp(f32::NEG_INFINITY), fast_exp(-87.0));
+    }
+
+    /// The AVX2 copies of the fused activation and the softmax row give the baseline copies'
+    /// bits, so an answer does not depend on the CPU (kvdb-simd states why). Skipped without
+    /// AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn both_cpu_copies_give_identical_bits() {
+        if kvdb_simd::Level::detected() != kvdb_simd::Level::Avx2 {
+            eprintln!("SKIPPED: this CPU has no AVX2, only the baseline copies run");
+            return;
+        }
+        let xs: Vec<f32> = (0..1037)
+            .map(|i| ((i * 7919) % 2003) as f32 / 97.0 - 10.0)
+            .collect();
+        let ys: Vec<f32> = xs.iter().rev().map(|x| x * 0.3).collect();
+        for kind in [Activation::GeluTanh, Activation::Silu] {
+            let (mut a, mut b) = (vec![0f32; xs.len()], vec![0f32; xs.len()]);
+            gated_chunk_variants::baseline(kind, &xs, &ys, &mut a);
+            // SAFETY: the CPU has AVX2 and FMA (checked above).
+            unsafe { gated_chunk_variants::avx2(kind, &xs, &ys, &mut b) };
+            assert_eq!(a, b, "{kind:?}");
+        }
+        let (mut a, mut b) = (vec![0f32; xs.len()], vec![0f32; xs.len()]);
+        softmax_row_variants::baseline(&xs, &mut a);
+        // SAFETY: as above.
+        unsafe { softmax_row_variants::avx2(&xs, &mut b) };
+        assert_eq!(a, b);
     }
 
     /// A product small_matmul cannot make is reported as the bug it is (its callers pass
