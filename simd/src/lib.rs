@@ -105,41 +105,42 @@ macro_rules! multiversion {
 }
 
 /// Independent accumulators of [`dot`] and [`squared_l2`]: two AVX2 registers or four SSE2
-/// ones, reduced pairwise at the end.
+/// ones.
 const LANES: usize = 16;
 
-/// Adds the lanes pairwise (a fixed order, the same for both copies).
+/// `Σ term(aᵢ, bᵢ)` over the common length: [`LANES`] independent accumulators over blocks
+/// of that many floats, reduced pairwise (a fixed order, the same for both copies), then the
+/// remainder one by one.
 #[inline(always)]
-fn reduce(acc: [f32; LANES]) -> f32 {
+fn sum_of_terms(a: &[f32], b: &[f32], term: impl Fn(f32, f32) -> f32) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; LANES];
+    let (blocks_a, blocks_b) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (tail_a, tail_b) = (blocks_a.remainder(), blocks_b.remainder());
+    for (x, y) in blocks_a.zip(blocks_b) {
+        for ((s, &x), &y) in acc.iter_mut().zip(x).zip(y) {
+            *s += term(x, y);
+        }
+    }
     let mut half = [0f32; LANES / 2];
     for (i, h) in half.iter_mut().enumerate() {
         *h = acc[i] + acc[i + LANES / 2];
     }
-    ((half[0] + half[4]) + (half[1] + half[5])) + ((half[2] + half[6]) + (half[3] + half[7]))
+    let mut tail = 0f32;
+    for (&x, &y) in tail_a.iter().zip(tail_b) {
+        tail += term(x, y);
+    }
+    (((half[0] + half[4]) + (half[1] + half[5])) + ((half[2] + half[6]) + (half[3] + half[7])))
+        + tail
 }
 
 multiversion! {
     variants dot_variants;
-    /// Inner product of `a` and `b` over their common length: sixteen independent
-    /// accumulators over blocks of sixteen floats, reduced pairwise, then the remainder one by
-    /// one.
+    /// Inner product of `a` and `b` over their common length.
     pub fn dot(a: &[f32], b: &[f32]) -> f32
     {
-        let n = a.len().min(b.len());
-        let (a, b) = (&a[..n], &b[..n]);
-        let mut acc = [0f32; LANES];
-        let (blocks_a, blocks_b) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-        let (tail_a, tail_b) = (blocks_a.remainder(), blocks_b.remainder());
-        for (x, y) in blocks_a.zip(blocks_b) {
-            for ((s, x), y) in acc.iter_mut().zip(x).zip(y) {
-                *s += x * y;
-            }
-        }
-        let mut tail = 0f32;
-        for (x, y) in tail_a.iter().zip(tail_b) {
-            tail += x * y;
-        }
-        reduce(acc) + tail
+        sum_of_terms(a, b, |x, y| x * y)
     }
 }
 
@@ -148,22 +149,7 @@ multiversion! {
     /// `|a − b|²` over the common length, summed like [`dot`].
     pub fn squared_l2(a: &[f32], b: &[f32]) -> f32
     {
-        let n = a.len().min(b.len());
-        let (a, b) = (&a[..n], &b[..n]);
-        let mut acc = [0f32; LANES];
-        let (blocks_a, blocks_b) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-        let (tail_a, tail_b) = (blocks_a.remainder(), blocks_b.remainder());
-        for (x, y) in blocks_a.zip(blocks_b) {
-            for ((s, x), y) in acc.iter_mut().zip(x).zip(y) {
-                let d = x - y;
-                *s += d * d;
-            }
-        }
-        let mut tail = 0f32;
-        for (x, y) in tail_a.iter().zip(tail_b) {
-            tail += (x - y) * (x - y);
-        }
-        reduce(acc) + tail
+        sum_of_terms(a, b, |x, y| (x - y) * (x - y))
     }
 }
 
