@@ -45,8 +45,14 @@ status=0
 compare() {
     local label=$1
     shift
-    local extra
-    extra=$(signatures "$@" | grep -vxF "$reference" || true)
+    local sigs extra
+    # Its own step, so that a failing `cargo build --unit-graph` stops the script (set -e)
+    # instead of reading as "nothing differs".
+    if ! sigs=$(signatures "$@"); then
+        echo "check-native-builds: \`cargo build --release $* --unit-graph\` failed" >&2
+        exit 2
+    fi
+    extra=$(grep -vxF "$reference" <<<"$sigs" || true)
     if [ -n "$extra" ]; then
         echo "check-native-builds: \`cargo build --release $*\` would compile these native libraries again ($label):"
         echo "$extra" | sed 's/^/  /'
