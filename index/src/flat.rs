@@ -10,9 +10,7 @@ use crate::common::{
     check_add, check_query, eligible, group_score, keep_top, rotated_keys, rotated_queries,
 };
 use crate::key_index::{OneShot, StatelessSearch};
-use crate::{
-    BuildStats, Found, GroupQuery, IndexSpec, KeyIndex, Result, SearchParams, Searcher, Selection,
-};
+use crate::{BuildStats, Found, GroupQuery, IndexSpec, KeyIndex, Result, SearchParams, Searcher};
 
 /// Keys scored per rayon task.
 const CHUNK_ROWS: usize = 4096;
@@ -76,8 +74,8 @@ impl FlatIndex {
         &self.keys[id as usize * d..(id as usize + 1) * d]
     }
 
-    /// The layer's RoPE (what `ivf` saves with its lists).
-    #[cfg(feature = "faiss")]
+    /// The layer's RoPE (what `ivf` saves with its lists, what `qgraph` rotates its sampled
+    /// queries with).
     pub(crate) fn rope(&self) -> &Rope {
         &self.rope
     }
@@ -143,12 +141,10 @@ impl StatelessSearch for FlatIndex {
         }
         let scored = eligible.len();
         let queries = self.rotate_query(query);
-        let best = self.top_k(&queries, eligible, params.k);
-        Ok(Found {
-            selection: best.into_iter().map(|(_, id)| id).collect::<Selection>(),
+        Ok(Found::ranked(
+            self.top_k(&queries, eligible, params.k),
             scored,
-            unvisited: Vec::new(),
-        })
+        ))
     }
 }
 

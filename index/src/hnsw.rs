@@ -24,7 +24,7 @@ use crate::common::{check_add, check_query, decode, eligible, encode};
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::{
     BuildContext, BuildStats, FlatIndex, Found, GroupQuery, HnswSpec, IndexError, IndexSpec,
-    KeyIndex, Result, SearchParams, Searcher, Selection,
+    KeyIndex, Result, SearchParams, Searcher,
 };
 
 /// The augmentation radius is this many times the largest key norm seen when it is set, so
@@ -309,15 +309,9 @@ impl StatelessSearch for HnswIndex {
         }
         let queries = self.keys.rotate_query(query);
         let ef = params.breadth_or(self.spec.ef_search).max(k);
-        let exact = |queries: &[f32], scored: usize| Found {
-            selection: self
-                .keys
-                .top_of(queries, eligible.clone(), k)
-                .into_iter()
-                .map(|(_, id)| id)
-                .collect::<Selection>(),
-            scored: scored + eligible.len(),
-            unvisited: Vec::new(),
+        let exact = |queries: &[f32], scored: usize| {
+            let best = self.keys.top_of(queries, eligible.clone(), k);
+            Found::ranked(best, scored + eligible.len())
         };
         let few = eligible.len() <= (2 * k).max(heads.saturating_mul(ef));
         if few || eligible.len().saturating_mul(SPARSE_ELIGIBLE) < self.len() {
@@ -348,12 +342,10 @@ impl StatelessSearch for HnswIndex {
             return Ok(exact(&queries, distances));
         }
         let scored = distances + pool.len();
-        let best = self.keys.top_of(&queries, pool.into_iter(), k);
-        Ok(Found {
-            selection: best.into_iter().map(|(_, id)| id).collect(),
+        Ok(Found::ranked(
+            self.keys.top_of(&queries, pool.into_iter(), k),
             scored,
-            unvisited: Vec::new(),
-        })
+        ))
     }
 }
 

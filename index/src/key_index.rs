@@ -21,7 +21,7 @@ pub struct SearchParams {
     /// ([`Found::unvisited`]); off by default.
     pub estimate: bool,
     /// Overrides the built spec's search breadth for this call: lists probed (ivf `np`),
-    /// buckets visited (saap `ℓ`) or the graph's candidate list (hnsw `ef`); the other
+    /// buckets visited (saap `ℓ`) or the graph's candidate list (hnsw and qgraph `ef`); the other
     /// indexes have none and ignore it. Benches sweep an index's budget with it without
     /// rebuilding the index for every value.
     pub breadth: Option<usize>,
@@ -88,6 +88,18 @@ pub struct Found {
     pub scored: usize,
     /// With [`SearchParams::estimate`], the buckets left unvisited (bucket indexes only).
     pub unvisited: Vec<UnvisitedBucket>,
+}
+
+impl Found {
+    /// What a top-k search found: the ids of `best` (scored ids, in any order) after scoring
+    /// `scored` vectors.
+    pub(crate) fn ranked(best: Vec<(f32, u32)>, scored: usize) -> Self {
+        Self {
+            selection: best.into_iter().map(|(_, id)| id).collect(),
+            scored,
+            unvisited: Vec::new(),
+        }
+    }
 }
 
 /// How an index was built.

@@ -8,7 +8,7 @@
 //!
 //! | item | job |
 //! |---|---|
-//! | [`IndexSpec`] | a spec string (`flat`, `ivf1024,np32`, `hnsw32,ef128`, `lsh:L=64,K=10`, `saap1024,l32`, `hip:k512,bq32,bk2`, `ihip:2k`, or a kind alone for its default: [`IndexSpec::default_of`], [`KINDS`]) parsed once; [`GRAMMAR`] |
+//! | [`IndexSpec`] | a spec string (`flat`, `ivf1024,np32`, `hnsw32,ef128`, `qgraph16,ef32`, `lsh:L=64,K=10`, `saap1024,l32`, `hip:k512,bq32,bk2`, `ihip:2k`, or a kind alone for its default: [`IndexSpec::default_of`], [`KINDS`]) parsed once; [`GRAMMAR`] |
 //! | [`build`], [`load`], [`save`] | the factory: a spec and pre-RoPE keys give a `Box<dyn KeyIndex>`; saved bytes round-trip |
 //! | [`KeyIndex`] | the seam: `add` keys incrementally, open a per-query [`Searcher`], memory, [`BuildStats`], `save` |
 //! | [`Searcher`] | one query's search state across its decode steps (InfiniteHiP caches its stages there) |
@@ -16,6 +16,7 @@
 //! | `IvfIndex` | faiss IndexIVFFlat (feature `faiss`), top-k of the probed lists or all of them; lists ranked by centroid or (`fit`) by a routing fitted on a [`QuerySample`] |
 //! | [`BuildContext`], [`QuerySample`] | what a build needs besides the keys: RoPE, seed, SAAP's trained head, the corpus's sampled queries |
 //! | [`HnswIndex`] | hnsw_rs over keys augmented so that inner product becomes distance |
+//! | [`QgraphIndex`] | an attention-aware graph: k-means cell neighbours plus shortcuts between the keys the corpus's sampled queries attended together (RoarGraph's projection), walked by the group's inner product |
 //! | [`LshIndex`] | sign random projections in L tables of K bits, candidates re-scored |
 //! | [`SaapIndex`] | SAAP: k-means buckets on de-roped keys, a trained query classifier |
 //! | [`HipIndex`], [`IhipIndex`] | HiP's hierarchical top-k and InfiniteHiP's multi-stage chunk pruning |
@@ -60,6 +61,7 @@ mod ivf;
 mod key_index;
 pub mod kmeans;
 mod lsh;
+mod qgraph;
 pub mod saap;
 mod selection;
 mod spec;
@@ -76,10 +78,12 @@ pub use key_index::{
     SearchParams, Searcher, UnvisitedBucket,
 };
 pub use lsh::LshIndex;
+pub use qgraph::QgraphIndex;
 pub use saap::SaapIndex;
 pub use selection::Selection;
 pub use spec::{
-    limits, HipSpec, HnswSpec, IhipSpec, IndexSpec, IvfSpec, LshSpec, SaapSpec, GRAMMAR, KINDS,
+    limits, HipSpec, HnswSpec, IhipSpec, IndexSpec, IvfSpec, LshSpec, QgraphSpec, SaapSpec,
+    GRAMMAR, KINDS,
 };
 
 /// Version of the bytes [`save`] writes.
@@ -130,6 +134,7 @@ pub fn build(
         #[cfg(not(feature = "faiss"))]
         IndexSpec::Ivf(_) => return Err(no_faiss(spec)),
         IndexSpec::Hnsw(s) => Box::new(HnswIndex::build(s, context, keys)?),
+        IndexSpec::Qgraph(s) => Box::new(QgraphIndex::build(s, context, keys)?),
         IndexSpec::Lsh(s) => Box::new(LshIndex::build(s, context, keys)?),
         IndexSpec::Saap(s) => Box::new(SaapIndex::build(s, context, keys)?),
         IndexSpec::Hip(s) => Box::new(HipIndex::build(s, context, keys)?),
@@ -206,6 +211,7 @@ pub fn load(bytes: &[u8], context: &BuildContext<'_>, keys: &[f32]) -> Result<Bo
         #[cfg(not(feature = "faiss"))]
         IndexSpec::Ivf(_) => return Err(no_faiss(&spec)),
         IndexSpec::Hnsw(s) => Box::new(HnswIndex::load(s, context, stats, body, old)?),
+        IndexSpec::Qgraph(s) => Box::new(QgraphIndex::load(s, context, stats, body, old)?),
         IndexSpec::Lsh(s) => Box::new(LshIndex::load(s, context, stats, body, old)?),
         IndexSpec::Saap(s) => Box::new(SaapIndex::load(s, context, stats, body, old)?),
         IndexSpec::Hip(s) => Box::new(HipIndex::load(s, context, stats, body, old)?),

@@ -19,7 +19,7 @@ use crate::common::{check_add, check_query, decode, eligible, encode};
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::{
     BuildContext, BuildStats, FlatIndex, Found, GroupQuery, IndexError, IndexSpec, KeyIndex,
-    LshSpec, Result, SearchParams, Searcher, Selection,
+    LshSpec, Result, SearchParams, Searcher,
 };
 use kvdb_simd::dot;
 
@@ -308,12 +308,10 @@ impl StatelessSearch for LshIndex {
             }
         }
         let scored = pool.len() + heads * tables * self.spec.bits;
-        let best = self.keys.top_of(&queries, pool.into_iter(), k);
-        Ok(Found {
-            selection: best.into_iter().map(|(_, id)| id).collect::<Selection>(),
+        Ok(Found::ranked(
+            self.keys.top_of(&queries, pool.into_iter(), k),
             scored,
-            unvisited: Vec::new(),
-        })
+        ))
     }
 }
 

@@ -443,8 +443,7 @@ impl Parts<'_, '_> {
             }
             None => None,
         };
-        let wants_queries = matches!(self.spec, IndexSpec::Ivf(i) if i.fit);
-        let sample = if wants_queries {
+        let sample = if self.spec.learns_from_queries() {
             self.store.query_sample(self.manifest, layer, head)?
         } else {
             QuerySampleRows::default()
