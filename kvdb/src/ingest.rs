@@ -717,8 +717,8 @@ struct Committer<'s> {
     pending: Vec<ChunkDone>,
     pending_bytes: usize,
     /// `[layer][head]` (keys, values) rows of the open block.
-    open: Vec<Vec<(Vec<f16>, Vec<f16>)>>,
-    open_tokens: Vec<u32>,
+    open: Vec<Vec<(OpenBlock<f16>, OpenBlock<f16>)>>,
+    open_tokens: OpenBlock<u32>,
     /// Per layer, the block below which the store holds nothing: blocks a sliding window
     /// no longer sees are deleted up to there (see [`Committer::collect`]).
     collected: Vec<usize>,
@@ -728,15 +728,19 @@ impl<'s> Committer<'s> {
     /// Reads the open blocks the next chunk continues.
     fn open(store: &'s Store, manifest: CorpusManifest) -> Result<Self> {
         let (n, b) = (manifest.tokens, manifest.block_size);
+        let d = manifest.model.head_dim;
         let block_start = n - n % b;
         let open = (0..manifest.layers.len())
             .map(|layer| {
                 (0..manifest.model.n_kv_heads)
                     .map(|head| {
                         // Stored rows are f16, so narrowing them back is exact.
-                        let rows = |kv| -> Result<Vec<f16>> {
+                        let rows = |kv| -> Result<OpenBlock<f16>> {
                             let rows = store.rows(&manifest, kv, layer, head, block_start..n)?;
-                            Ok(rows.into_iter().map(f16::from_f32).collect())
+                            Ok(OpenBlock {
+                                width: d,
+                                rows: rows.into_iter().map(f16::from_f32).collect(),
+                            })
                         };
                         Ok((rows(Kv::Keys)?, rows(Kv::Values)?))
                     })
@@ -745,7 +749,10 @@ impl<'s> Committer<'s> {
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             store,
-            open_tokens: store.tokens(&manifest, block_start..n)?,
+            open_tokens: OpenBlock {
+                width: 1,
+                rows: store.tokens(&manifest, block_start..n)?,
+            },
             collected: vec![0; open.len()],
             open,
             batch: store.batch(),
@@ -824,7 +831,7 @@ impl<'s> Committer<'s> {
                         (Kv::Keys, &mut *open_k, split(&rows.keys)),
                         (Kv::Values, &mut *open_v, split(&rows.values)),
                     ] {
-                        flush_blocks(open, &new, d, first_block, b, |block, rows| {
+                        open.append(&new, first_block, b, |block, rows| {
                             if (block + 1) * b > stored.start {
                                 blocks.push((kv, key(block), rows.to_vec()));
                             }
@@ -854,14 +861,10 @@ impl<'s> Committer<'s> {
                 self.batch.forget_blocks(id, layer, head, 0..unread);
             }
         }
-        flush_blocks(
-            &mut self.open_tokens,
-            &job.tokens,
-            1,
-            first_block,
-            b,
-            |block, ids| self.batch.put_tokens(id, block, ids),
-        )?;
+        self.open_tokens
+            .append(&job.tokens, first_block, b, |block, ids| {
+                self.batch.put_tokens(id, block, ids)
+            })?;
         self.next.tokens = end;
         let total = job.record.tokens.len();
         if job.done == total {
@@ -935,23 +938,74 @@ fn collect_garbage(store: &Store, manifest: &CorpusManifest) -> Result<()> {
     store.commit(batch)
 }
 
-/// Appends `new` rows (`width` items each) to the open block `open`, which starts at block
-/// `first_block`; hands every block the rows touch to `put`, whole from its first row; and
-/// leaves `open` holding the rows of the last block when it is incomplete.
-fn flush_blocks<T: Copy>(
-    open: &mut Vec<T>,
-    new: &[T],
+/// The rows of the last, incomplete block of a layer's KV head (or of the tokens), `width`
+/// items a row, which the next commit rewrites whole.
+struct OpenBlock<T> {
     width: usize,
-    first_block: usize,
-    block_size: usize,
-    mut put: impl FnMut(usize, &[T]) -> Result<()>,
-) -> Result<()> {
-    open.extend_from_slice(new);
-    let per_block = block_size * width;
-    for (i, rows) in open.chunks(per_block).enumerate() {
-        put(first_block + i, rows)?;
+    rows: Vec<T>,
+}
+
+impl<T: Copy> OpenBlock<T> {
+    /// Appends `new` rows to the open block, which is block `first_block` of `block_size`
+    /// rows; hands every block the rows touch to `put`, whole from its first row; and keeps
+    /// the rows of the last block when it is incomplete.
+    fn append(
+        &mut self,
+        new: &[T],
+        first_block: usize,
+        block_size: usize,
+        mut put: impl FnMut(usize, &[T]) -> Result<()>,
+    ) -> Result<()> {
+        self.rows.extend_from_slice(new);
+        let per_block = block_size * self.width;
+        for (i, rows) in self.rows.chunks(per_block).enumerate() {
+            put(first_block + i, rows)?;
+        }
+        let keep = self.rows.len() % per_block;
+        self.rows.drain(..self.rows.len() - keep);
+        Ok(())
     }
-    let keep = open.len() % per_block;
-    open.drain(..open.len() - keep);
-    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Blocks of 4 rows of 2 items: an open block of 3 rows (block 5) gets 6 more rows; it
+    /// is handed over whole with the next full block and the rest, and the 1 row past them
+    /// stays open. A fresh open block at a boundary hands over only what it fills.
+    #[test]
+    fn open_block_hands_over_every_touched_block_whole() -> Result<()> {
+        let mut open = OpenBlock {
+            width: 2,
+            rows: (0..6).collect::<Vec<u32>>(),
+        };
+        let mut put = Vec::new();
+        open.append(&(6..18).collect::<Vec<u32>>(), 5, 4, |block, rows| {
+            put.push((block, rows.to_vec()));
+            Ok(())
+        })?;
+        assert_eq!(
+            put,
+            vec![
+                (5, (0..8).collect()),
+                (6, (8..16).collect()),
+                (7, (16..18).collect()),
+            ]
+        );
+        assert_eq!(open.rows, vec![16, 17]);
+
+        let mut whole = OpenBlock {
+            width: 1,
+            rows: Vec::new(),
+        };
+        let mut blocks = Vec::new();
+        whole.append(&[1, 2, 3, 4], 2, 4, |block, rows| {
+            blocks.push((block, rows.to_vec()));
+            Ok(())
+        })?;
+        assert_eq!(blocks, vec![(2, vec![1, 2, 3, 4])]);
+        assert!(whole.rows.is_empty());
+        Ok(())
+    }
 }
