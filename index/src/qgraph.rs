@@ -195,6 +195,10 @@ impl QgraphIndex {
             .filter(|(_, &f)| f)
             .flat_map(|(k, _)| k.iter().copied())
             .collect();
+        if clean.len() < MIN_GRAPH_KEYS * d {
+            // Too few finite keys for cells: no graph, every search scans.
+            return Ok(Graph::default());
+        }
         let cells = ((n as f64).sqrt() * CELL_FACTOR).ceil() as usize;
         let centroids = kmeans(&clean, d, cells, KMEANS_ITERATIONS, self.seed)?;
         let assigned = nearest(&centroids, &zeroed(rows, &finite, d), d)?;
@@ -635,10 +639,13 @@ impl KeyIndex for QgraphIndex {
             return Ok(());
         }
         self.keys.add(keys)?;
-        if self.graph.is_built() {
+        let had_graph = self.graph.is_built();
+        if had_graph {
             self.join(first)?;
         } else if self.len() >= MIN_GRAPH_KEYS {
             self.graph = self.cells_and_neighbours()?;
+        }
+        if !had_graph && self.graph.is_built() {
             self.stats.warnings.push(format!(
                 "the graph was built when adds brought the index to {} keys, without query \
                  shortcuts",
@@ -750,6 +757,67 @@ mod tests {
                 found.scored
             );
         }
+    }
+
+    /// Keys that are mostly NaN leave the index without a graph (no cells to build) rather
+    /// than failing, and it scans: its selection is flat's.
+    #[test]
+    fn non_finite_keys_build_no_graph_and_scan() {
+        let d = 8;
+        let mut keys = vec![f32::NAN; 600 * d];
+        for (i, x) in keys[..100 * d].iter_mut().enumerate() {
+            *x = (i as f32 * 0.37).sin();
+        }
+        let context = BuildContext {
+            rope: rope(d),
+            seed: 0,
+            saap: None,
+            queries: None,
+        };
+        let spec = QgraphSpec {
+            links: 8,
+            ef_search: 16,
+        };
+        let index = QgraphIndex::build(&spec, &context, &keys).unwrap();
+        assert!(!index.graph.is_built());
+        let query = GroupQuery {
+            queries: &[0.5; 16],
+            position: 600,
+        };
+        let params = SearchParams::top(10, 0..600);
+        let flat = FlatIndex::build(rope(d), &keys).unwrap();
+        assert_eq!(
+            index.select(&query, &params).unwrap(),
+            flat.select(&query, &params).unwrap()
+        );
+    }
+
+    /// An index built over too few keys for a graph builds one when adds bring it to
+    /// [`MIN_GRAPH_KEYS`], says so, and later adds join its cells.
+    #[test]
+    fn adds_build_the_graph_once_there_are_enough_keys() {
+        let d = 8;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let keys: Vec<f32> = (0..400 * d).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let context = BuildContext {
+            rope: rope(d),
+            seed: 0,
+            saap: None,
+            queries: None,
+        };
+        let spec = QgraphSpec {
+            links: 8,
+            ef_search: 16,
+        };
+        let mut index = QgraphIndex::build(&spec, &context, &keys[..100 * d]).unwrap();
+        assert!(!index.graph.is_built());
+        index.add(&keys[100 * d..300 * d]).unwrap();
+        assert!(index.graph.is_built());
+        assert_eq!(index.build_stats().warnings.len(), 1);
+        index.add(&keys[300 * d..]).unwrap();
+        assert_eq!(index.graph.links.len(), 400);
+        assert!(index.graph.links[399..].iter().all(|l| !l.is_empty()));
+        assert_eq!(index.build_stats().warnings.len(), 1);
     }
 
     #[test]
