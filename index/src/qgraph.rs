@@ -692,6 +692,22 @@ mod tests {
     use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
     use rand::{Rng, SeedableRng};
 
+    /// The spec the small-index tests build.
+    const SMALL: QgraphSpec = QgraphSpec {
+        links: 8,
+        ef_search: 16,
+    };
+
+    /// A build context without a query sample.
+    fn context(d: usize, seed: u64) -> BuildContext<'static> {
+        BuildContext {
+            rope: rope(d),
+            seed,
+            saap: None,
+            queries: None,
+        }
+    }
+
     fn rope(d: usize) -> Rope {
         let config = RopeConfig {
             base: 10_000.0,
@@ -725,12 +741,7 @@ mod tests {
                 rope(d).rotate(&mut k, 5000 - id);
                 keys[id * d..(id + 1) * d].copy_from_slice(&k);
             }
-            let context = BuildContext {
-                rope: rope(d),
-                seed,
-                saap: None,
-                queries: None,
-            };
+            let context = context(d, seed);
             let spec = QgraphSpec {
                 links: 16,
                 ef_search: 32,
@@ -768,16 +779,8 @@ mod tests {
         for (i, x) in keys[..100 * d].iter_mut().enumerate() {
             *x = (i as f32 * 0.37).sin();
         }
-        let context = BuildContext {
-            rope: rope(d),
-            seed: 0,
-            saap: None,
-            queries: None,
-        };
-        let spec = QgraphSpec {
-            links: 8,
-            ef_search: 16,
-        };
+        let context = context(d, 0);
+        let spec = SMALL;
         let index = QgraphIndex::build(&spec, &context, &keys).unwrap();
         assert!(!index.graph.is_built());
         let query = GroupQuery {
@@ -799,16 +802,8 @@ mod tests {
         let d = 8;
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let keys: Vec<f32> = (0..400 * d).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let context = BuildContext {
-            rope: rope(d),
-            seed: 0,
-            saap: None,
-            queries: None,
-        };
-        let spec = QgraphSpec {
-            links: 8,
-            ef_search: 16,
-        };
+        let context = context(d, 0);
+        let spec = SMALL;
         let mut index = QgraphIndex::build(&spec, &context, &keys[..100 * d]).unwrap();
         assert!(!index.graph.is_built());
         index.add(&keys[100 * d..300 * d]).unwrap();
@@ -825,16 +820,8 @@ mod tests {
         let d = 8;
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let keys: Vec<f32> = (0..600 * d).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let context = BuildContext {
-            rope: rope(d),
-            seed: 3,
-            saap: None,
-            queries: None,
-        };
-        let spec = QgraphSpec {
-            links: 8,
-            ef_search: 16,
-        };
+        let context = context(d, 3);
+        let spec = SMALL;
         let index = QgraphIndex::build(&spec, &context, &keys).unwrap();
         let body = index.save().unwrap();
         let stats = index.build_stats().clone();
