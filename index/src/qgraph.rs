@@ -18,6 +18,7 @@
 //! its heads, as every index here ranks), and returns the top `k` of every eligible key it
 //! scored.
 
+use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::time::Instant;
 
@@ -446,9 +447,11 @@ impl QgraphIndex {
         start.truncate(ef);
         // Candidates to expand (best first) and the `ef` best seen (worst on top).
         let mut frontier: BinaryHeap<Best> = start.iter().map(|&s| Best(s)).collect();
-        let mut results: BinaryHeap<Worst> = start.iter().map(|&s| Worst(s)).collect();
+        let mut results: BinaryHeap<Reverse<Best>> =
+            start.iter().map(|&s| Reverse(Best(s))).collect();
+        let worst = |results: &BinaryHeap<Reverse<Best>>| results.peek().map(|w| w.0 .0 .0);
         while let Some(Best((s, id))) = frontier.pop() {
-            if results.len() >= ef && results.peek().is_some_and(|w| s < w.0 .0) {
+            if results.len() >= ef && worst(&results).is_some_and(|w| s < w) {
                 break;
             }
             for &j in &self.graph.links[id as usize] {
@@ -460,9 +463,9 @@ impl QgraphIndex {
                 if eligible.contains(&j) {
                     found.push((sj, j));
                 }
-                if results.len() < ef || results.peek().is_some_and(|w| sj > w.0 .0) {
+                if results.len() < ef || worst(&results).is_some_and(|w| sj > w) {
                     frontier.push(Best((sj, j)));
-                    results.push(Worst((sj, j)));
+                    results.push(Reverse(Best((sj, j))));
                     if results.len() > ef {
                         results.pop();
                     }
@@ -562,7 +565,7 @@ impl Graph {
     }
 }
 
-/// A scored key that orders best first in a max-heap.
+/// A scored key that orders best first in a max-heap (worst first inside a [`Reverse`]).
 #[derive(PartialEq)]
 struct Best((f32, u32));
 impl Eq for Best {}
@@ -574,21 +577,6 @@ impl PartialOrd for Best {
 impl Ord for Best {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         rank(&other.0, &self.0)
-    }
-}
-
-/// A scored key that orders worst first in a max-heap.
-#[derive(PartialEq)]
-struct Worst((f32, u32));
-impl Eq for Worst {}
-impl PartialOrd for Worst {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Worst {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        rank(&self.0, &other.0)
     }
 }
 
