@@ -110,8 +110,8 @@ pub struct QgraphIndex {
     /// The keys rotated at their ids.
     keys: FlatIndex,
     graph: Graph,
+    /// How it was built; its `seed` seeds the cells' and routes' k-means.
     stats: BuildStats,
-    seed: u64,
 }
 
 impl std::fmt::Debug for QgraphIndex {
@@ -135,8 +135,10 @@ impl QgraphIndex {
             spec: *spec,
             keys: FlatIndex::build(context.rope.clone(), keys)?,
             graph: Graph::default(),
-            stats: BuildStats::default(),
-            seed: context.seed,
+            stats: BuildStats {
+                seed: context.seed,
+                ..BuildStats::default()
+            },
         };
         let mut warnings = Vec::new();
         if index.len() >= MIN_GRAPH_KEYS {
@@ -174,7 +176,6 @@ impl QgraphIndex {
             spec: *spec,
             keys,
             graph: body.graph,
-            seed: stats.seed,
             stats,
         })
     }
@@ -201,7 +202,7 @@ impl QgraphIndex {
             return Ok(Graph::default());
         }
         let cells = ((n as f64).sqrt() * CELL_FACTOR).ceil() as usize;
-        let centroids = kmeans(&clean, d, cells, KMEANS_ITERATIONS, self.seed)?;
+        let centroids = kmeans(&clean, d, cells, KMEANS_ITERATIONS, self.stats.seed)?;
         let assigned = nearest(&centroids, &zeroed(rows, &finite, d), d)?;
         let cells = centroids.len() / d;
         let mut members: Vec<Vec<u32>> = vec![Vec::new(); cells];
@@ -324,7 +325,7 @@ impl QgraphIndex {
             return Ok(());
         }
         let routes = ((lists.len() as f64).sqrt().ceil() as usize).min(MAX_ROUTES);
-        let centroids = kmeans(vectors, d, routes, KMEANS_ITERATIONS, self.seed)?;
+        let centroids = kmeans(vectors, d, routes, KMEANS_ITERATIONS, self.stats.seed)?;
         let assigned = nearest(&centroids, vectors, d)?;
         let mut counts: Vec<HashMap<u32, u32>> = vec![HashMap::new(); centroids.len() / d];
         for (route, list) in assigned.iter().zip(lists) {
