@@ -7,6 +7,10 @@
 //   GROUP     query heads per KV head (GQA group), 1..8
 //   THREADS   threads per block
 //   UNROLL    rows each team loads before it uses any (loads in flight)
+//   MMA       1 for the tensor-core path of `attend` (HEAD_DIM 64 or 128): each warp takes
+//             16 rows at a time and computes their logits and their share of the output
+//             with mma.sync (see attend_rows_mma); 0 (or absent) for the scalar path, where
+//             teams of HEAD_DIM / 8 lanes share a row. `attention_mass` is the same either way.
 //
 // Layouts: queries [kv_heads, GROUP, HEAD_DIM] (query head h*GROUP+g uses KV head h); keys
 // and values are rows of HEAD_DIM elements, KV head h's rows starting at row h*stride of
@@ -36,6 +40,15 @@ typedef unsigned long long u64;
 #define TEAMS (THREADS / LANES)
 #define STEP (TEAMS * UNROLL)
 #define NO_ROW 0xffffffffu
+#ifndef MMA
+#define MMA 0
+#endif
+// The partial states a block combines at its end: one per team, or one per warp.
+#if MMA
+#define PARTS (THREADS / 32)
+#else
+#define PARTS TEAMS
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 // A partial: out [GROUP][HEAD_DIM], then max [GROUP], then sum [GROUP], padded to whole
 // float4s so that merges read the outputs 16 bytes at a time.
@@ -321,6 +334,224 @@ __device__ __forceinline__ void attend_rows(const RowOf& row_of, u32 n, const u1
     }
 }
 
+#if MMA
+// The tensor-core path (HEAD_DIM 64 or 128, GROUP <= 8). A warp attends to 16 rows at a
+// time, like FlashAttention-2's decode with the group's queries as the rows of the first
+// product:
+// - logits S [16 x 16] = Q [16 x HEAD_DIM] · K^T: the group's queries are rows 0..GROUP-1
+//   of Q (the rest zero), the tile's 16 keys its columns, HEAD_DIM / 16 mma.sync m16n8k16
+//   for each half of the keys. A sum over dimensions may take them in any order, so each
+//   thread loads 16-byte chunks of its keys (and queries) as they lie in memory: chunk
+//   j * 4 + t of a row (t = lane % 4) holds the dimensions of k-steps 2j and 2j + 1.
+//   Thread (g = lane / 4, t) then holds query g's logits of keys 2t, 2t + 1, 2t + 8, 2t + 9.
+// - the softmax state of query g lives in the 4 threads of quad g (as a row's in FA2);
+// - outputs O^T [HEAD_DIM x 8] += V^T [HEAD_DIM x 16] · P^T [16 x 8]: the weights are the
+//   second operand as the logits left them; V^T's fragments are two keys' elements of one
+//   dimension per register, made by byte permutes of the rows' 16-byte loads. Thread g's
+//   dimensions are g * HEAD_DIM / 8 onwards (HEAD_DIM / 8 of them): tile i's rows g and
+//   g + 8 are dimensions g * HEAD_DIM / 8 + 2i and + 2i + 1.
+// The weights in [0, 1] are split into PSPLIT 16-bit terms (f16: 2, bf16: 3) whose products
+// all accumulate in f32, so that the output keeps f32's precision as the scalar path's does.
+#if KV_BF16
+#define MMA_TYPE "bf16"
+#define PSPLIT 3
+#else
+#define MMA_TYPE "f16"
+#define PSPLIT 2
+#endif
+#define WARPS (THREADS / 32)
+// 16-byte chunks of a key row, and of a value row, each thread loads; tiles of the output.
+#define KCH (HEAD_DIM / 32)
+#define VCH (HEAD_DIM / 64)
+#define MTILES (HEAD_DIM / 16)
+
+// c += a · b, a 16x16 (row-major fragments), b 16x8 (column-major).
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
+}
+
+// Word i (a constant) of a 16-byte load.
+__device__ __forceinline__ u32 word(const uint4& x, int i) {
+    return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+}
+
+// Two weights (x0 in the low half) as PSPLIT 16-bit terms whose sum is x0, x1 to about f32
+// precision.
+__device__ __forceinline__ void split_weights(float x0, float x1, u32 (&w)[PSPLIT]) {
+#if KV_BF16
+    // bf16 is f32's upper half: truncate, keep the exact remainder, twice, then round.
+#pragma unroll
+    for (int s = 0; s < PSPLIT - 1; ++s) {
+        const u32 b0 = __float_as_uint(x0), b1 = __float_as_uint(x1);
+        w[s] = prmt(b0, b1, 0x7632);
+        x0 -= __uint_as_float(b0 & 0xffff0000u);
+        x1 -= __uint_as_float(b1 & 0xffff0000u);
+    }
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[PSPLIT - 1]) : "f"(x1), "f"(x0));
+#else
+#pragma unroll
+    for (int s = 0; s < PSPLIT - 1; ++s) {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[s]) : "f"(x1), "f"(x0));
+        float h0, h1;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(h0) : "h"((u16)(w[s] & 0xffffu)));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(h1) : "h"((u16)(w[s] >> 16)));
+        x0 -= h0;
+        x1 -= h1;
+    }
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[PSPLIT - 1]) : "f"(x1), "f"(x0));
+#endif
+}
+
+// A warp's running softmax state, in mma fragments: query g's maximum (base-2 logits) in
+// every thread of quad g, this thread's part of its sum, and O^T's tiles (rows: dimensions,
+// columns: queries 2t and 2t + 1).
+struct MState {
+    float m;
+    float l;
+    float o[MTILES][4];
+    u32 rows;
+};
+
+// Query g's chunks j * 4 + t (zero for g >= GROUP): the first operand of the logits.
+__device__ __forceinline__ void load_query_frags(const u16* __restrict__ q, u32 h,
+                                                 uint4 (&qa)[KCH]) {
+    const u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int j = 0; j < KCH; ++j) {
+        const uint4 zero = {0u, 0u, 0u, 0u};
+        qa[j] = g < GROUP ? __ldg(reinterpret_cast<const uint4*>(
+                                q + ((u64)h * GROUP + g) * HEAD_DIM + (j * 4 + t) * 8))
+                          : zero;
+    }
+}
+
+// Attends the thread's warp to rows row_of(0..n) of k/v in tiles of 16 (warp w takes tiles
+// w, w + WARPS, ...), updating its state. Each lane finds the row of one key of the next
+// tile (lanes 16..31 repeat lanes 0..15) while the current tile's rows are in flight.
+template <class RowOf>
+__device__ __forceinline__ void attend_rows_mma(const RowOf& row_of, u32 n,
+                                                const u16* __restrict__ k,
+                                                const u16* __restrict__ v,
+                                                const uint4 (&qa)[KCH], float scale_log2,
+                                                MState& st) {
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const u32 mine = lane % 16;
+    u32 next = warp * 16 + mine < n ? row_of(warp * 16 + mine) : NO_ROW;
+    for (u32 base = warp * 16; base < n; base += WARPS * 16) {
+        const u32 id = next;
+        const u32 ahead = base + WARPS * 16 + mine;
+        next = ahead < n ? row_of(ahead) : NO_ROW;
+        st.rows += lane < 16 && id != NO_ROW;
+        // Keys g and g + 8 (logits' second operand), values of keys 2t, 2t + 1, 2t + 8,
+        // 2t + 9 (outputs' first operand).
+        const u32 rk[2] = {__shfl_sync(0xffffffffu, id, g), __shfl_sync(0xffffffffu, id, g + 8)};
+        const u32 rv[4] = {__shfl_sync(0xffffffffu, id, 2 * t),
+                           __shfl_sync(0xffffffffu, id, 2 * t + 1),
+                           __shfl_sync(0xffffffffu, id, 2 * t + 8),
+                           __shfl_sync(0xffffffffu, id, 2 * t + 9)};
+        const uint4 zero = {0u, 0u, 0u, 0u};
+        uint4 kr[2][KCH], vr[4][VCH];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int j = 0; j < KCH; ++j)
+                kr[h][j] = rk[h] == NO_ROW ? zero
+                                           : __ldg(reinterpret_cast<const uint4*>(
+                                                 k + (u64)rk[h] * HEAD_DIM + (j * 4 + t) * 8));
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+#pragma unroll
+            for (int c = 0; c < VCH; ++c)
+                vr[r][c] = rv[r] == NO_ROW
+                               ? zero
+                               : __ldg(reinterpret_cast<const uint4*>(
+                                     v + (u64)rv[r] * HEAD_DIM + g * (HEAD_DIM / 8) + c * 8));
+        }
+        // Logits: s[h] holds query g's of keys 8h + 2t, 8h + 2t + 1 (and row g + 8's, zero).
+        float s[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[h][i] = 0.f;
+#pragma unroll
+            for (int j = 0; j < KCH; ++j) {
+                mma16816(s[h], qa[j].x, 0u, qa[j].y, 0u, kr[h][j].x, kr[h][j].y);
+                mma16816(s[h], qa[j].z, 0u, qa[j].w, 0u, kr[h][j].z, kr[h][j].w);
+            }
+        }
+        float p[4] = {s[0][0] * scale_log2, s[0][1] * scale_log2, s[1][0] * scale_log2,
+                      s[1][1] * scale_log2};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (rv[i] == NO_ROW) p[i] = NEG_INF;
+        }
+        float mx = fmaxf(fmaxf(p[0], p[1]), fmaxf(p[2], p[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(mx, st.m);
+        // Nothing seen yet: the rows weigh nothing (and -inf - -inf is avoided).
+        const float ref = mx == NEG_INF ? 0.f : mx;
+        const float c = exp2f(st.m - ref);
+        st.m = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            p[i] = exp2f(p[i] - ref);
+            sum += p[i];
+        }
+        st.l = fmaf(st.l, c, sum);
+        // Rescale the outputs of queries 2t and 2t + 1 (their quads' factors), unless no
+        // query's maximum moved.
+        const float c0 = __shfl_sync(0xffffffffu, c, 8 * t), c1 = __shfl_sync(0xffffffffu, c, 8 * t + 4);
+        if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+            for (int i = 0; i < MTILES; ++i) {
+                st.o[i][0] *= c0;
+                st.o[i][1] *= c1;
+                st.o[i][2] *= c0;
+                st.o[i][3] *= c1;
+            }
+        }
+        u32 w0[PSPLIT], w1[PSPLIT];
+        split_weights(p[0], p[1], w0);
+        split_weights(p[2], p[3], w1);
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i) {
+            const u32 lo0 = word(vr[0][i / 4], i % 4), lo1 = word(vr[1][i / 4], i % 4);
+            const u32 hi0 = word(vr[2][i / 4], i % 4), hi1 = word(vr[3][i / 4], i % 4);
+            const u32 a0 = prmt(lo0, lo1, 0x5410), a1 = prmt(lo0, lo1, 0x7632);
+            const u32 a2 = prmt(hi0, hi1, 0x5410), a3 = prmt(hi0, hi1, 0x7632);
+#pragma unroll
+            for (int sp = 0; sp < PSPLIT; ++sp) mma16816(st.o[i], a0, a1, a2, a3, w0[sp], w1[sp]);
+        }
+    }
+}
+
+// ListPart::item's visitor for `attend` on the tensor-core path.
+struct AttendVisitMma {
+    const u16* k;
+    const u16* v;
+    const uint4 (*qa)[KCH];
+    float scale_log2;
+    MState* st;
+    template <class RowOf>
+    __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
+        attend_rows_mma(rows, n, k, v, *qa, scale_log2, *st);
+    }
+};
+#endif
+
 // Partials one merge reads at most: the launcher keeps groups and group sizes within it.
 #define MAX_MERGE 128
 
@@ -495,6 +726,63 @@ attend(const u16* __restrict__ q, float scale_log2,
                         x >= dense_items + lrun_items;
     if (threadIdx.x == 0) sm_rows = 0;
 
+    __shared__ __align__(16) float sm_o[PARTS][GROUP][HEAD_DIM];
+    __shared__ float sm_m[PARTS][GROUP];
+    __shared__ float sm_l[PARTS][GROUP];
+#if MMA
+    (void)team;
+    (void)lane;
+    uint4 qa[KCH];
+    load_query_frags(q, h, qa);
+    MState st;
+    st.rows = 0;
+    st.m = NEG_INF;
+    st.l = 0.f;
+#pragma unroll
+    for (int i = 0; i < MTILES; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) st.o[i][j] = 0.f;
+    }
+    if (x < dense_items) {
+        const u32 first = x * dense_chunk, dense_len = run0_len + run1_len;
+        const u32 n = min_u32(dense_chunk, dense_len - first);
+        const DenseRows rows = {first, run0_row, run0_len, run1_row};
+        const u64 head = (u64)h * d_stride * HEAD_DIM;
+        attend_rows_mma(rows, n, dk + head, dv + head, qa, scale_log2, st);
+    } else {
+        const ListPart part = {lrun0_row, lrun0_len, lrun1_row, lrun1_len, dense_chunk, lrun_items,
+                               list_off,  list,      list_chunk, bucket_off, bucket_ids,
+                               gridDim.x - dense_items};
+        const u64 head = (u64)h * l_stride * HEAD_DIM;
+        part.item(x - dense_items, h, AttendVisitMma{lk + head, lv + head, &qa, scale_log2, &st});
+    }
+    // Each warp's state into shared memory: query g's maximum and sum (the quad's parts
+    // added) from quad g, queries 2t and 2t + 1's dimensions g * HEAD_DIM / 8 onwards from
+    // thread (g, t), 16 bytes at a time.
+    {
+        const u32 warp = threadIdx.x / 32, wl = threadIdx.x % 32, g = wl / 4, t = wl % 4;
+        float l = st.l;
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (t == 0 && g < GROUP) {
+            sm_m[warp][g] = st.m;
+            sm_l[warp][g] = l;
+        }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            if (2 * t + c < GROUP) {
+                float4* o = reinterpret_cast<float4*>(&sm_o[warp][2 * t + c][g * (HEAD_DIM / 8)]);
+#pragma unroll
+                for (int i = 0; i < MTILES / 2; ++i)
+                    o[i] = make_float4(st.o[2 * i][c], st.o[2 * i][c + 2], st.o[2 * i + 1][c],
+                                       st.o[2 * i + 1][c + 2]);
+            }
+        }
+        // Lanes 0..15 counted distinct rows.
+        const u32 rows = __reduce_add_sync(0xffffffffu, st.rows);
+        if (counts && wl == 0 && rows > 0) atomicAdd(&sm_rows, rows);
+    }
+#else
     float qf[GROUP][8];
     load_queries(q, h, scale_log2, qf);
     State st;
@@ -523,9 +811,6 @@ attend(const u16* __restrict__ q, float scale_log2,
 
     // Combine the teams of the block into this item's partial. The outputs are stored 16
     // bytes at a time (eight scalar stores a thread would hit the same banks 8 ways).
-    __shared__ __align__(16) float sm_o[TEAMS][GROUP][HEAD_DIM];
-    __shared__ float sm_m[TEAMS][GROUP];
-    __shared__ float sm_l[TEAMS][GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
         float4* o = reinterpret_cast<float4*>(&sm_o[team][g][lane * 8]);
@@ -539,16 +824,17 @@ attend(const u16* __restrict__ q, float scale_log2,
     // A team's lanes counted the same rows: its first lane adds them (the bucket items
     // passed a barrier in ListPart::item since sm_rows was zeroed).
     if (counts && lane == 0 && st.rows > 0) atomicAdd(&sm_rows, st.rows);
+#endif
     __syncthreads();
     if (counts && threadIdx.x == 0 && sm_rows > 0) atomicAdd(bucket_rows, (u64)sm_rows);
     float* partial = partials + ((u64)h * gridDim.x + x) * PARTIAL;
     for (u32 e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
         const u32 g = e / HEAD_DIM, col = e % HEAD_DIM;
         float mx = NEG_INF;
-        for (int t = 0; t < TEAMS; ++t) mx = fmaxf(mx, sm_m[t][g]);
+        for (int t = 0; t < PARTS; ++t) mx = fmaxf(mx, sm_m[t][g]);
         float o = 0.f, l = 0.f;
         if (mx != NEG_INF) {
-            for (int t = 0; t < TEAMS; ++t) {
+            for (int t = 0; t < PARTS; ++t) {
                 const float w = exp2f(sm_m[t][g] - mx);
                 o = fmaf(w, sm_o[t][g][col], o);
                 l = fmaf(w, sm_l[t][g], l);

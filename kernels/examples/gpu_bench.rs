@@ -6,8 +6,12 @@
 //! ```sh
 //! gpu_bench [--sdpa sdpa.jsonl] [--json raw.jsonl] [--quick] [--buckets] [--only SHAPE,N,K] [--iters 200]
 //! gpu_bench --projections [--iters 200]
-//! gpu_bench --buckets-only [--only SHAPE,N,K] [--iters 200]
+//! gpu_bench --buckets-only [--f16] [--only SHAPE,N,K] [--iters 200]
 //! ```
+//!
+//! `--f16` runs the attention in f16 (the product's keys and values) instead of bf16.
+//! `--buckets-only` times `bucket_attention` on the tensor-core path (the default) and on
+//! the scalar kernel; `--scalar` runs every other attention on the scalar kernel.
 //!
 //! `--projections` times the weight products of a decode step instead (Llama-3-8B's and
 //! Gemma 3 270M's, batch 1), on `Gemm::linear`'s matrix-vector kernel and on cuBLASLt.
@@ -25,18 +29,16 @@ use std::ops::Range;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
-use half::bf16;
+use half::{bf16, f16};
 use kvdb_kernels::cudarc::driver::sys::{
     CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice};
 use kvdb_kernels::{
     attention_mass, bucket_attention, flash_decode, retrieval_attention, BlockCache, Csr, Dense,
-    Gpu, HostKv, KvCache, ListPart, Partition, Query, Selected, Visits, Workspace,
+    Gpu, HostKv, KvCache, KvElement, ListPart, Partition, Query, Selected, Visits, Workspace,
 };
 use serde_json::{json, Value};
-
-type T = bf16;
 
 /// A model's attention shape.
 #[derive(Debug, Clone, Copy)]
@@ -83,6 +85,10 @@ struct Args {
     buckets_only: bool,
     /// The decode step's weight products alone.
     projections: bool,
+    /// f16 keys, values and queries instead of bf16.
+    f16: bool,
+    /// The scalar attention kernel instead of the tensor-core path.
+    scalar: bool,
     iters: usize,
 }
 
@@ -96,6 +102,8 @@ impl Args {
             buckets: false,
             buckets_only: false,
             projections: false,
+            f16: false,
+            scalar: false,
             iters: 200,
         };
         let mut it = std::env::args().skip(1);
@@ -110,6 +118,8 @@ impl Args {
                     args.buckets_only = true;
                 }
                 "--projections" => args.projections = true,
+                "--f16" => args.f16 = true,
+                "--scalar" => args.scalar = true,
                 "--only" => {
                     let spec = it.next().context("--only SHAPE,N,K")?;
                     let parts: Vec<&str> = spec.split(',').collect();
@@ -119,7 +129,7 @@ impl Args {
                     args.only = Some((shape.to_string(), n.parse()?, k.parse()?));
                 }
                 "--iters" => args.iters = it.next().context("--iters N")?.parse()?,
-                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--buckets] [--buckets-only] [--projections] [--only SHAPE,N,K] [--iters N]"),
+                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--buckets] [--buckets-only] [--f16] [--scalar] [--projections] [--only SHAPE,N,K] [--iters N]"),
             }
         }
         ensure!(args.iters >= 100, "--iters must be at least 100");
@@ -150,7 +160,7 @@ impl SplitMix {
 }
 
 /// `len` random elements in [-1, 1), generated on every core.
-fn random(len: usize, seed: u64) -> Vec<T> {
+fn random<T: KvElement>(len: usize, seed: u64) -> Vec<T> {
     let mut data = vec![T::default(); len];
     let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
     let chunk = len.div_ceil(threads).max(1);
@@ -263,7 +273,7 @@ fn pcie_gbps(gpu: &Gpu) -> Result<f64> {
 }
 
 /// One input set of a retrieval step: queries, dense runs, selection, and which cache copy.
-struct Set {
+struct Set<T> {
     queries: CudaSlice<T>,
     runs: Vec<Range<u32>>,
     lists: Vec<Vec<u32>>,
@@ -289,7 +299,7 @@ fn select(rng: &mut SplitMix, kv_heads: usize, range: Range<u32>, k: usize) -> V
 }
 
 /// Everything for one shape and length: the cache (in copies), host data, workspace.
-struct Bench<'g> {
+struct Bench<'g, T> {
     gpu: &'g Gpu,
     shape: Shape,
     n: usize,
@@ -302,8 +312,8 @@ struct Bench<'g> {
     iters: usize,
 }
 
-impl<'g> Bench<'g> {
-    fn new(gpu: &'g Gpu, shape: Shape, n: usize, iters: usize) -> Result<Self> {
+impl<'g, T: KvElement> Bench<'g, T> {
+    fn new(gpu: &'g Gpu, shape: Shape, n: usize, iters: usize, scalar: bool) -> Result<Self> {
         let len = shape.kv_heads * n * shape.head_dim;
         let (keys, values) = (random(len, n as u64), random(len, !(n as u64)));
         let copies = (ROTATE_BYTES / (4 * len) as f64).ceil().max(1.0) as usize;
@@ -317,7 +327,7 @@ impl<'g> Bench<'g> {
             keys,
             values,
             copies,
-            workspace: Workspace::new(gpu)?,
+            workspace: Workspace::new(gpu)?.with_tensor_cores(!scalar),
             out: gpu.zeros(shape.q_heads * shape.head_dim)?,
             rng: SplitMix(n as u64 * 31 + shape.q_heads as u64),
             iters,
@@ -365,7 +375,7 @@ impl<'g> Bench<'g> {
     }
 
     /// A random decode position, its dense runs and a selection of `k` ids per KV head.
-    fn set(&mut self, k: usize, copy: usize) -> Result<Set> {
+    fn set(&mut self, k: usize, copy: usize) -> Result<Set<T>> {
         let lowest = (SINK + WINDOW) as usize + k;
         ensure!(
             self.n > lowest,
@@ -384,11 +394,11 @@ impl<'g> Bench<'g> {
         })
     }
 
-    fn retrieval(&mut self, k: usize) -> Result<(Value, Vec<Set>)> {
+    fn retrieval(&mut self, k: usize) -> Result<(Value, Vec<Set<T>>)> {
         let tokens = (SINK + WINDOW) as usize + k;
         let count = (ROTATE_BYTES / self.bytes(tokens)).ceil().clamp(8.0, 256.0) as usize;
         let copies = self.copies.len();
-        let sets: Vec<Set> = (0..count)
+        let sets: Vec<Set<T>> = (0..count)
             .map(|i| self.set(k, i % copies))
             .collect::<Result<_>>()?;
         let (gpu, scale) = (self.gpu, self.scale());
@@ -425,7 +435,7 @@ impl<'g> Bench<'g> {
     /// Retrieval with K/V in pinned host memory behind the block cache: each of a few
     /// selections once on an empty cache (cold), then again (warm). Wall-clock latency of
     /// the whole step (block lookups on the CPU, copies, attention, synchronisation).
-    fn pinned(&mut self, cache: &mut BlockCache<T>, k: usize, sets: &[Set]) -> Result<Value> {
+    fn pinned(&mut self, cache: &mut BlockCache<T>, k: usize, sets: &[Set<T>]) -> Result<Value> {
         let s = self.shape;
         let d = s.head_dim;
         let (mut cold, mut warm, mut warm_host) = (Vec::new(), Vec::new(), Vec::new());
@@ -583,9 +593,20 @@ impl<'g> Bench<'g> {
             graph,
         ));
         let tokens = (SINK + WINDOW) as usize + selected;
+        // The scalar kernel first, in its own workspace, then the workspace's own path
+        // (tensor cores unless --scalar), which the rows below keep using.
+        let mut scalar = Workspace::new(gpu)?.with_tensor_cores(false);
+        let t = time_events(gpu, self.iters, |i| attend(i, &visits, &mut scalar))?;
+        let graph = time_graph(gpu, SETS, self.iters, |i| attend(i, &visits, &mut scalar))?;
+        rows.push(("bucket_attention scalar".to_string(), tokens, t, graph));
         let t = time_events(gpu, self.iters, |i| attend(i, &visits, ws))?;
         let graph = time_graph(gpu, SETS, self.iters, |i| attend(i, &visits, ws))?;
-        rows.push(("bucket_attention".to_string(), tokens, t, graph));
+        let path = if ws.tensor_cores() {
+            "tensor cores"
+        } else {
+            "scalar"
+        };
+        rows.push((format!("bucket_attention {path}"), tokens, t, graph));
         // Provenance after the attention, as the session runs it: the weight of each
         // attended corpus row, from the last launch's queries and log-sum-exp.
         let mut mass: CudaSlice<f32> = gpu.zeros(self.n)?;
@@ -608,6 +629,9 @@ impl<'g> Bench<'g> {
             .map(|(what, tokens, t, graph)| {
                 let mut v = self.record(&what, Some(selected), tokens, t, graph);
                 v["selected_per_head"] = json!(selected);
+                if what.ends_with("scalar") {
+                    v["tensor_cores"] = json!(false);
+                }
                 v
             })
             .collect())
@@ -627,7 +651,8 @@ impl<'g> Bench<'g> {
             "median_us": t.median_us, "mean_us": t.mean_us, "graph_us": graph_us,
             "bytes": bytes, "gbps": bytes / (t.median_us * 1e-6) / 1e9,
             "graph_gbps": bytes / (graph_us * 1e-6) / 1e9,
-            "copies": self.copies.len(),
+            "copies": self.copies.len(), "dtype": format!("{:?}", T::DTYPE),
+            "tensor_cores": self.workspace.tensor_cores(),
         });
         println!("{v}");
         v
@@ -793,12 +818,12 @@ fn projections(gpu: &Gpu, iters: usize) -> Result<()> {
     for (model, products) in PROJECTIONS {
         let mut per_token = [0.0f64; 2];
         for (name, n, k, times) in products {
-            let weights = random(n * k, (n * k) as u64);
+            let weights: Vec<bf16> = random(n * k, (n * k) as u64);
             let copies = (ROTATE_BYTES / (2 * n * k) as f64).ceil().max(1.0) as usize;
-            let copies: Vec<CudaSlice<T>> = (0..copies)
+            let copies: Vec<CudaSlice<bf16>> = (0..copies)
                 .map(|_| gpu.upload(&weights))
                 .collect::<kvdb_kernels::Result<_>>()?;
-            let x = gpu.upload(&random(k, 7))?;
+            let x = gpu.upload(&random::<bf16>(k, 7))?;
             let mut out: CudaSlice<f32> = gpu.zeros(n)?;
             let mut medians = [0.0f64; 2];
             for (m, vector) in [true, false].into_iter().enumerate() {
@@ -855,28 +880,12 @@ fn main() -> Result<()> {
                 continue;
             }
             let started = Instant::now();
-            let mut bench = Bench::new(&gpu, shape, n, args.iters)?;
-            if args.buckets_only {
-                rows.extend(bench.buckets(256, 8)?);
-                continue;
-            }
-            rows.push(bench.flash()?);
-            let host = HostKv::new(
-                &gpu,
-                &bench.keys,
-                &bench.values,
-                shape.kv_heads,
-                shape.head_dim,
-                BLOCK_TOKENS,
-            )?;
-            let mut cache = BlockCache::new(&gpu, host, 2 << 30)?;
-            if args.buckets {
-                rows.extend(bench.buckets(256, 8)?);
-            }
-            for k in KS.into_iter().filter(|&k| chosen(shape, n, Some(k))) {
-                let (record, sets) = bench.retrieval(k)?;
-                rows.push(record);
-                rows.push(bench.pinned(&mut cache, k, &sets)?);
+            if args.f16 {
+                let bench = Bench::<f16>::new(&gpu, shape, n, args.iters, args.scalar)?;
+                run(bench, &args, &chosen, &mut rows)?;
+            } else {
+                let bench = Bench::<bf16>::new(&gpu, shape, n, args.iters, args.scalar)?;
+                run(bench, &args, &chosen, &mut rows)?;
             }
             eprintln!(
                 "{} N={n}: {:.1} s",
@@ -894,5 +903,38 @@ fn main() -> Result<()> {
         None => Vec::new(),
     };
     println!("{}", tables(&rows, &sdpa, copy, lengths));
+    Ok(())
+}
+
+/// One shape and length: the flash baseline, buckets when asked, and each k's retrieval.
+fn run<T: KvElement>(
+    mut bench: Bench<'_, T>,
+    args: &Args,
+    chosen: &dyn Fn(Shape, usize, Option<usize>) -> bool,
+    rows: &mut Vec<Value>,
+) -> Result<()> {
+    let (gpu, shape, n) = (bench.gpu, bench.shape, bench.n);
+    if args.buckets_only {
+        rows.extend(bench.buckets(256, 8)?);
+        return Ok(());
+    }
+    rows.push(bench.flash()?);
+    let host = HostKv::new(
+        gpu,
+        &bench.keys,
+        &bench.values,
+        shape.kv_heads,
+        shape.head_dim,
+        BLOCK_TOKENS,
+    )?;
+    let mut cache = BlockCache::new(gpu, host, 2 << 30)?;
+    if args.buckets {
+        rows.extend(bench.buckets(256, 8)?);
+    }
+    for k in KS.into_iter().filter(|&k| chosen(shape, n, Some(k))) {
+        let (record, sets) = bench.retrieval(k)?;
+        rows.push(record);
+        rows.push(bench.pinned(&mut cache, k, &sets)?);
+    }
     Ok(())
 }

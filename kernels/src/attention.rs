@@ -34,6 +34,8 @@ pub struct Workspace {
     /// The last launch's queries, as the kernel read them (16-bit elements).
     queries: CudaSlice<u16>,
     last: Option<Launched>,
+    /// Whether launches take the tensor-core path where it exists.
+    tensor_cores: bool,
 }
 
 /// What a workspace's last launch attended: its kernel variant, KV heads and logit scale.
@@ -51,6 +53,7 @@ impl std::fmt::Debug for Workspace {
             .field("counters", &self.counters.len())
             .field("lse", &self.lse.len())
             .field("last", &self.last)
+            .field("tensor_cores", &self.tensor_cores)
             .finish()
     }
 }
@@ -64,7 +67,22 @@ impl Workspace {
             lse: gpu.zeros(1)?,
             queries: gpu.zeros(1)?,
             last: None,
+            tensor_cores: true,
         })
+    }
+
+    /// Whether this workspace's launches compute logits and outputs with tensor cores
+    /// (`mma.sync`: head dimensions 64 and 128, f16 and bf16; the default) or with the
+    /// scalar kernel, which every shape has: how tests cover both paths and benchmarks
+    /// compare them.
+    pub fn with_tensor_cores(mut self, on: bool) -> Self {
+        self.tensor_cores = on;
+        self
+    }
+
+    /// See [`Workspace::with_tensor_cores`].
+    pub fn tensor_cores(&self) -> bool {
+        self.tensor_cores
     }
 
     fn reserve(
@@ -358,7 +376,11 @@ pub fn attention_mass<T: KvElement>(
     if items == 0 {
         return Ok(());
     }
-    let function = gpu.attend_source_kernel(last.variant, "attention_mass")?;
+    let scalar = Variant {
+        tensor_cores: false,
+        ..last.variant
+    };
+    let function = gpu.attend_source_kernel(scalar, "attention_mass")?;
     let too_large = |what, value| KernelError::TooLarge { what, value };
     let items_u32 = u32::try_from(items).map_err(|_| too_large("mass work items", items))?;
     let heads_u32 = heads_u32(kv_heads)?;
@@ -567,19 +589,26 @@ fn launch<T: KvElement>(
         launch.query.heads.len(),
         out.len(),
     )?;
-    let kernel = gpu.attend_kernel(Variant {
+    let variant = Variant {
         dtype: T::DTYPE,
         head_dim,
         group,
-    })?;
+        tensor_cores: workspace.tensor_cores && Variant::TENSOR_CORE_HEAD_DIMS.contains(&head_dim),
+    };
+    let kernel = gpu.attend_kernel(variant)?;
 
     // Work items: a chunk of rows each, sized so that one wave of blocks covers the step
     // (few partials to merge, no tail), but never less than two iterations of the block:
     // on the H100, fewer items of two iterations beat more of one (merging costs more).
+    // An iteration of the tensor-core path is 16 rows a warp.
     let dense_len = launch.runs[0].1 as usize + launch.runs[1].1 as usize;
     let list_runs = launch.list.map_or(0, |l| l.run_rows());
     let list_rows = launch.list.map_or(0, |l| l.list_rows());
-    let step = (THREADS as usize / lanes) * UNROLL as usize;
+    let step = if variant.tensor_cores {
+        THREADS as usize / 32 * 16
+    } else {
+        (THREADS as usize / lanes) * UNROLL as usize
+    };
     let wave = (gpu.multiprocessors() * kernel.blocks_per_sm) as usize;
     let rows = launch.kv_heads * (dense_len + list_runs + list_rows);
     let chunk = rows.div_ceil(wave).next_multiple_of(step).max(2 * step);
@@ -615,11 +644,7 @@ fn launch<T: KvElement>(
         launch.query.heads.len(),
     )?;
     workspace.last = Some(Launched {
-        variant: Variant {
-            dtype: T::DTYPE,
-            head_dim,
-            group,
-        },
+        variant,
         kv_heads: launch.kv_heads,
         scale: launch.query.scale,
     });

@@ -105,6 +105,14 @@ pub(crate) struct Variant {
     pub(crate) dtype: KvDtype,
     pub(crate) head_dim: usize,
     pub(crate) group: usize,
+    /// `attend`'s tensor-core path (`MMA=1` in `attend.cu`), for the head dimensions of
+    /// [`Variant::TENSOR_CORE_HEAD_DIMS`]; `attention_mass` ignores it.
+    pub(crate) tensor_cores: bool,
+}
+
+impl Variant {
+    /// Head dimensions `attend`'s tensor-core path is built for.
+    pub(crate) const TENSOR_CORE_HEAD_DIMS: [usize; 2] = [64, 128];
 }
 
 /// The attention kernel of one variant and how many of its blocks fit on a multiprocessor.
@@ -381,6 +389,10 @@ impl Gpu {
             ("GROUP", variant.group.to_string()),
             ("THREADS", THREADS.to_string()),
             ("UNROLL", UNROLL.to_string()),
+            (
+                "MMA",
+                u32::from(variant.tensor_cores && entry == "attend").to_string(),
+            ),
         ];
         self.kernel(ATTEND_SOURCE, entry, &defines)
     }

@@ -166,12 +166,36 @@ mod on_gpu {
             Ok(mass)
         }
 
-        fn upload(&self, gpu: &Gpu) -> Result<OnGpu<T>> {
+        /// The layer on the GPU, with a workspace that takes the tensor-core path where one
+        /// exists when `tensor_cores`.
+        fn upload(&self, gpu: &Gpu, tensor_cores: bool) -> Result<OnGpu<T>> {
             Ok(OnGpu {
                 kv: KvCache::upload(gpu, &self.keys, &self.values, self.kv_heads, self.head_dim)?,
                 queries: gpu.upload(&self.queries)?,
-                workspace: Workspace::new(gpu)?,
+                workspace: Workspace::new(gpu)?.with_tensor_cores(tensor_cores),
             })
+        }
+
+        /// Every query zero: all logits tie, and every head's attention is flat.
+        fn zero_queries(&mut self) {
+            self.queries.fill(T::from_f32(0.0));
+            self.queries_f32.fill(0.0);
+        }
+
+        /// Every KV head's keys repeat its first `distinct` rows: many logits tie at the
+        /// maximum.
+        fn repeat_keys(&mut self, distinct: usize) {
+            let d = self.head_dim;
+            for h in 0..self.kv_heads {
+                for row in distinct..self.tokens {
+                    let (to, from) = (
+                        (h * self.tokens + row) * d,
+                        (h * self.tokens + row % distinct) * d,
+                    );
+                    self.keys.copy_within(from..from + d, to);
+                    self.keys_f32.copy_within(from..from + d, to);
+                }
+            }
         }
 
         /// The queries on the GPU with this layer's scale.
@@ -238,14 +262,18 @@ mod on_gpu {
         (1, 8, 256, 5000),
     ];
 
-    fn flash_case<T: KvElement>(gpu: &Gpu, rng: &mut StdRng, shape: Shape) -> Result<()> {
+    fn flash_case<T: KvElement, const TC: bool>(
+        gpu: &Gpu,
+        rng: &mut StdRng,
+        shape: Shape,
+    ) -> Result<()> {
         let (kv_heads, _, _, tokens) = shape;
         let layer = Layer::<T>::new(rng, shape);
         let OnGpu {
             kv,
             queries,
             mut workspace,
-        } = layer.upload(gpu)?;
+        } = layer.upload(gpu, TC)?;
         let queries = queries.as_view();
         let query = layer.query(&queries);
         // The whole cache and a random prefix of it.
@@ -254,7 +282,10 @@ mod on_gpu {
             flash_decode(gpu, &mut workspace, query, &kv, len, &mut out.as_view_mut())?;
             let want = layer.reference(&vec![(0..len as u32).collect(); kv_heads])?;
             close(
-                &format!("flash_decode {:?} {shape:?} len {len}", T::DTYPE),
+                &format!(
+                    "flash_decode {:?} {shape:?} len {len} tensor cores {TC}",
+                    T::DTYPE
+                ),
                 &written(gpu, &out)?,
                 &want,
                 TOLERANCE,
@@ -267,8 +298,18 @@ mod on_gpu {
     fn flash_decode_matches_reference() -> Result<()> {
         every_shape(
             "flash_decode_matches_reference",
-            flash_case::<half::f16>,
-            flash_case::<half::bf16>,
+            flash_case::<half::f16, true>,
+            flash_case::<half::bf16, true>,
+        )
+    }
+
+    /// The scalar kernel, which the tensor-core path replaces at head dims 64 and 128.
+    #[test]
+    fn flash_decode_on_the_scalar_path_matches_reference() -> Result<()> {
+        every_shape(
+            "flash_decode_on_the_scalar_path_matches_reference",
+            flash_case::<half::f16, false>,
+            flash_case::<half::bf16, false>,
         )
     }
 
@@ -277,8 +318,9 @@ mod on_gpu {
         let Some((gpu, mut rng)) = start("flash_decode_at_a_million_tokens") else {
             return Ok(());
         };
-        flash_case::<half::bf16>(&gpu, &mut rng, (1, 4, 128, 1 << 20))?;
-        flash_case::<half::f16>(&gpu, &mut rng, (1, 8, 64, 1_000_000))
+        flash_case::<half::bf16, true>(&gpu, &mut rng, (1, 4, 128, 1 << 20))?;
+        flash_case::<half::f16, true>(&gpu, &mut rng, (1, 8, 64, 1_000_000))?;
+        flash_case::<half::bf16, false>(&gpu, &mut rng, (1, 4, 128, 1 << 20))
     }
 
     /// A random dense policy and, per KV head, a random selection of `fraction` of the
@@ -307,14 +349,18 @@ mod on_gpu {
         (policy.dense_ranges(position), lists)
     }
 
-    fn retrieval_case<T: KvElement>(gpu: &Gpu, rng: &mut StdRng, shape: Shape) -> Result<()> {
+    fn retrieval_case<T: KvElement, const TC: bool>(
+        gpu: &Gpu,
+        rng: &mut StdRng,
+        shape: Shape,
+    ) -> Result<()> {
         let (kv_heads, _, _, tokens) = shape;
         let layer = Layer::<T>::new(rng, shape);
         let OnGpu {
             kv,
             queries,
             mut workspace,
-        } = layer.upload(gpu)?;
+        } = layer.upload(gpu, TC)?;
         let queries = queries.as_view();
         let query = layer.query(&queries);
         let mut full = poisoned(gpu, layer.queries.len())?;
@@ -350,7 +396,7 @@ mod on_gpu {
                 .map(|l| [ids_of(&runs), l.clone()].concat())
                 .collect();
             let what = format!(
-                "retrieval {:?} {shape:?} runs {runs:?} selected {}",
+                "retrieval {:?} {shape:?} runs {runs:?} selected {} tensor cores {TC}",
                 T::DTYPE,
                 lists[0].len()
             );
@@ -387,13 +433,22 @@ mod on_gpu {
         let test = "retrieval_attention_matches_reference";
         every_shape(
             test,
-            retrieval_case::<half::f16>,
-            retrieval_case::<half::bf16>,
+            retrieval_case::<half::f16, true>,
+            retrieval_case::<half::bf16, true>,
         )?;
         let Some((gpu, mut rng)) = start(test) else {
             return Ok(());
         };
-        retrieval_case::<half::bf16>(&gpu, &mut rng, (1, 4, 128, 1 << 20))
+        retrieval_case::<half::bf16, true>(&gpu, &mut rng, (1, 4, 128, 1 << 20))
+    }
+
+    #[test]
+    fn retrieval_attention_on_the_scalar_path_matches_reference() -> Result<()> {
+        every_shape(
+            "retrieval_attention_on_the_scalar_path_matches_reference",
+            retrieval_case::<half::f16, false>,
+            retrieval_case::<half::bf16, false>,
+        )
     }
 
     /// Every token of the first `tokens` in one of `buckets` random buckets per KV head
@@ -448,7 +503,11 @@ mod on_gpu {
     /// visited buckets) and a query's own tail in another buffer (the last rows, as a ring
     /// whose runs may wrap), against the reference over the same ids; then the attention
     /// mass each corpus row received against the reference's weights.
-    fn bucket_case<T: KvElement>(gpu: &Gpu, rng: &mut StdRng, shape: Shape) -> Result<()> {
+    fn bucket_case<T: KvElement, const TC: bool>(
+        gpu: &Gpu,
+        rng: &mut StdRng,
+        shape: Shape,
+    ) -> Result<()> {
         let (kv_heads, _, _, tokens) = shape;
         let layer = Layer::<T>::new(rng, shape);
         let tail = rng.random_range(0..=tokens.min(40));
@@ -458,7 +517,7 @@ mod on_gpu {
         let queries = gpu.upload(&layer.queries)?;
         let queries = queries.as_view();
         let query = layer.query(&queries);
-        let mut workspace = Workspace::new(gpu)?;
+        let mut workspace = Workspace::new(gpu)?.with_tensor_cores(TC);
         let count = rng.random_range(1..=64);
         let bucket_lists = random_buckets(rng, kv_heads, n, count);
         let buckets = Csr::from_lists(gpu, &bucket_lists)?;
@@ -521,7 +580,7 @@ mod on_gpu {
                 })
                 .collect();
             let what = format!(
-                "buckets {:?} {shape:?} tail {tail} {count} buckets, visited {}",
+                "buckets {:?} {shape:?} tail {tail} {count} buckets, visited {}, tensor cores {TC}",
                 T::DTYPE,
                 visited[0].len()
             );
@@ -553,8 +612,163 @@ mod on_gpu {
     fn bucket_attention_matches_reference() -> Result<()> {
         every_shape(
             "bucket_attention_matches_reference",
-            bucket_case::<half::f16>,
-            bucket_case::<half::bf16>,
+            bucket_case::<half::f16, true>,
+            bucket_case::<half::bf16, true>,
+        )
+    }
+
+    #[test]
+    fn bucket_attention_on_the_scalar_path_matches_reference() -> Result<()> {
+        every_shape(
+            "bucket_attention_on_the_scalar_path_matches_reference",
+            bucket_case::<half::f16, false>,
+            bucket_case::<half::bf16, false>,
+        )
+    }
+
+    /// Bucket attention (ragged buckets, sinks and window) and flash decoding on the
+    /// tensor-core path and on the scalar path, each against the reference and the two
+    /// against each other (both accumulate in f32: the tensor-core path's weights go in as
+    /// several 16-bit terms); GQA groups 1, 4, 7 and 8 at head dims 64 and 128, three fresh
+    /// layers each: random, every query zero (all logits tie) and keys repeating three rows
+    /// (ties at the maximum).
+    #[test]
+    fn tensor_cores_agree_with_the_scalar_path() -> Result<()> {
+        let Some((gpu, mut rng)) = start("tensor_cores_agree_with_the_scalar_path") else {
+            return Ok(());
+        };
+        for head_dim in [64, 128] {
+            for group in [1, 4, 7, 8] {
+                for ties in [Ties::None, Ties::ZeroQueries, Ties::RepeatedKeys] {
+                    let kv_heads = rng.random_range(1..=3);
+                    let tokens = rng.random_range(1..=20_000);
+                    let shape = (kv_heads, group, head_dim, tokens);
+                    paths_case::<half::f16>(&gpu, &mut rng, shape, ties)?;
+                    paths_case::<half::bf16>(&gpu, &mut rng, shape, ties)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// How a layer of [`paths_case`] makes logits tie.
+    #[derive(Debug, Clone, Copy)]
+    enum Ties {
+        None,
+        ZeroQueries,
+        RepeatedKeys,
+    }
+
+    fn paths_case<T: KvElement>(
+        gpu: &Gpu,
+        rng: &mut StdRng,
+        shape: Shape,
+        ties: Ties,
+    ) -> Result<()> {
+        let (kv_heads, _, _, tokens) = shape;
+        let mut layer = Layer::<T>::new(rng, shape);
+        match ties {
+            Ties::None => {}
+            Ties::ZeroQueries => layer.zero_queries(),
+            Ties::RepeatedKeys => layer.repeat_keys(3.min(tokens)),
+        }
+        let kv = KvCache::upload(gpu, &layer.keys, &layer.values, kv_heads, layer.head_dim)?;
+        let queries = gpu.upload(&layer.queries)?;
+        let queries = queries.as_view();
+        let query = layer.query(&queries);
+        let count = rng.random_range(1..=64);
+        let bucket_lists = random_buckets(rng, kv_heads, tokens, count);
+        let buckets = Csr::from_lists(gpu, &bucket_lists)?;
+        let (runs, _) = selection(rng, kv_heads, tokens, 0.0);
+        let fraction = rng.random_range(0.05..=1.0);
+        let visited: Vec<Vec<u32>> = (0..kv_heads)
+            .map(|h| {
+                let mut b: Vec<u32> = (0..count as u32).map(|b| (h * count) as u32 + b).collect();
+                b.shuffle(rng);
+                b.truncate(((count as f64 * fraction).round() as usize).max(1));
+                b
+            })
+            .collect();
+        let visited_csr = Csr::from_lists(gpu, &visited)?;
+        let attended: Vec<Vec<u32>> = visited
+            .iter()
+            .map(|bs| {
+                let mut ids = ids_of(&runs);
+                let bucket_ids = bs.iter().flat_map(|&b| &bucket_lists[b as usize]);
+                ids.extend(bucket_ids.filter(|id| !runs.iter().any(|r| r.contains(id))));
+                ids
+            })
+            .collect();
+        let want_buckets = layer.reference(&attended)?;
+        let want_full = layer.reference(&vec![(0..tokens as u32).collect(); kv_heads])?;
+        let what = format!(
+            "{:?} {shape:?} {ties:?} runs {runs:?} {count} buckets, visited {}",
+            T::DTYPE,
+            visited[0].len()
+        );
+        let mut outputs = Vec::new();
+        for tensor_cores in [true, false] {
+            let mut workspace = Workspace::new(gpu)?.with_tensor_cores(tensor_cores);
+            let mut out = poisoned(gpu, layer.queries.len())?;
+            let part = Buckets {
+                kv: &kv,
+                runs: &runs,
+                ids: &buckets,
+                visited: &visited_csr,
+                count: None,
+            };
+            let dense = Dense { kv: &kv, runs: &[] };
+            bucket_attention(
+                gpu,
+                &mut workspace,
+                query,
+                dense,
+                part,
+                &mut out.as_view_mut(),
+            )?;
+            let got = written(gpu, &out)?;
+            let path = if tensor_cores {
+                "tensor cores"
+            } else {
+                "scalar"
+            };
+            close(
+                &format!("buckets {what} {path}"),
+                &got,
+                &want_buckets,
+                TOLERANCE,
+            )?;
+            let mut full = poisoned(gpu, layer.queries.len())?;
+            flash_decode(
+                gpu,
+                &mut workspace,
+                query,
+                &kv,
+                tokens,
+                &mut full.as_view_mut(),
+            )?;
+            let full = written(gpu, &full)?;
+            close(
+                &format!("flash {what} {path}"),
+                &full,
+                &want_full,
+                TOLERANCE,
+            )?;
+            outputs.push((got, full));
+        }
+        let f64s = |x: &[f32]| -> Vec<f64> { x.iter().map(|&x| x.into()).collect() };
+        let (tc, scalar) = (&outputs[0], &outputs[1]);
+        close(
+            &format!("buckets {what}: tensor cores == scalar"),
+            &tc.0,
+            &f64s(&scalar.0),
+            1e-5,
+        )?;
+        close(
+            &format!("flash {what}: tensor cores == scalar"),
+            &tc.1,
+            &f64s(&scalar.1),
+            1e-5,
         )
     }
 
@@ -679,7 +893,7 @@ mod on_gpu {
             kv,
             queries,
             mut workspace,
-        } = layer.upload(&gpu)?;
+        } = layer.upload(&gpu, true)?;
         let queries = queries.as_view();
         let query = layer.query(&queries);
         let host = HostKv::new(&gpu, &layer.keys, &layer.values, kv_heads, head_dim, 64)?;
@@ -773,7 +987,7 @@ mod on_gpu {
             kv,
             queries,
             workspace: mut ws,
-        } = layer.upload(&gpu)?;
+        } = layer.upload(&gpu, true)?;
         let queries = queries.as_view();
         let query = layer.query(&queries);
         let mut out = poisoned(&gpu, layer.queries.len())?;
