@@ -22,11 +22,11 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use indicatif::ProgressBar;
-use kvdb::documents::{read_documents, SourceDocument};
-use kvdb::indexes::{update_indexes, IndexInfo};
-use kvdb::ingest::{ingest, ModelRef};
-use kvdb::session::{AskOptions, AttentionMode, Corpus, Retrieval};
 use kvdb::store::{Access, Kv, Store};
+use kvdb::{ingest, ModelRef};
+use kvdb::{read_documents, SourceDocument};
+use kvdb::{update_indexes, IndexInfo};
+use kvdb::{AskOptions, AttentionMode, Corpus, Retrieval};
 use kvdb_attention::DensePolicy;
 use kvdb_index::{GroupQuery, IndexSpec, SearchParams};
 use kvdb_model::{AttentionInput, EncodeOptions, Rope};
@@ -1073,7 +1073,7 @@ fn needles(
             let options = AskOptions {
                 profile: false,
                 mode,
-                generate: kvdb::generate::GenerateOptions {
+                generate: kvdb::GenerateOptions {
                     max_tokens: 10,
                     ..Default::default()
                 },

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use anyhow::Result;
 use indicatif::ProgressBar;
-use kvdb::models::{load, ComputeDevice};
+use kvdb::{load_model, ComputeDevice};
 use kvdb_benches::harness::{run, BenchOptions, Preset};
 use kvdb_benches::report::{overall, write_report};
 use kvdb_index::IndexSpec;
@@ -38,7 +38,7 @@ fn flat_is_exact_random_covers_its_share_and_the_report_is_written() -> Result<(
         ..TinyModel::gemma3()
     }
     .write_temp()?;
-    let loaded = load(
+    let loaded = load_model(
         Some(model.path()),
         &LoadOptions::default(),
         ComputeDevice::Cpu,

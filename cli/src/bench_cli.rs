@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvdb::models::ComputeDevice;
+use kvdb::ComputeDevice;
 use kvdb_benches::harness::{run, BenchOptions, Preset};
 use kvdb_benches::report::{read_results, write_report};
 use kvdb_index::IndexSpec;
@@ -101,7 +101,7 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         options.sweep.iter().all(|m| m.is_finite() && *m > 0.0),
         "sweep multiples must be positive"
     );
-    let loaded = kvdb::models::load(
+    let loaded = kvdb::load_model(
         args.model.as_deref(),
         &LoadOptions::default(),
         ComputeDevice::Cpu,

@@ -4,21 +4,21 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::parse_bytes;
 use anyhow::{Context, Result};
 use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
-use kvdb::documents::read_documents;
-use kvdb::ingest::{ingest as run_ingest, IngestEvent};
-use kvdb::models::ComputeDevice;
-use kvdb::ram_tier::parse_bytes;
-use kvdb::session::{AskOptions, AttentionMode, Corpus, Retrieval};
+use kvdb::read_documents;
 use kvdb::store::{Access, LayerPolicy, Store};
+use kvdb::ComputeDevice;
+use kvdb::{ingest as run_ingest, IngestEvent};
+use kvdb::{AskOptions, AttentionMode, Corpus, Retrieval};
 use kvdb_attention::DensePolicy;
 use kvdb_index::IndexSpec;
 use kvdb_model::LoadOptions;
 
 use crate::index_cli::{parse_spec, update_with_progress};
 use crate::SamplingArgs;
-use kvdb::indexes::check_specs;
+use kvdb::check_specs;
 
 /// How ingest reports progress.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -145,7 +145,7 @@ pub(crate) enum CorpusCommand {
 /// A model and a corpus opened for questions (the corpus's keys and values already on the
 /// model's GPU when it has one).
 pub(crate) struct OpenedCorpus {
-    pub(crate) model: kvdb::models::LoadedModel,
+    pub(crate) model: kvdb::LoadedModel,
     pub(crate) corpus: Corpus,
 }
 
@@ -171,7 +171,7 @@ pub(crate) fn open_for_questions<'i>(
         }
     }
     let started = std::time::Instant::now();
-    let model = kvdb::models::load(args.model.as_deref(), &LoadOptions::default(), device)?;
+    let model = kvdb::load_model(args.model.as_deref(), &LoadOptions::default(), device)?;
     eprintln!(
         "kvdb: loaded {} for {device} in {:.1}s ({})",
         model.record.name,
@@ -216,7 +216,7 @@ pub(crate) fn ingest(args: IngestArgs) -> Result<()> {
     kvdb::store::validate_corpus_name(&args.target.corpus)?;
     // Read and check every input before touching the store: a bad file writes nothing.
     let documents = read_documents(&args.paths)?;
-    let loaded = kvdb::models::load(args.model.as_deref(), &LoadOptions::default(), args.device)?;
+    let loaded = kvdb::load_model(args.model.as_deref(), &LoadOptions::default(), args.device)?;
     // And every index spec: one that cannot be built fails here, before any document is
     // committed, not after.
     check_specs(&args.indexes, &loaded.record.sha256, args.saap.as_deref())?;
@@ -234,8 +234,8 @@ pub(crate) fn ingest(args: IngestArgs) -> Result<()> {
 fn ingest_into(
     store: &Store,
     args: &IngestArgs,
-    documents: &[kvdb::documents::SourceDocument],
-    loaded: &kvdb::models::LoadedModel,
+    documents: &[kvdb::SourceDocument],
+    loaded: &kvdb::LoadedModel,
 ) -> Result<()> {
     let bar = match args.progress {
         ProgressMode::Bar => ProgressBar::new(0),

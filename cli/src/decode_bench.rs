@@ -12,7 +12,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use kvdb::session::{Answer, AskOptions, AttentionMode, Retrieval};
+use kvdb::{Answer, AskOptions, AttentionMode, Retrieval};
 use kvdb_attention::DensePolicy;
 use kvdb_index::IndexSpec;
 use serde::Serialize;
@@ -98,7 +98,7 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         };
         let options = AskOptions {
             mode,
-            generate: kvdb::generate::GenerateOptions {
+            generate: kvdb::GenerateOptions {
                 max_tokens: args.tokens,
                 ..Default::default()
             },

@@ -6,14 +6,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
-use kvdb::documents::read_documents;
-use kvdb::indexes::{
-    list_indexes, remove_index, saap_registry_path, update_indexes, IndexEvent, IndexInfo,
-};
-use kvdb::ingest::{ModelRef, DOCUMENT_SEPARATOR};
-use kvdb::models::ComputeDevice;
-use kvdb::saap_training::{train_artifact, SaapTraining, TrainEvent};
+use kvdb::read_documents;
 use kvdb::store::{Access, Store};
+use kvdb::ComputeDevice;
+use kvdb::{list_indexes, remove_index, saap_registry_path, update_indexes, IndexEvent, IndexInfo};
+use kvdb::{train_artifact, SaapTraining, TrainEvent};
+use kvdb::{ModelRef, DOCUMENT_SEPARATOR};
 use kvdb_index::saap::{SaapArtifact, TrainOptions};
 use kvdb_index::IndexSpec;
 use kvdb_model::LoadOptions;
@@ -175,7 +173,7 @@ pub(crate) fn index(command: IndexCommand) -> Result<()> {
             }
             let store = Store::open(&target.store, Access::Write)?;
             store.manifest(&target.corpus)?;
-            let loaded = kvdb::models::load(
+            let loaded = kvdb::load_model(
                 model.as_deref(),
                 &LoadOptions::default(),
                 ComputeDevice::Cpu,
@@ -236,7 +234,7 @@ fn print_infos(infos: &[IndexInfo]) {
 pub(crate) fn saap(command: SaapCommand) -> Result<()> {
     let SaapCommand::Train(args) = command;
     let documents = read_documents(&args.text)?;
-    let loaded = kvdb::models::load(
+    let loaded = kvdb::load_model(
         args.model.as_deref(),
         &LoadOptions::default(),
         ComputeDevice::Cpu,

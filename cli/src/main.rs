@@ -12,8 +12,8 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use kvdb::generate::{generate, GenerateOptions, StopReason};
-use kvdb::models::ComputeDevice;
+use kvdb::ComputeDevice;
+use kvdb::{generate, GenerateOptions, StopReason};
 use kvdb_model::{
     GgufFile, LayerKind, LoadOptions, RopeScaling, RopeStyle, SequenceOptions, WeightMode,
 };
@@ -159,18 +159,38 @@ fn weight_mode(s: &str) -> Result<WeightMode, String> {
 
 fn temperature(s: &str) -> Result<f64, String> {
     let t: f64 = s.parse().map_err(|e| format!("{e}"))?;
-    kvdb::generate::checked_temperature(t).map_err(|e| e.to_string())
+    kvdb::checked_temperature(t).map_err(|e| e.to_string())
 }
 
 fn top_p(s: &str) -> Result<f64, String> {
     let p: f64 = s.parse().map_err(|e| format!("{e}"))?;
-    kvdb::generate::checked_top_p(p).map_err(|e| e.to_string())
+    kvdb::checked_top_p(p).map_err(|e| e.to_string())
 }
 
 /// `--k` for clap.
 pub(crate) fn retrieval_k(s: &str) -> Result<usize, String> {
     let k: usize = s.parse().map_err(|e| format!("{e}"))?;
-    kvdb::generate::checked_k(k).map_err(|e| e.to_string())
+    kvdb::checked_k(k).map_err(|e| e.to_string())
+}
+
+/// `--ram` and the like for clap: a byte size such as `512M`, `2G`, `1.5GiB` or `1000000`.
+pub(crate) fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 512M, 2G)"))?;
+    let scale = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        _ => return Err(format!("`{s}`: unknown unit (use K, M or G)")),
+    };
+    Ok((number * scale) as usize)
 }
 
 fn main() -> Result<()> {
@@ -209,7 +229,7 @@ fn main() -> Result<()> {
 }
 
 fn info(model: Option<PathBuf>) -> Result<()> {
-    let path = kvdb::models::resolve(model.as_deref())?;
+    let path = kvdb::resolve_model(model.as_deref())?;
     let file = GgufFile::open(&path)?;
     let c = file.config()?;
     let size = std::fs::metadata(&path)?.len();
@@ -279,7 +299,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         weights: args.weights,
         ..LoadOptions::default()
     };
-    let loaded = kvdb::models::load(args.model.as_deref(), &options, args.device)?;
+    let loaded = kvdb::load_model(args.model.as_deref(), &options, args.device)?;
     let mut sequence = loaded.as_ref().sequence(&SequenceOptions::default())?;
     let options = args.sampling.options();
     let mut stdout = std::io::stdout().lock();
@@ -328,5 +348,22 @@ fn quiet_on_closed_stdout() {
     // spawned, has no preconditions.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn byte_sizes_parse_with_binary_units_and_refuse_the_rest() {
+        assert_eq!(parse_bytes("1000000"), Ok(1_000_000));
+        assert_eq!(parse_bytes("512M"), Ok(512 << 20));
+        assert_eq!(parse_bytes(" 2g "), Ok(2 << 30));
+        assert_eq!(parse_bytes("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_bytes("4kb"), Ok(4096));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("5T").is_err());
+        assert!(parse_bytes("").is_err());
     }
 }

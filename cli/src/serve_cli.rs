@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::parse_bytes;
 use anyhow::{Context, Result};
-use kvdb::ram_tier::parse_bytes;
 use kvdb_server::Config;
 
 #[derive(clap::Args)]
@@ -47,7 +47,7 @@ pub(crate) struct ServeArgs {
     /// Where ingests' prefill and queries' decoding run: `cpu`, or `cuda` / `cuda:N` (an
     /// NVIDIA GPU; needs a build with feature `gpu`; indexes are still searched on the CPU).
     #[arg(long, default_value = "cpu")]
-    device: kvdb::models::ComputeDevice,
+    device: kvdb::ComputeDevice,
 }
 
 pub(crate) fn serve(args: ServeArgs) -> Result<()> {

@@ -26,11 +26,11 @@ mod on_gpu {
     use std::path::Path;
 
     use anyhow::{ensure, Result};
-    use kvdb::documents::read_documents;
-    use kvdb::ingest::{ingest_until, IngestEvent};
-    use kvdb::models::{ComputeDevice, LoadedModel};
+    use kvdb::read_documents;
     use kvdb::store::{Access, PrefillRecord, Store};
     use kvdb::Error;
+    use kvdb::{ingest_until, IngestEvent};
+    use kvdb::{ComputeDevice, LoadedModel};
 
     use super::common::{dump, sigkill_and_resume, tiny, tiny_on, write_documents};
     use super::skip;

@@ -28,13 +28,13 @@ mod on_gpu {
     use std::sync::Arc;
 
     use anyhow::{ensure, Result};
-    use kvdb::documents::read_documents;
-    use kvdb::generate::GenerateOptions;
-    use kvdb::ingest::ingest;
-    use kvdb::models::{ComputeDevice, LoadedModel};
-    use kvdb::saap_training::{train_artifact, SaapTraining};
-    use kvdb::session::{Answer, AskOptions, AttentionMode, Corpus, Retrieval};
+    use kvdb::ingest;
+    use kvdb::read_documents;
     use kvdb::store::{Access, Store};
+    use kvdb::GenerateOptions;
+    use kvdb::{train_artifact, SaapTraining};
+    use kvdb::{Answer, AskOptions, AttentionMode, Corpus, Retrieval};
+    use kvdb::{ComputeDevice, LoadedModel};
     use kvdb_attention::DensePolicy;
     use kvdb_index::IndexSpec;
     use kvdb_model::EncodeOptions;
@@ -138,7 +138,7 @@ mod on_gpu {
             .chain(ANSWERS)
             .map(|s| s.parse::<IndexSpec>())
             .collect::<Result<Vec<_>, _>>()?;
-        kvdb::indexes::update_indexes(
+        kvdb::update_indexes(
             &store,
             "c",
             cpu.as_ref(),

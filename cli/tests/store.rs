@@ -16,12 +16,12 @@ use std::time::Duration;
 
 use anyhow::Result;
 use common::{dump, sigkill_and_resume, tiny, write_documents};
-use kvdb::documents::read_documents;
-use kvdb::indexes::update_indexes;
-use kvdb::ingest::{ingest, ingest_until, IngestEvent};
-use kvdb::models::LoadedModel;
-use kvdb::session::{AskOptions, AttentionMode, Corpus};
+use kvdb::read_documents;
 use kvdb::store::{Access, Store};
+use kvdb::update_indexes;
+use kvdb::LoadedModel;
+use kvdb::{ingest, ingest_until, IngestEvent};
+use kvdb::{AskOptions, AttentionMode, Corpus};
 use kvdb_attention::DensePolicy;
 use kvdb_tests::{TinyFile, TinyModel};
 

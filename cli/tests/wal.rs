@@ -18,10 +18,10 @@ use std::process::{Command, Output};
 use anyhow::{ensure, Context, Result};
 use common::{dump, tiny, write_documents};
 use half::f16;
-use kvdb::documents::{read_documents, SourceDocument};
-use kvdb::ingest::{ingest, ingest_until, IngestEvent};
-use kvdb::models::LoadedModel;
 use kvdb::store::{Access, BlockKey, Kv, Store, MAX_TOTAL_WAL_SIZE};
+use kvdb::LoadedModel;
+use kvdb::{ingest, ingest_until, IngestEvent};
+use kvdb::{read_documents, SourceDocument};
 use rand::{Rng, SeedableRng};
 
 /// Ingests `docs` into corpus `c` and stops right after the commit that `stop_after` picks

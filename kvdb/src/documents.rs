@@ -100,7 +100,7 @@ fn collect_folder(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
 }
 
 /// Whether `path`'s extension is one kvdb reads (.txt, .md, .html and their variants).
-pub fn supported(path: &Path) -> bool {
+pub fn is_supported_document(path: &Path) -> bool {
     kind(path).is_some()
 }
 
@@ -149,7 +149,7 @@ pub fn document_from_bytes(path: &Path, bytes: &[u8]) -> Result<SourceDocument> 
 
 /// The readable text of an HTML page: markup, scripts and styles dropped, tables flattened,
 /// no line wrapping.
-pub fn html_text(html: &str) -> std::result::Result<String, String> {
+pub(crate) fn html_text(html: &str) -> std::result::Result<String, String> {
     html2text::config::plain_no_decorate()
         .raw_mode(true)
         .allow_width_overflow()

@@ -145,7 +145,7 @@ pub fn generate(
 
 /// Prefills `prompt_ids` after what `sequence` already holds, then samples up to
 /// `options.max_tokens` tokens, calling `on_text` with each newly decoded piece of text.
-pub fn continue_generation(
+pub(crate) fn continue_generation(
     sequence: &mut dyn Forward,
     tokenizer: &Tokenizer,
     prompt_ids: &[u32],

@@ -605,7 +605,7 @@ pub fn list_indexes(store: &Store, manifest: &CorpusManifest) -> Result<Vec<Inde
 /// `manifest`): from their saved bytes, caught up to the manifest's tokens; `flat`, and any
 /// spec saved for none of them, is built from the stored keys (a corpus ingested before the
 /// spec was added answers with a clear error instead).
-pub fn load_indexes(
+pub(crate) fn load_indexes(
     store: &Store,
     manifest: &CorpusManifest,
     model: ModelRef<'_>,

@@ -96,7 +96,7 @@ pub struct IngestReport {
 }
 
 /// The record of `model` for a corpus manifest.
-pub fn model_record(config: &ModelConfig, sha256: &str, fallback_name: &str) -> ModelRecord {
+pub(crate) fn model_record(config: &ModelConfig, sha256: &str, fallback_name: &str) -> ModelRecord {
     ModelRecord {
         sha256: sha256.to_string(),
         name: config

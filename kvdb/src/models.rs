@@ -15,7 +15,7 @@ use crate::store::ModelRecord;
 
 /// The model file to use: `explicit` if given (it must exist), else the default model,
 /// fetched first if the cache lacks it (progress lines go to stderr).
-pub fn resolve(explicit: Option<&Path>) -> Result<PathBuf> {
+pub fn resolve_model(explicit: Option<&Path>) -> Result<PathBuf> {
     match explicit {
         Some(path) => {
             if !path.exists() {
@@ -107,7 +107,7 @@ impl LoadedModel {
 /// Loads the model `explicit` names (or the default model) and hashes its file; for a CUDA
 /// `device`, also uploads its weights to that GPU (bf16). Asking for CUDA in a build without
 /// feature `gpu`, or on a machine without a driver or device, is an error.
-pub fn load(
+pub fn load_model(
     explicit: Option<&Path>,
     options: &LoadOptions,
     device: ComputeDevice,
@@ -122,7 +122,7 @@ pub fn load(
     if let ComputeDevice::Cuda { .. } = device {
         return Err(crate::error::Error::NoGpuSupport);
     }
-    let path = resolve(explicit)?;
+    let path = resolve_model(explicit)?;
     let mut file = GgufFile::open(&path)?;
     let tokenizer = Tokenizer::from_gguf(file.metadata())?;
     let options = match device {

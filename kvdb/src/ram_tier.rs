@@ -34,7 +34,7 @@ struct Cache {
 }
 
 /// Reads one corpus's key/value rows by token id through a byte-budgeted block cache.
-pub struct RamTier {
+pub(crate) struct RamTier {
     store: Arc<Store>,
     corpus: u32,
     block_size: usize,
@@ -60,7 +60,7 @@ impl std::fmt::Debug for RamTier {
 impl RamTier {
     /// A tier over `manifest`'s committed tokens holding at most `budget` bytes of decoded
     /// blocks (at least one block is always held, so that a read can complete).
-    pub fn new(store: Arc<Store>, manifest: &CorpusManifest, budget: usize) -> Self {
+    pub(crate) fn new(store: Arc<Store>, manifest: &CorpusManifest, budget: usize) -> Self {
         Self {
             store,
             corpus: manifest.id,
@@ -79,7 +79,7 @@ impl RamTier {
     }
 
     /// The counters so far.
-    pub fn stats(&self) -> TierStats {
+    pub(crate) fn stats(&self) -> TierStats {
         let resident = self.cache.lock().map(|c| c.bytes).unwrap_or(0);
         TierStats {
             hits: self.hits.load(Ordering::Relaxed),
@@ -121,7 +121,7 @@ impl RamTier {
 
     /// Appends the rows of `ids` (token ids below the corpus length) of one layer and KV head
     /// to `keys` (pre-RoPE) and `values`, `[ids, head_dim]` each.
-    pub fn gather(
+    pub(crate) fn gather(
         &self,
         layer: usize,
         head: usize,
@@ -161,24 +161,4 @@ impl RamTier {
         }
         Ok(())
     }
-}
-
-/// Parses a byte size such as `512M`, `2G`, `1.5GiB` or `1000000`.
-pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let number: f64 = number
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size (e.g. 512M, 2G)"))?;
-    let scale = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" | "kib" => 1024.0,
-        "m" | "mb" | "mib" => 1024.0 * 1024.0,
-        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        _ => return Err(format!("`{s}`: unknown unit (use K, M or G)")),
-    };
-    Ok((number * scale) as usize)
 }

@@ -45,7 +45,7 @@ use crate::store::LayerPolicy;
 
 /// A drill's question comes at least this many tokens after its fact (estimated from the
 /// text's characters per token): past [`kvdb_index::saap::MIN_TRAINING_DISTANCE`] with room.
-pub const DRILL_GAP_TOKENS: usize = 1536;
+pub(crate) const DRILL_GAP_TOKENS: usize = 1536;
 
 const KINDS: [&str; 8] = [
     "access code",
@@ -99,7 +99,7 @@ fn drills(count: usize, seed: u64) -> Vec<(String, String)> {
 /// sentence (a fact, or a question with its answer), which goes after a paragraph break of
 /// its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Piece<'a> {
+pub(crate) enum Piece<'a> {
     /// A span of the text (it starts at a paragraph break, or is the text's beginning).
     Text(&'a str),
     /// A drill sentence.
@@ -121,7 +121,7 @@ impl Piece<'_> {
 /// question at a break drawn from those (in a text too short for that, facts anywhere and
 /// questions at its end). Seeded, so the same arguments give the same pieces. The first
 /// piece is always text (perhaps empty).
-pub fn plant_drills<'a>(
+pub(crate) fn plant_drills<'a>(
     text: &'a str,
     drills: &'a [(String, String)],
     gap_chars: usize,
@@ -609,7 +609,7 @@ mod tests {
             ..kvdb_tests::TinyModel::gemma3()
         }
         .write_temp()?;
-        let model = crate::models::load(
+        let model = crate::models::load_model(
             Some(file.path()),
             &kvdb_model::LoadOptions::default(),
             crate::models::ComputeDevice::Cpu,
@@ -630,8 +630,12 @@ mod tests {
                 .collect()
         };
         let (text_part, drill_part) = (
-            model.tokenizer.decode(&pick(true), false)?,
-            model.tokenizer.decode(&pick(false), false)?,
+            model
+                .tokenizer
+                .decode(&pick(true), kvdb_model::SpecialTokens::Skip)?,
+            model
+                .tokenizer
+                .decode(&pick(false), kvdb_model::SpecialTokens::Skip)?,
         );
         for (fact, question) in &drills {
             for sentence in [fact, question] {

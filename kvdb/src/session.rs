@@ -834,9 +834,10 @@ impl Corpus {
             .into_iter()
             .take(5)
             .map(|(document, title, tokens, share)| {
-                let text = model
-                    .tokenizer
-                    .decode(&self.tokens[tokens.clone()], false)?;
+                let text = model.tokenizer.decode(
+                    &self.tokens[tokens.clone()],
+                    kvdb_model::SpecialTokens::Skip,
+                )?;
                 Ok(PassageShare {
                     document,
                     title,

@@ -226,7 +226,7 @@ pub struct CorpusManifest {
 }
 
 /// Per-head rows `[heads][tokens, d]` as one `[tokens, heads, d]` array.
-pub fn interleave_heads(per_head: &[Vec<f32>], d: usize) -> Vec<f32> {
+pub(crate) fn interleave_heads(per_head: &[Vec<f32>], d: usize) -> Vec<f32> {
     let tokens = per_head.first().map_or(0, |h| h.len() / d.max(1));
     let mut out = Vec::with_capacity(tokens * per_head.len() * d);
     for i in 0..tokens {
@@ -445,7 +445,7 @@ pub fn encode_f16(values: &[f16]) -> Cow<'_, [u8]> {
 }
 
 /// Decodes f16 little-endian bytes into f32.
-pub fn decode_f16(bytes: &[u8]) -> Result<Vec<f32>> {
+pub(crate) fn decode_f16(bytes: &[u8]) -> Result<Vec<f32>> {
     if !bytes.len().is_multiple_of(2) {
         return Err(Error::Corrupt(format!(
             "an f16 block of {} bytes",

@@ -8,9 +8,9 @@ mod support;
 use std::sync::Arc;
 
 use anyhow::{ensure, Result};
-use kvdb::documents::SourceDocument;
-use kvdb::ingest::ingest;
+use kvdb::ingest;
 use kvdb::store::{Access, Store, QUERY_SAMPLE_STRIDE};
+use kvdb::SourceDocument;
 use kvdb_index::IndexSpec;
 use kvdb_tests::gpl_text;
 use support::tiny_gemma3;
@@ -75,7 +75,7 @@ fn ingest_samples_queries_and_fit_indexes_use_them() -> Result<()> {
         );
     }
     let spec: IndexSpec = "ivf8,np2,norope,all,fit".parse()?;
-    let infos = kvdb::indexes::update_indexes(
+    let infos = kvdb::update_indexes(
         &store,
         "c",
         model.as_ref(),

@@ -10,12 +10,12 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use candle_core::Tensor;
-use kvdb::documents::SourceDocument;
-use kvdb::ingest::ingest;
-use kvdb::models::{load, ComputeDevice, LoadedModel};
-use kvdb::saap_training::{train_artifact, SaapTraining};
-use kvdb::session::{AskOptions, AttentionMode, Corpus};
+use kvdb::ingest;
 use kvdb::store::{Access, Store};
+use kvdb::SourceDocument;
+use kvdb::{load_model, ComputeDevice, LoadedModel};
+use kvdb::{train_artifact, SaapTraining};
+use kvdb::{AskOptions, AttentionMode, Corpus};
 use kvdb_attention::DensePolicy;
 use kvdb_model::{EncodeOptions, FullAttention, LoadOptions, Logits, WeightMode};
 use kvdb_tests::relative_max_error;
@@ -35,7 +35,7 @@ fn default_model(weights: WeightMode) -> Result<LoadedModel> {
         Ok(device) => device.parse().map_err(anyhow::Error::msg)?,
         Err(_) => ComputeDevice::Cpu,
     };
-    Ok(load(Some(&path), &options, device)?)
+    Ok(load_model(Some(&path), &options, device)?)
 }
 
 fn gpl() -> Result<String> {
@@ -138,7 +138,7 @@ fn selecting_every_token_equals_full_attention() -> Result<()> {
         let options = AskOptions {
             profile: false,
             mode,
-            generate: kvdb::generate::GenerateOptions {
+            generate: kvdb::GenerateOptions {
                 max_tokens: 20,
                 ..Default::default()
             },
@@ -190,11 +190,11 @@ fn needles_are_found_by_flat_retrieval_where_full_attention_finds_them() -> Resu
             "What is the special magic number for the {object}? The special magic number for \
              the {object} is"
         );
-        let ask = |mode| -> Result<kvdb::session::Answer> {
+        let ask = |mode| -> Result<kvdb::Answer> {
             let options = AskOptions {
                 profile: false,
                 mode,
-                generate: kvdb::generate::GenerateOptions {
+                generate: kvdb::GenerateOptions {
                     max_tokens: 8,
                     ..Default::default()
                 },
@@ -287,7 +287,7 @@ const NUMBER: &str = "2099391";
 fn ask_options(spec: &kvdb_index::IndexSpec, k: Option<usize>, estimate: bool) -> AskOptions {
     AskOptions {
         profile: false,
-        mode: AttentionMode::Retrieval(kvdb::session::Retrieval {
+        mode: AttentionMode::Retrieval(kvdb::Retrieval {
             index: Some(spec.clone()),
             k,
             policy: DensePolicy {
@@ -297,7 +297,7 @@ fn ask_options(spec: &kvdb_index::IndexSpec, k: Option<usize>, estimate: bool) -
             estimate,
             breadth: None,
         }),
-        generate: kvdb::generate::GenerateOptions {
+        generate: kvdb::GenerateOptions {
             max_tokens: 8,
             ..Default::default()
         },
@@ -333,8 +333,7 @@ fn every_index_finds_the_needle_at_its_default_spec() -> Result<()> {
         .filter(|&&kind| kind != "saap")
         .map(|kind| kind.parse())
         .collect::<Result<Vec<kvdb_index::IndexSpec>, _>>()?;
-    let infos =
-        kvdb::indexes::update_indexes(&store, "c", model.as_ref(), &parsed, None, &mut |_| {})?;
+    let infos = kvdb::update_indexes(&store, "c", model.as_ref(), &parsed, None, &mut |_| {})?;
     let canonical: Vec<String> = parsed.iter().map(|p| p.to_string()).collect();
     assert_eq!(
         infos.iter().map(|i| i.spec.clone()).collect::<Vec<_>>(),
@@ -357,7 +356,7 @@ fn every_index_finds_the_needle_at_its_default_spec() -> Result<()> {
 
     // Estimating the unvisited buckets (RetroInfer's idea) works through a bucket index and
     // is refused, naming the index, through one without buckets.
-    let ask = |spec: &str| -> Result<kvdb::Result<kvdb::session::Answer>> {
+    let ask = |spec: &str| -> Result<kvdb::Result<kvdb::Answer>> {
         let options = ask_options(&spec.parse()?, None, true);
         Ok(corpus.ask(model.as_ref(), &question, &options, &mut |_| Ok(())))
     };
@@ -397,7 +396,7 @@ fn saap_finds_the_needle_at_its_default_spec() -> Result<()> {
             &mut |_| {},
         )?
         .write(&artifact)?;
-        kvdb::indexes::update_indexes(
+        kvdb::update_indexes(
             &store,
             "c",
             model.as_ref(),

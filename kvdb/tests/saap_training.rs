@@ -5,8 +5,8 @@
 mod support;
 
 use anyhow::Result;
-use kvdb::models::LoadedModel;
-use kvdb::saap_training::{train_artifact, SaapTraining, TrainEvent};
+use kvdb::LoadedModel;
+use kvdb::{train_artifact, SaapTraining, TrainEvent};
 use kvdb_index::saap::{SaapArtifact, TrainOptions};
 use kvdb_tests::gpl_text;
 use support::tiny_gemma3;

@@ -370,8 +370,8 @@ impl<B: AttentionBackend> Capture<B> {
         }
     }
 
-    /// Captures only these layers.
-    pub fn layers(inner: B, layers: Vec<usize>) -> Self {
+    /// Captures only the calls of these layers.
+    pub fn only(inner: B, layers: Vec<usize>) -> Self {
         Self {
             inner,
             calls: Vec::new(),

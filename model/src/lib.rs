@@ -57,4 +57,4 @@ pub use kvdb_kernels::{Gemm, Gpu, KernelError};
 pub use model::{LoadOptions, Logits, Model, WeightMode, DENSE_MIN_ROWS};
 pub use ops::blas_on_calling_threads;
 pub use rope::Rope;
-pub use tokenizer::{EncodeOptions, StreamDecoder, Tokenizer, TokenizerKind};
+pub use tokenizer::{EncodeOptions, SpecialTokens, StreamDecoder, Tokenizer, TokenizerKind};

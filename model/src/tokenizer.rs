@@ -22,10 +22,10 @@
 //! ```no_run
 //! # fn main() -> kvdb_model::Result<()> {
 //! # let metadata = std::collections::HashMap::new();
-//! use kvdb_model::{EncodeOptions, Tokenizer};
+//! use kvdb_model::{EncodeOptions, SpecialTokens, Tokenizer};
 //! let tokenizer = Tokenizer::from_gguf(&metadata)?;
 //! let ids = tokenizer.encode("<start_of_turn>user\nHello", EncodeOptions::default())?;
-//! assert_eq!(tokenizer.decode(&ids, true)?, "<start_of_turn>user\nHello");
+//! assert_eq!(tokenizer.decode(&ids, SpecialTokens::Render)?, "<start_of_turn>user\nHello");
 //! # Ok(()) }
 //! ```
 //!
@@ -51,6 +51,15 @@ pub enum TokenizerKind {
     Spm,
     /// Byte-level BPE with rank-driven merges (`tokenizer.ggml.model = "gpt2"`).
     Bpe,
+}
+
+/// What [`Tokenizer::decode`] does with control tokens (`<bos>`, `<start_of_turn>`, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecialTokens {
+    /// Written out as their text (a prompt shown as the model saw it).
+    Render,
+    /// Left out (text for a reader).
+    Skip,
 }
 
 /// How [`Tokenizer::encode`] treats a text.
@@ -1159,8 +1168,9 @@ impl Tokenizer {
         Ok(())
     }
 
-    /// Appends the bytes of one token: control and unknown tokens only if `render_special`.
-    fn append_piece(&self, id: u32, render_special: bool, out: &mut Vec<u8>) -> Result<()> {
+    /// Appends the bytes of one token: control and unknown tokens only if `special` renders
+    /// them.
+    fn append_piece(&self, id: u32, special: SpecialTokens, out: &mut Vec<u8>) -> Result<()> {
         let text = self
             .tokens
             .get(id as usize)
@@ -1170,7 +1180,7 @@ impl Tokenizer {
             })?;
         let attr = self.attrs[id as usize];
         if attr & ATTR_SPECIAL != 0 {
-            if render_special {
+            if special == SpecialTokens::Render {
                 out.extend_from_slice(text.as_bytes());
             }
         } else if attr & ATTR_USER_DEFINED != 0 {
@@ -1207,16 +1217,16 @@ impl Tokenizer {
     }
 
     /// Turns ids back into text. Control tokens (`<bos>`, `<start_of_turn>`, ...) appear only
-    /// when `render_special`; byte-fallback tokens are reassembled into characters (invalid
+    /// with [`SpecialTokens::Render`]; byte-fallback tokens are reassembled into characters (invalid
     /// sequences become U+FFFD). For vocabularies that add a space prefix, the space that
     /// encoding put before the first word is removed again, so decoding is lossless for text
     /// without special tokens.
-    pub fn decode(&self, ids: &[u32], render_special: bool) -> Result<String> {
+    pub fn decode(&self, ids: &[u32], special: SpecialTokens) -> Result<String> {
         let mut bytes = Vec::with_capacity(ids.len() * 4);
         let mut strip_prefix = self.add_space_prefix && self.kind == TokenizerKind::Spm;
         for (i, &id) in ids.iter().enumerate() {
             let start = bytes.len();
-            self.append_piece(id, render_special, &mut bytes)?;
+            self.append_piece(id, special, &mut bytes)?;
             if strip_prefix {
                 if i == 0 && Some(id) == self.bos {
                     continue;
@@ -1263,7 +1273,8 @@ pub struct StreamDecoder<'a> {
 impl StreamDecoder<'_> {
     /// Adds a token and returns the text it completes (possibly empty).
     pub fn push(&mut self, id: u32) -> Result<String> {
-        self.tokenizer.append_piece(id, false, &mut self.pending)?;
+        self.tokenizer
+            .append_piece(id, SpecialTokens::Skip, &mut self.pending)?;
         let mut out = String::new();
         loop {
             match std::str::from_utf8(&self.pending) {

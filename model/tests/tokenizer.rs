@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use candle_core::quantized::gguf_file::{Content, Value};
-use kvdb_model::{EncodeOptions, ModelError, Result, Tokenizer, TokenizerKind};
+use kvdb_model::{EncodeOptions, ModelError, Result, SpecialTokens, Tokenizer, TokenizerKind};
 
 // ---------------------------------------------------------------------------------------------
 // Gemma 3 (SentencePiece) against llama.cpp
@@ -166,10 +166,20 @@ fn gemma3_decode_matches_llama_cpp_and_round_trips() -> Result<()> {
     for case in &cases {
         // llama.cpp's own detokenization of the golden ids.
         if let Some(expected) = &case.detok_special {
-            assert_eq!(&tok.decode(&case.ids, true)?, expected, "{}", case.label);
+            assert_eq!(
+                &tok.decode(&case.ids, SpecialTokens::Render)?,
+                expected,
+                "{}",
+                case.label
+            );
         }
         if let Some(expected) = &case.detok_plain {
-            assert_eq!(&tok.decode(&case.ids, false)?, expected, "{}", case.label);
+            assert_eq!(
+                &tok.decode(&case.ids, SpecialTokens::Skip)?,
+                expected,
+                "{}",
+                case.label
+            );
         }
         // Gemma 3 has no space prefix and no normalisation: decoding with control tokens
         // rendered gives back every input exactly.
@@ -180,7 +190,12 @@ fn gemma3_decode_matches_llama_cpp_and_round_trips() -> Result<()> {
                 ..EncodeOptions::default()
             },
         )?;
-        assert_eq!(tok.decode(&ids, true)?, case.text, "{}", case.label);
+        assert_eq!(
+            tok.decode(&ids, SpecialTokens::Render)?,
+            case.text,
+            "{}",
+            case.label
+        );
     }
     Ok(())
 }
@@ -199,14 +214,19 @@ fn gemma3_plain_text_round_trips_without_special_rendering() -> Result<()> {
             ..EncodeOptions::default()
         };
         let ids = tok.encode(&case.text, opts)?;
-        assert_eq!(tok.decode(&ids, false)?, case.text, "{}", case.label);
+        assert_eq!(
+            tok.decode(&ids, SpecialTokens::Skip)?,
+            case.text,
+            "{}",
+            case.label
+        );
         plain += 1;
     }
     assert!(plain >= 30, "only {plain} plain-text cases");
     let gpl = std::fs::read_to_string(repo_path("tests/data/gpl-3.txt"))
         .unwrap_or_else(|e| panic!("tests/data/gpl-3.txt: {e}"));
     let ids = tok.encode(&gpl, EncodeOptions::default())?;
-    assert_eq!(tok.decode(&ids, false)?, gpl);
+    assert_eq!(tok.decode(&ids, SpecialTokens::Skip)?, gpl);
     Ok(())
 }
 
@@ -255,8 +275,11 @@ fn gemma3_prompt_options_and_special_parsing() -> Result<()> {
     assert_eq!(ids.first().copied(), tok.bos_id());
     assert_eq!(ids[1], start);
     assert_eq!(ids.last().copied(), Some(end));
-    assert_eq!(tok.decode(&ids, true)?, format!("<bos>{turn}"));
-    assert_eq!(tok.decode(&ids, false)?, "user\nHi");
+    assert_eq!(
+        tok.decode(&ids, SpecialTokens::Render)?,
+        format!("<bos>{turn}")
+    );
+    assert_eq!(tok.decode(&ids, SpecialTokens::Skip)?, "user\nHi");
 
     let literal = EncodeOptions {
         parse_special: false,
@@ -264,7 +287,7 @@ fn gemma3_prompt_options_and_special_parsing() -> Result<()> {
     };
     let ids = tok.encode(turn, literal)?;
     assert!(!ids.contains(&start) && !ids.contains(&end));
-    assert_eq!(tok.decode(&ids, false)?, turn);
+    assert_eq!(tok.decode(&ids, SpecialTokens::Skip)?, turn);
     // User-defined tokens are matched either way.
     let bold = tok.token_id("<b>").expect("<b>");
     assert!(tok.encode("<b>x</b>", literal)?.contains(&bold));
@@ -530,7 +553,7 @@ fn bpe_matches_llama_cpp_on_a_trained_vocabulary() -> Result<()> {
                 ));
             }
             // Every byte is a token, so byte-level decoding is lossless.
-            assert_eq!(tok.decode(&expected, true)?, text, "{pre}");
+            assert_eq!(tok.decode(&expected, SpecialTokens::Render)?, text, "{pre}");
         }
     }
     assert!(
@@ -560,7 +583,10 @@ fn bpe_merges_by_rank() -> Result<()> {
     assert_eq!(tok.encode(" hello", plain())?, vec![270]);
     // é is two bytes, merged into one token.
     assert_eq!(tok.encode("é", plain())?, vec![265]);
-    assert_eq!(tok.decode(&[261, 264, 108, 100], false)?, "hello world");
+    assert_eq!(
+        tok.decode(&[261, 264, 108, 100], SpecialTokens::Skip)?,
+        "hello world"
+    );
     Ok(())
 }
 
@@ -613,7 +639,7 @@ fn bpe_byte_level_round_trips_unicode() -> Result<()> {
         "",
     ] {
         let ids = tok.encode(text, plain())?;
-        assert_eq!(tok.decode(&ids, false)?, text);
+        assert_eq!(tok.decode(&ids, SpecialTokens::Skip)?, text);
         assert!(ids.iter().all(|&id| (id as usize) < tok.vocab_size()));
     }
     // Each byte of an unmerged character is its own byte-character token.
@@ -634,13 +660,16 @@ fn bpe_special_tokens_only_when_parse_special() -> Result<()> {
     };
     let ids = tok.encode("<|begin|>hello", literal)?;
     assert!(!ids.contains(&256));
-    assert_eq!(tok.decode(&ids, false)?, "<|begin|>hello");
+    assert_eq!(tok.decode(&ids, SpecialTokens::Skip)?, "<|begin|>hello");
     // User-defined tokens are always matched and always rendered.
     assert_eq!(tok.encode("<tag>hello", literal)?, vec![266, 261]);
-    assert_eq!(tok.decode(&[266, 261], false)?, "<tag>hello");
+    assert_eq!(tok.decode(&[266, 261], SpecialTokens::Skip)?, "<tag>hello");
     // Control tokens render only on request.
-    assert_eq!(tok.decode(&[256, 261, 257], false)?, "hello");
-    assert_eq!(tok.decode(&[256, 261, 257], true)?, "<|begin|>hello<|end|>");
+    assert_eq!(tok.decode(&[256, 261, 257], SpecialTokens::Skip)?, "hello");
+    assert_eq!(
+        tok.decode(&[256, 261, 257], SpecialTokens::Render)?,
+        "<|begin|>hello<|end|>"
+    );
     Ok(())
 }
 
@@ -687,7 +716,7 @@ fn bpe_bos_eos_options() -> Result<()> {
 fn decode_rejects_unknown_ids() -> Result<()> {
     let tok = bpe("gpt2")?;
     assert!(matches!(
-        tok.decode(&[1_000_000], false),
+        tok.decode(&[1_000_000], SpecialTokens::Skip),
         Err(ModelError::TokenOutOfRange { id: 1_000_000, .. })
     ));
     Ok(())
@@ -748,10 +777,10 @@ fn spm_merges_by_score_with_byte_fallback() -> Result<()> {
     // The prefix space goes away again on decode, also after BOS.
     for text in ["ab", "abc é", " ab", "c  b"] {
         let ids = tok.encode(text, plain())?;
-        assert_eq!(tok.decode(&ids, false)?, text);
+        assert_eq!(tok.decode(&ids, SpecialTokens::Skip)?, text);
         let ids = tok.encode(text, tok.prompt_options())?;
         assert_eq!(ids[0], 1);
-        assert_eq!(tok.decode(&ids, false)?, text);
+        assert_eq!(tok.decode(&ids, SpecialTokens::Skip)?, text);
     }
     // After a control token, the next text gets a space prefix again (llama.cpp).
     assert_eq!(tok.encode("<s>ab", plain())?, vec![1, space_ab]);

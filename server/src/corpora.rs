@@ -5,11 +5,11 @@ use std::path::PathBuf;
 use axum::extract::{FromRequest, Multipart, Request, State};
 use axum::http::{header, StatusCode};
 use axum::Json;
-use kvdb::documents::{document_from_bytes, supported, SourceDocument};
-use kvdb::indexes::{check_specs, list_indexes, remove_index as remove_index_from, IndexInfo};
 use kvdb::store::{
     validate_corpus_name, CorpusManifest, LayerPolicy, PrefillRecord, DEFAULT_BLOCK_SIZE,
 };
+use kvdb::{check_specs, list_indexes, remove_index as remove_index_from, IndexInfo};
+use kvdb::{document_from_bytes, is_supported_document, SourceDocument};
 use kvdb_index::IndexSpec;
 use kvdb_model::LayerKind;
 use serde::{Deserialize, Serialize};
@@ -231,7 +231,7 @@ pub(crate) async fn create(
                 echo(&body.name)
             )));
         }
-        let models = kvdb::models::LoadedModel::as_ref(&model);
+        let models = kvdb::LoadedModel::as_ref(&model);
         let prefill = PrefillRecord {
             device: models.device().into(),
             chunk: models.prefill_chunk(),
@@ -364,7 +364,7 @@ pub(crate) async fn add_documents(
                     echo(field.name().unwrap_or_default())
                 )));
             };
-            if !supported(&PathBuf::from(&title)) {
+            if !is_supported_document(&PathBuf::from(&title)) {
                 return Err(ApiError::invalid(format!(
                     "`{}`: upload files named .txt, .md or .html",
                     echo(&title)

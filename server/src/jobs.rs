@@ -15,10 +15,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvdb::documents::SourceDocument;
-use kvdb::indexes::{update_indexes_until, IndexEvent};
-use kvdb::ingest::{ingest_until, IngestEvent};
-use kvdb::models::LoadedModel;
+use kvdb::LoadedModel;
+use kvdb::SourceDocument;
+use kvdb::{ingest_until, IngestEvent};
+use kvdb::{update_indexes_until, IndexEvent};
 use kvdb_index::IndexSpec;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;

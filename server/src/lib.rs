@@ -52,7 +52,7 @@ mod state;
 use std::future::Future;
 use std::path::PathBuf;
 
-use kvdb::models::ComputeDevice;
+use kvdb::ComputeDevice;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use kvdb::models::{ComputeDevice, LoadedModel};
 use kvdb::store::CorpusManifest;
+use kvdb::{ComputeDevice, LoadedModel};
 use kvdb_model::LoadOptions;
 
 use crate::error::{echo, ApiError, ApiResult};
@@ -99,7 +99,7 @@ impl Models {
         if let Some(m) = loaded.get(sha) {
             return Ok(m.clone());
         }
-        let model = Arc::new(kvdb::models::load(
+        let model = Arc::new(kvdb::load_model(
             Some(path),
             &LoadOptions::default(),
             self.device,

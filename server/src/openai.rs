@@ -10,8 +10,8 @@ use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kvdb::generate::StopReason;
-use kvdb::session::{Answer, Provenance};
+use kvdb::StopReason;
+use kvdb::{Answer, Provenance};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 

@@ -17,9 +17,9 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::{self, Stream, StreamExt};
-use kvdb::generate::{checked_k, checked_temperature, checked_top_p, GenerateOptions, StopReason};
-use kvdb::models::LoadedModel;
-use kvdb::session::{Answer, AskOptions, AttentionMode, Retrieval};
+use kvdb::LoadedModel;
+use kvdb::{checked_k, checked_temperature, checked_top_p, GenerateOptions, StopReason};
+use kvdb::{Answer, AskOptions, AttentionMode, Retrieval};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -110,13 +110,13 @@ pub struct QueryAnswer {
     /// "passages": [{"document", "title", "tokens": {"start", "end"}, "share", "text"}]}`,
     /// largest first (empty with full attention).
     #[schema(value_type = Object)]
-    pub provenance: kvdb::session::Provenance,
+    pub provenance: kvdb::Provenance,
     /// What retrieval selected and scored (absent with full attention).
     #[schema(value_type = Option<Object>)]
-    pub retrieval: Option<kvdb::session::RetrievalStats>,
+    pub retrieval: Option<kvdb::RetrievalStats>,
     /// `first_token_seconds`, `decode_seconds`, `tokens_per_second`.
     #[schema(value_type = Object)]
-    pub timings: kvdb::session::Timings,
+    pub timings: kvdb::Timings,
 }
 
 impl From<Answer> for QueryAnswer {
@@ -165,7 +165,7 @@ impl Ask {
         }
         let index = index.map(parse_spec).transpose()?;
         // The same checks as the CLI's, so both refuse the same values.
-        let invalid = |e: kvdb::generate::OptionError| ApiError::invalid(e.to_string());
+        let invalid = |e: kvdb::OptionError| ApiError::invalid(e.to_string());
         let k = k.map(checked_k).transpose().map_err(invalid)?;
         let defaults = GenerateOptions::default();
         let max_tokens = sampling.max_tokens.unwrap_or(defaults.max_tokens);

@@ -16,9 +16,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use kvdb::models::LoadedModel;
-use kvdb::session::Corpus;
 use kvdb::store::Store;
+use kvdb::Corpus;
+use kvdb::LoadedModel;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{ApiError, ApiResult};

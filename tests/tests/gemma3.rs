@@ -473,7 +473,7 @@ fn captured_keys_are_pre_rope() -> Result<()> {
     let model = exact();
     let tok = real_tokens(2)[1];
     let tokens = vec![tok; 6];
-    let mut capture = Capture::layers(FullAttention::new(model.config()), vec![0]);
+    let mut capture = Capture::only(FullAttention::new(model.config()), vec![0]);
     model.forward(&tokens, 0, &mut capture, &Logits::None)?;
     let keys = &capture.calls[0].keys;
     let d = max_abs_diff(&keys.get(0)?, &keys.get(5)?)?;

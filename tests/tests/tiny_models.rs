@@ -14,7 +14,9 @@ use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::{quantized_gemma3, quantized_llama, quantized_qwen2};
-use kvdb_model::{Activation, FullAttention, LoadOptions, Logits, Model, WeightMode};
+use kvdb_model::{
+    Activation, FullAttention, LoadOptions, Logits, Model, SpecialTokens, WeightMode,
+};
 use kvdb_tests::{random_tokens, relative_max_error, TinyArch, TinyFile, TinyModel};
 
 /// Tokens per test sequence: longer than the tiny gemma3's 16-token sliding window.
@@ -338,13 +340,13 @@ fn tiny_model_carries_a_tokenizer() -> Result<()> {
     let ids = tokenizer.encode(text, kvdb_model::EncodeOptions::default())?;
     let pieces: Vec<&str> = ids.iter().filter_map(|&id| tokenizer.token(id)).collect();
     assert_eq!(pieces, ["▁the", "▁cat", "▁sat", "▁on", "▁the", "▁mat"]);
-    assert_eq!(tokenizer.decode(&ids, false)?, text);
+    assert_eq!(tokenizer.decode(&ids, SpecialTokens::Skip)?, text);
 
     // "é" is not a piece: it falls back to its UTF-8 bytes 0xC3 0xA9 (ids 3 + byte).
     let ids = tokenizer.encode("hello é", tokenizer.prompt_options())?;
     assert_eq!(ids.first(), Some(&1), "add_bos_token is set");
     assert!(ids.ends_with(&[3 + 0xC3, 3 + 0xA9]), "{ids:?}");
-    assert_eq!(tokenizer.decode(&ids, false)?, "hello é");
+    assert_eq!(tokenizer.decode(&ids, SpecialTokens::Skip)?, "hello é");
 
     let model = load(&file, WeightMode::Dequantized, None)?;
     let mut cache = FullAttention::new(model.config());

@@ -7,8 +7,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{ensure, Result};
-use kvdb::models::{load, ComputeDevice, LoadedModel};
 use kvdb::store::{Access, Kv, Store};
+use kvdb::{load_model, ComputeDevice, LoadedModel};
 use kvdb_model::LoadOptions;
 use kvdb_tests::{TinyFile, TinyModel};
 use rand::{Rng, SeedableRng};
@@ -25,7 +25,7 @@ pub fn tiny_on(device: ComputeDevice) -> Result<(TinyFile, LoadedModel)> {
         ..TinyModel::gemma3()
     }
     .write_temp()?;
-    let loaded = load(Some(file.path()), &LoadOptions::default(), device)?;
+    let loaded = load_model(Some(file.path()), &LoadOptions::default(), device)?;
     Ok((file, loaded))
 }
 

@@ -1,7 +1,7 @@
 //! What the kvdb test binaries share: the tiny random-weight gemma3 on the CPU.
 
 use anyhow::Result;
-use kvdb::models::{load, ComputeDevice, LoadedModel};
+use kvdb::{load_model, ComputeDevice, LoadedModel};
 use kvdb_model::LoadOptions;
 use kvdb_tests::{TinyFile, TinyModel};
 
@@ -13,7 +13,7 @@ pub fn tiny_gemma3() -> Result<(TinyFile, LoadedModel)> {
         ..TinyModel::gemma3()
     }
     .write_temp()?;
-    let model = load(
+    let model = load_model(
         Some(file.path()),
         &LoadOptions::default(),
         ComputeDevice::Cpu,
