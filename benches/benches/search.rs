@@ -17,12 +17,13 @@ use std::cell::OnceCell;
 
 use anyhow::Result;
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
+use kvdb::{train_head, TrainOptions, TrainingData};
 use kvdb_attention::DensePolicy;
 use kvdb_benches::key_model::KeyModel;
 use kvdb_benches::micro::{
     corpus_sizes, size_label, smoke_run, status, time_iters, IndexCache, CORPUS_SEED,
 };
-use kvdb_index::saap::{train_head, SaapHead, TrainOptions, TrainingData};
+use kvdb_index::saap::SaapHead;
 use kvdb_index::{GroupQuery, IndexSpec, KeyIndex, SaapSpec, SearchParams};
 
 /// One spec per index type.

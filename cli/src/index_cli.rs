@@ -9,10 +9,11 @@ use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
 use kvdb::read_documents;
 use kvdb::store::{Access, Store};
 use kvdb::ComputeDevice;
+use kvdb::TrainOptions;
 use kvdb::{list_indexes, remove_index, saap_registry_path, update_indexes, IndexEvent, IndexInfo};
 use kvdb::{train_artifact, SaapTraining, TrainEvent};
 use kvdb::{ModelRef, DOCUMENT_SEPARATOR};
-use kvdb_index::saap::{SaapArtifact, TrainOptions};
+use kvdb_index::saap::SaapArtifact;
 use kvdb_index::IndexSpec;
 use kvdb_model::LoadOptions;
 

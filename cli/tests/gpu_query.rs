@@ -124,7 +124,7 @@ mod on_gpu {
         let artifact = dir.path().join("tiny.saap");
         // No drills: the tiny corpus is all the training text there is.
         let training = SaapTraining {
-            options: kvdb_index::saap::TrainOptions {
+            options: kvdb::TrainOptions {
                 centroids: 16,
                 seed: 3,
                 ..Default::default()

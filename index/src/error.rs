@@ -56,9 +56,6 @@ pub enum IndexError {
         #[source]
         source: candle_core::Error,
     },
-    /// SAAP training failed (candle).
-    #[error("saap training: {0}")]
-    Training(String),
     /// Token ids are `u32`: an index holds at most `u32::MAX` keys.
     #[error("cannot add {adding} keys to an index of {len}: token ids are u32")]
     TooManyKeys {

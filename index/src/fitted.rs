@@ -6,7 +6,7 @@
 //! mean logit of a bucket says little about where a query's attention mass lies: on the
 //! default model's layer 11, over the GPL, the two buckets of 128 with the best centroid score
 //! held 0.15 of a query's mass, the two this routing ranks first 0.41
-//! (index/tests/real.rs prints both).
+//! (kvdb/tests/real.rs prints both).
 //!
 //! The fit keeps routing linear (one vector and one bias per bucket, so that a GPU can route
 //! as it does by centroid) and learns it from a [`QuerySample`]: for every sampled query and
@@ -28,7 +28,7 @@ use kvdb_simd::dot;
 const SHARE_FLOOR: f64 = 1e-3;
 
 /// The ridge on the correction, as a share of the mean diagonal of the queries' Gram matrix.
-/// Measured on the default model's real keys (index/tests/real.rs's layers, 128 and 256
+/// Measured on the default model's real keys (kvdb/tests/real.rs's layers, 128 and 256
 /// buckets): 0.01 kept the gains of a near-free fit in layers 11 and 17 and, in layer 5 at
 /// 256 buckets, where a near-free fit lost mass to the centroids, matched them.
 const RIDGE: f64 = 0.01;

@@ -18,7 +18,8 @@
 //! | [`HnswIndex`] | hnsw_rs over keys augmented so that inner product becomes distance |
 //! | [`QgraphIndex`] | an attention-aware graph: k-means cell neighbours plus shortcuts between the keys the corpus's sampled queries attended together (RoarGraph's projection), walked by the group's inner product |
 //! | [`LshIndex`] | sign random projections in L tables of K bits, candidates re-scored |
-//! | [`SaapIndex`] | SAAP: k-means buckets on de-roped keys, a trained query classifier |
+//! | [`SaapIndex`] | SAAP: k-means buckets on de-roped keys, queries routed by a classifier kvdb trains ([`saap::SaapArtifact`]: this crate only routes with it) |
+//! | [`kmeans`] | k-means++ and Lloyd in squared L2: ivf's lists and SAAP's buckets |
 //! | [`HipIndex`], [`IhipIndex`] | HiP's hierarchical top-k and InfiniteHiP's multi-stage chunk pruning |
 //! | [`Selection`], [`Found`] | sorted, duplicate-free token ids, with the search's cost |
 //!

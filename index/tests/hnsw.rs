@@ -9,13 +9,13 @@ use std::time::Instant;
 
 mod support;
 
-use support::{context, random_positions, recall, SINK};
+use support::{context, random_positions, recall};
 
 use kvdb_index::{
     FlatIndex, GroupQuery, HnswIndex, HnswSpec, IndexError, IndexSpec, KeyIndex, SearchParams,
 };
 use kvdb_model::RopeStyle;
-use kvdb_tests::{random_vec, real_kv, seeded, test_rope};
+use kvdb_tests::{random_vec, real_kv, seeded, test_rope, SINK};
 use rand::rngs::StdRng;
 use rand::Rng;
 

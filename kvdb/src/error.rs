@@ -289,6 +289,9 @@ pub enum Error {
         /// Training tokens.
         budget: usize,
     },
+    /// SAAP training cannot go on with what it was given (too little text, too few keys).
+    #[error("saap training: {0}")]
+    SaapTraining(String),
     /// Training for retrieval layers on a model that has none.
     #[error("the model has no retrieval layers")]
     NoRetrievalLayers,

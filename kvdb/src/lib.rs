@@ -67,7 +67,9 @@ pub use indexes::{
     check_specs, list_indexes, remove_index, saap_registry_path, update_indexes,
     update_indexes_until, IndexEvent, IndexInfo, IndexSet, LayerIndexes,
 };
-pub use saap_training::{train_artifact, SaapTraining, TrainEvent};
+pub use saap_training::{
+    train_artifact, train_head, SaapTraining, TrainEvent, TrainOptions, TrainingData,
+};
 
 // Questions over a stored corpus.
 pub use ram_tier::TierStats;

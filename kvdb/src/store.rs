@@ -91,7 +91,7 @@ const FAMILIES: [&str; 7] = [
 /// QUERY_SAMPLE_STRIDE == QUERY_SAMPLE_STRIDE - 1`) of every retrieval layer, all query heads:
 /// what indexes that learn where queries look are fitted on (`ivf…,fit`). At 4 query heads
 /// per KV head that is 1/8 of the bytes of the layer's keys and values. One in 64 was too
-/// few on the default model's ~5.6K-token fit of index/tests/real.rs: with 256 lists the fit
+/// few on the default model's ~5.6K-token fit of kvdb/tests/real.rs: with 256 lists the fit
 /// lost 8% of the mass to routing by centroid; one in 16 matched it.
 pub const QUERY_SAMPLE_STRIDE: usize = 16;
 

@@ -6,8 +6,9 @@ mod support;
 
 use anyhow::Result;
 use kvdb::LoadedModel;
+use kvdb::TrainOptions;
 use kvdb::{train_artifact, SaapTraining, TrainEvent};
-use kvdb_index::saap::{SaapArtifact, TrainOptions};
+use kvdb_index::saap::SaapArtifact;
 use kvdb_tests::gpl_text;
 use support::tiny_gemma3;
 

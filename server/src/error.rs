@@ -236,6 +236,7 @@ impl From<kvdb::Error> for ApiError {
             | E::SaapArtifactMismatch { .. }
             | E::TooManyIndexes { .. }
             | E::TooManyDrills { .. }
+            | E::SaapTraining(_)
             | E::NoRetrievalLayers
             | E::NotOnGpu { .. }
             | E::CorpusEmpty { .. }
@@ -395,6 +396,7 @@ mod tests {
                 count: 70_000,
                 max: 65_535,
             },
+            E::SaapTraining("only 3 training queries have their best key 1024+ tokens back".into()),
         ];
         for e in user {
             let text = e.to_string();

@@ -25,7 +25,10 @@
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
 mod real_kv;
-pub use real_kv::{attention_weights, default_model, gpl_text, real_kv, real_kv_whole, RealKv};
+pub use real_kv::{
+    attention_weights, candidates, default_model, gpl_text, last_quarter, mass_recall, real_kv,
+    real_kv_whole, RealKv, SINK, WINDOW,
+};
 
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};

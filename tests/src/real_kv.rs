@@ -3,6 +3,7 @@
 //! real inputs rather than random vectors.
 
 use std::io::{Read, Write};
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -290,4 +291,33 @@ fn write_cached(kv: &[RealKv], tokens: usize) -> Result<()> {
     file.into_inner()?.sync_all()?;
     std::fs::rename(tmp, path)?;
     Ok(())
+}
+
+/// The engine's default attention sink, left out of the candidates.
+pub const SINK: u32 = 4;
+/// The engine's default recent window, left out of the candidates.
+pub const WINDOW: usize = 256;
+
+/// The candidates of a query at `position`: past the sink, before the window.
+pub fn candidates(position: usize) -> Range<u32> {
+    SINK..(position - WINDOW) as u32
+}
+
+/// 32 evenly spread positions of the last quarter of `n` tokens.
+pub fn last_quarter(n: usize) -> Vec<usize> {
+    (0..32).map(|i| n - n / 4 + i * (n / 4) / 32).collect()
+}
+
+/// The share of each head's eligible attention mass (`weights` `[heads][ids]`) that
+/// `ids` hold, averaged over the heads.
+pub fn mass_recall(weights: &[Vec<f64>], ids: &[u32], eligible: &Range<u32>) -> f64 {
+    let per_head: Vec<f64> = weights
+        .iter()
+        .map(|w| {
+            let total: f64 = eligible.clone().map(|id| w[id as usize]).sum();
+            let selected: f64 = ids.iter().map(|&id| w[id as usize]).sum();
+            selected / total
+        })
+        .collect();
+    per_head.iter().sum::<f64>() / per_head.len() as f64
 }

@@ -2,19 +2,14 @@
 //! positions, recall measures and a planted region of keys. Each test binary uses a part.
 #![allow(dead_code)]
 
-use std::ops::Range;
-
 use kvdb_index::{
     BuildContext, FlatIndex, GroupQuery, IndexError, KeyIndex, SearchParams, Selection,
 };
 use kvdb_model::Rope;
+use kvdb_tests::{candidates, last_quarter, mass_recall};
 use kvdb_tests::{random_vec, RealKv};
 use rand::rngs::StdRng;
 use rand::Rng;
-
-/// The engine's default attention sink and recent window, left out of the candidates.
-pub const SINK: u32 = 4;
-pub const WINDOW: usize = 256;
 
 /// A build context without a SAAP head.
 pub fn context(rope: Rope) -> BuildContext<'static> {
@@ -26,19 +21,9 @@ pub fn context(rope: Rope) -> BuildContext<'static> {
     }
 }
 
-/// The candidates of a query at `position`: past the sink, before the window.
-pub fn candidates(position: usize) -> Range<u32> {
-    SINK..(position - WINDOW) as u32
-}
-
 /// `count` positions drawn from the last quarter of `n` tokens.
 pub fn random_positions(rng: &mut StdRng, n: usize, count: usize) -> Vec<usize> {
     (0..count).map(|_| rng.random_range(n - n / 4..n)).collect()
-}
-
-/// 32 evenly spread positions of the last quarter of `n` tokens.
-pub fn last_quarter(n: usize) -> Vec<usize> {
-    (0..32).map(|i| n - n / 4 + i * (n / 4) / 32).collect()
 }
 
 /// Mean recall@k of `index` against `exact` over real queries at `positions` and the mean
@@ -104,20 +89,6 @@ pub fn planted(
         *q = 0.1 * r;
     }
     (keys, queries)
-}
-
-/// The share of each head's eligible attention mass (`weights` `[heads][ids]`) that
-/// `ids` hold, averaged over the heads.
-pub fn mass_recall(weights: &[Vec<f64>], ids: &[u32], eligible: &Range<u32>) -> f64 {
-    let per_head: Vec<f64> = weights
-        .iter()
-        .map(|w| {
-            let total: f64 = eligible.clone().map(|id| w[id as usize]).sum();
-            let selected: f64 = ids.iter().map(|&id| w[id as usize]).sum();
-            selected / total
-        })
-        .collect();
-    per_head.iter().sum::<f64>() / per_head.len() as f64
 }
 
 /// The mean mass recall of `index` (fresh searchers), of flat's exact top-k and the

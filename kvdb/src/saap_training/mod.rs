@@ -1,7 +1,7 @@
 //! Training a SAAP artifact for a model on text: plant retrieval drills in the text, prefill
 //! it through the model (in windows of at most the model's context) while capturing every
 //! retrieval layer's pre-RoPE keys and queries per KV head, then train each head's partition
-//! and classifier ([`kvdb_index::saap`]).
+//! and classifier ([`classifier`]) for [`kvdb_index::saap`] to route with.
 //!
 //! # Retrieval drills
 //!
@@ -31,10 +31,14 @@
 //! windows, each prefilled on its own (the text goes on where the last window stopped, and
 //! starts over once it is used up), whose queries train the classifiers together.
 
+mod classifier;
+
+pub use classifier::{train_head, TrainOptions, TrainingData};
+
+use classifier::{partition, train_classifier};
+
 use candle_core::Tensor;
-use kvdb_index::saap::{
-    partition, train_classifier, Epoch, SaapArtifact, TrainOptions, TrainingData,
-};
+use kvdb_index::saap::{Epoch, SaapArtifact};
 use kvdb_model::{AttentionBackend, AttentionInput, EncodeOptions, FullAttention, Logits};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -44,7 +48,7 @@ use crate::models::LoadedModel;
 use crate::store::LayerPolicy;
 
 /// A drill's question comes at least this many tokens after its fact (estimated from the
-/// text's characters per token): past [`kvdb_index::saap::MIN_TRAINING_DISTANCE`] with room.
+/// text's characters per token): past [`classifier::MIN_TRAINING_DISTANCE`] with room.
 pub(crate) const DRILL_GAP_TOKENS: usize = 1536;
 
 const KINDS: [&str; 8] = [

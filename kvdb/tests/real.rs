@@ -11,18 +11,15 @@
 //! `buckets.rs`, and here the bucket indexes must stay within 5%, beat random twice over and
 //! SAAP must match or beat its k-means baseline.
 //!
-//! Needs the `faiss` feature (ivf) and the default model (`kvdb model fetch`).
-#![cfg(feature = "faiss")]
+//! Needs the default model (`kvdb model fetch`). Here rather than in kvdb-index because SAAP
+//! is trained by kvdb.
 
-mod support;
-
-use support::{candidates, last_quarter, mass_recall};
-
-use kvdb_index::saap::{train_head, SaapHead, TrainOptions, TrainingData};
+use kvdb::{train_head, TrainOptions, TrainingData};
+use kvdb_index::saap::SaapHead;
 use kvdb_index::{
     BuildContext, FlatIndex, GroupQuery, IndexSpec, KeyIndex, QuerySample, SearchParams, Selection,
 };
-use kvdb_tests::{real_kv, real_kv_whole, RealKv};
+use kvdb_tests::{candidates, last_quarter, mass_recall, real_kv, real_kv_whole, RealKv, WINDOW};
 use rand::seq::index::sample;
 use rand::SeedableRng;
 
@@ -138,7 +135,7 @@ impl Sample {
                 queries: &self.queries,
                 positions: &self.positions,
                 scale: kv.scale,
-                recent: support::WINDOW,
+                recent: WINDOW,
             }),
             ..context(kv, None)
         }

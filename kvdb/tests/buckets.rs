@@ -3,18 +3,14 @@
 //! the absolute floor holds: at least 80% of the attention mass at no more than 5% of the
 //! keys. (On the default model's real keys even the exact top 5% covers less than 80%; see
 //! `real.rs`.)
-#![cfg(feature = "faiss")]
-
-mod support;
 
 use std::collections::HashSet;
 
-use support::{candidates, last_quarter, mass_recall};
-
-use kvdb_index::saap::{train_head, SaapHead, TrainOptions, TrainingData};
+use kvdb::{train_head, TrainOptions, TrainingData};
+use kvdb_index::saap::SaapHead;
 use kvdb_index::{BuildContext, GroupQuery, IndexSpec, SearchParams};
 use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
-use kvdb_tests::{attention_weights, random_vec, seeded};
+use kvdb_tests::{attention_weights, candidates, last_quarter, mass_recall, random_vec, seeded};
 use rand::rngs::StdRng;
 use rand::Rng;
 
