@@ -9,6 +9,7 @@
 //! gpu_bench --buckets-only [--f16] [--only SHAPE,N,K] [--iters 200]
 //! ```
 //!
+//! `--contiguous` gives each bucket consecutive ids (a corpus stored in bucket order).
 //! `--f16` runs the attention in f16 (the product's keys and values) instead of bf16.
 //! `--buckets-only` times `bucket_attention` on the tensor-core path (the default) and on
 //! the scalar kernel; `--scalar` runs every other attention on the scalar kernel.
@@ -89,6 +90,8 @@ struct Args {
     f16: bool,
     /// The scalar attention kernel instead of the tensor-core path.
     scalar: bool,
+    /// Each bucket's ids consecutive (a bucket-ordered layout) instead of scattered.
+    contiguous: bool,
     iters: usize,
 }
 
@@ -104,6 +107,7 @@ impl Args {
             projections: false,
             f16: false,
             scalar: false,
+            contiguous: false,
             iters: 200,
         };
         let mut it = std::env::args().skip(1);
@@ -120,6 +124,7 @@ impl Args {
                 "--projections" => args.projections = true,
                 "--f16" => args.f16 = true,
                 "--scalar" => args.scalar = true,
+                "--contiguous" => args.contiguous = true,
                 "--only" => {
                     let spec = it.next().context("--only SHAPE,N,K")?;
                     let parts: Vec<&str> = spec.split(',').collect();
@@ -129,7 +134,7 @@ impl Args {
                     args.only = Some((shape.to_string(), n.parse()?, k.parse()?));
                 }
                 "--iters" => args.iters = it.next().context("--iters N")?.parse()?,
-                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--buckets] [--buckets-only] [--f16] [--scalar] [--projections] [--only SHAPE,N,K] [--iters N]"),
+                other => bail!("unknown argument {other}; usage: gpu_bench [--sdpa FILE] [--json FILE] [--quick] [--buckets] [--buckets-only] [--f16] [--scalar] [--contiguous] [--projections] [--only SHAPE,N,K] [--iters N]"),
             }
         }
         ensure!(args.iters >= 100, "--iters must be at least 100");
@@ -516,7 +521,7 @@ impl<'g, T: KvElement> Bench<'g, T> {
     /// turn. Buckets are unequal as k-means leaves them (bucket b of a head holds a share
     /// of the ids falling as 1 / (1 + b / 8)); queries and centroids are random, so the
     /// visits are random buckets.
-    fn buckets(&mut self, buckets: usize, probes: usize) -> Result<Vec<Value>> {
+    fn buckets(&mut self, buckets: usize, probes: usize, contiguous: bool) -> Result<Vec<Value>> {
         let s = self.shape;
         let weights: Vec<f64> = (0..buckets).map(|b| 1.0 / (1.0 + b as f64 / 8.0)).collect();
         let total: f64 = weights.iter().sum();
@@ -529,6 +534,23 @@ impl<'g, T: KvElement> Bench<'g, T> {
                     x < 0.0
                 });
                 lists[h * buckets + b.unwrap_or(buckets - 1)].push(id);
+            }
+        }
+        if contiguous {
+            // The same bucket sizes, each bucket a run of consecutive ids (buckets in a
+            // random order): what a corpus stored in bucket order would read.
+            for h in 0..s.kv_heads {
+                let head = &mut lists[h * buckets..(h + 1) * buckets];
+                let mut order: Vec<usize> = (0..buckets).collect();
+                for i in (1..buckets).rev() {
+                    order.swap(i, self.rng.below(i as u32 + 1) as usize);
+                }
+                let mut next = 0u32;
+                for b in order {
+                    let len = head[b].len() as u32;
+                    head[b] = (next..next + len).collect();
+                    next += len;
+                }
             }
         }
         let mut unit = |len: usize| -> Vec<f32> { (0..len).map(|_| self.rng.unit()).collect() };
@@ -915,7 +937,7 @@ fn run<T: KvElement>(
 ) -> Result<()> {
     let (gpu, shape, n) = (bench.gpu, bench.shape, bench.n);
     if args.buckets_only {
-        rows.extend(bench.buckets(256, 8)?);
+        rows.extend(bench.buckets(256, 8, args.contiguous)?);
         return Ok(());
     }
     rows.push(bench.flash()?);
@@ -929,7 +951,7 @@ fn run<T: KvElement>(
     )?;
     let mut cache = BlockCache::new(gpu, host, 2 << 30)?;
     if args.buckets {
-        rows.extend(bench.buckets(256, 8)?);
+        rows.extend(bench.buckets(256, 8, args.contiguous)?);
     }
     for k in KS.into_iter().filter(|&k| chosen(shape, n, Some(k))) {
         let (record, sets) = bench.retrieval(k)?;

@@ -1,0 +1,1167 @@
+// One decode step of attention for every KV head of a layer, split into work items and
+// merged by log-sum-exp in the same launch.
+//
+// Compiled by NVRTC (no headers: f16/bf16 are converted by hand) with these defines:
+//   KV_BF16   1 for bfloat16 keys, values and queries, 0 for float16
+//   HEAD_DIM  row length, HEAD_DIM / 8 a power of two <= 32
+//   GROUP     query heads per KV head (GQA group), 1..8
+//   THREADS   threads per block
+//   UNROLL    rows each team loads before it uses any (loads in flight)
+//   MMA       1 for the tensor-core path of `attend` (HEAD_DIM 64 or 128): each warp takes
+//             16 rows at a time and computes their logits and their share of the output
+//             with mma.sync (see attend_rows_mma); 0 (or absent) for the scalar path, where
+//             teams of HEAD_DIM / 8 lanes share a row. `attention_mass` is the same either way.
+//
+// Layouts: queries [kv_heads, GROUP, HEAD_DIM] (query head h*GROUP+g uses KV head h); keys
+// and values are rows of HEAD_DIM elements, KV head h's rows starting at row h*stride of
+// their buffer; out [kv_heads, GROUP, HEAD_DIM] f32.
+//
+// Grid: (items, kv_heads). Item x < dense_items attends to a slice of the dense part (up to
+// two runs of consecutive rows of the dense buffer: sinks and window, or a query's own
+// tail). The other items are the list part, rows of the list buffer: first slices of its
+// own runs (up to two: a stored corpus's sinks and window), then the head's list: in list
+// mode a slice of `list_chunk` rows of it, in bucket mode an equal share of the ids of the
+// head's visited buckets (CSR offsets), read as one sequence; bucket ids inside the list
+// buffer's runs are skipped, so no token counts twice.
+// Each item writes a partial (unnormalised output, max, sum of exponentials, in base 2); the
+// last block of a head to finish merges the head's partials into `out` (and, when asked, each
+// query head's log-sum-exp into `lse`) and resets its counter for the next launch.
+//
+// `attention_mass` walks the list part again after `attend`: each row's attention weight
+// (summed over the group's heads, from the logits and `lse`) is added to `mass[row]`, the
+// attention each stored token received: what provenance ranks passages by. `attend` keeps
+// its queries in `q_keep` and its log-sum-exp in `lse` for it.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define LANES (HEAD_DIM / 8)
+#define TEAMS (THREADS / LANES)
+#define STEP (TEAMS * UNROLL)
+#define NO_ROW 0xffffffffu
+#ifndef MMA
+#define MMA 0
+#endif
+// The partial states a block combines at its end: one per team, or one per warp.
+#if MMA
+#define PARTS (THREADS / 32)
+#else
+#define PARTS TEAMS
+#endif
+#define NEG_INF __int_as_float(0xff800000)
+// A partial: out [GROUP][HEAD_DIM], then max [GROUP], then sum [GROUP], padded to whole
+// float4s so that merges read the outputs 16 bytes at a time.
+#define PARTIAL ((GROUP * (HEAD_DIM + 2) + 3) / 4 * 4)
+// float4s of a partial's outputs each thread of a merge sums, and partials it reads per
+// batch: 12 float4 loads in flight per thread whatever the shape (more would cost registers
+// the main loop needs for its occupancy).
+#define MERGE_VECS ((GROUP * HEAD_DIM / 4 + THREADS - 1) / THREADS)
+#define MERGE_BATCH (12 / MERGE_VECS)
+
+__device__ __forceinline__ u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
+
+// Eight elements (16 bytes) to f32.
+__device__ __forceinline__ void unpack8(uint4 raw, float* x) {
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#if KV_BF16
+        x[2 * i] = __uint_as_float(w[i] << 16);
+        x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+#else
+        const u16 lo = (u16)(w[i] & 0xffffu), hi = (u16)(w[i] >> 16);
+        asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * i]) : "h"(lo));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * i + 1]) : "h"(hi));
+#endif
+    }
+}
+
+// Running softmax state of one thread: its 8 columns of every group head's output, and the
+// rows its team attended (not NO_ROW).
+struct State {
+    float m[GROUP];
+    float l[GROUP];
+    float o[GROUP][8];
+    u32 rows;
+};
+
+// Rows of a slice of the dense part: run 0 then run 1.
+struct DenseRows {
+    u32 first, run0_row, run0_len, run1_row;
+    __device__ __forceinline__ u32 operator()(u32 t) const {
+        const u32 j = first + t;
+        return j < run0_len ? run0_row + j : run1_row + (j - run0_len);
+    }
+};
+
+// Rows listed explicitly.
+struct ListRows {
+    const u32* rows;
+    __device__ __forceinline__ u32 operator()(u32 t) const { return rows[t]; }
+};
+
+// Most buckets a KV head visits in one launch (`MAX_VISITED_BUCKETS` in attention.rs):
+// their starts and running sizes fill shared memory.
+#define MAX_VISITS 128
+
+// The visited buckets of one KV head, read as one sequence of ids: visit k's ids are
+// numbers before[k] .. before[k + 1] of it and start at bucket_ids[first[k]] (both arrays in
+// shared memory). Rows from `start` on; ids inside the list buffer's runs are skipped, so no
+// token counts twice.
+struct VisitedRows {
+    const u32* bucket_ids;
+    const u32* first;
+    const u32* before;
+    u32 visits, start;
+    u32 run0_row, run0_len, run1_row, run1_len;
+    __device__ __forceinline__ u32 operator()(u32 t) const {
+        const u32 at = start + t;
+        // The visit holding `at`: before[lo] <= at < before[hi] throughout, so the search
+        // ends on a visit that is not empty.
+        u32 lo = 0, hi = visits;
+        while (hi - lo > 1) {
+            const u32 mid = (lo + hi) / 2;
+            if (before[mid] <= at) lo = mid; else hi = mid;
+        }
+        const u32 id = bucket_ids[first[lo] + (at - before[lo])];
+        const bool dense = (id - run0_row < run0_len) || (id - run1_row < run1_len);
+        return dense ? NO_ROW : id;
+    }
+};
+
+// The list part of a launch, for one KV head: its runs, then its list or buckets. `items`
+// is the part's work items per head (runs' and list's).
+struct ListPart {
+    u32 run0_row, run0_len, run1_row, run1_len, run_chunk, run_items;
+    const u32* list_off;
+    const u32* list;
+    u32 list_chunk;
+    const u32* bucket_off;
+    const u32* bucket_ids;
+    u32 items;
+
+    // Calls visit(rows, n) with the rows of the list part's item i of head h (nothing for
+    // an item past the head's list: heads' lists differ in length). Every thread of the
+    // block calls it.
+    template <class Visit>
+    __device__ __forceinline__ void item(u32 i, u32 h, Visit visit) const {
+        if (i < run_items) {
+            const u32 first = i * run_chunk, len = run0_len + run1_len;
+            const DenseRows rows = {first, run0_row, run0_len, run1_row};
+            visit(rows, min_u32(run_chunk, len - first));
+            return;
+        }
+        if (list_off == nullptr) return;
+        i -= run_items;
+        if (bucket_off == nullptr) {
+            const u32 begin = list_off[h], end = list_off[h + 1];
+            if (i < (end - begin + list_chunk - 1) / list_chunk) {
+                const u32 first = begin + i * list_chunk;
+                const ListRows rows = {list + first};
+                visit(rows, min_u32(list_chunk, end - first));
+            }
+            return;
+        }
+        // Buckets: the head's visited buckets' ids, read as one sequence, split evenly over
+        // the items, so that the items stay balanced however unequal the buckets are (the
+        // visits are chosen on the GPU: the launcher knows neither which nor their sizes).
+        __shared__ u32 first[MAX_VISITS];
+        __shared__ u32 before[MAX_VISITS + 1];
+        const u32 begin = list_off[h], end = list_off[h + 1];
+        const u32 visits = min_u32(end - begin, MAX_VISITS);
+        if (threadIdx.x < 32) {
+            // Warp 0 sums the visits' sizes, 32 at a time (an inclusive scan by shuffles).
+            const u32 lane = threadIdx.x;
+            u32 carry = 0;
+            for (u32 k0 = 0; k0 < visits; k0 += 32) {
+                const u32 k = k0 + lane;
+                u32 size = 0;
+                if (k < visits) {
+                    const u32 bucket = list[begin + k];
+                    const u32 a = bucket_off[bucket];
+                    size = bucket_off[bucket + 1] - a;
+                    first[k] = a;
+                }
+                u32 sum = size;
+#pragma unroll
+                for (int off = 1; off < 32; off <<= 1) {
+                    const u32 x = __shfl_up_sync(0xffffffffu, sum, off);
+                    if (lane >= (u32)off) sum += x;
+                }
+                if (k < visits) before[k] = carry + sum - size;
+                carry += __shfl_sync(0xffffffffu, sum, 31);
+            }
+            if (lane == 0) before[visits] = carry;
+        }
+        __syncthreads();
+        const u32 total = before[visits], shares = items - run_items;
+        const u32 share = (total + shares - 1) / shares, start = i * share;
+        if (start < total) {
+            const VisitedRows rows = {bucket_ids, first, before, visits, start,
+                                      run0_row, run0_len, run1_row, run1_len};
+            visit(rows, min_u32(share, total - start));
+        }
+    }
+};
+
+// This thread's 8 columns of every group query of KV head h, pre-scaled to base-2 logits.
+__device__ __forceinline__ void load_queries(const u16* __restrict__ q, u32 h, float scale_log2,
+                                             float (&qf)[GROUP][8]) {
+    const u32 lane = threadIdx.x % LANES;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const u64 at = ((u64)h * GROUP + g) * HEAD_DIM + lane * 8;
+        unpack8(__ldg(reinterpret_cast<const uint4*>(q + at)), qf[g]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qf[g][i] *= scale_log2;
+    }
+}
+
+// s[u][g] = the team's row u's key (8 columns a thread in kr[u]) · group query g (qf),
+// summed over the team's lanes: every lane gets the whole logit.
+__device__ __forceinline__ void group_scores(const uint4 (&kr)[UNROLL], const float (&qf)[GROUP][8],
+                                             float (&s)[UNROLL][GROUP]) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        float kf[8];
+        unpack8(kr[u], kf);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float dot = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) dot = fmaf(qf[g][i], kf[i], dot);
+            s[u][g] = dot;
+        }
+    }
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], off);
+        }
+    }
+}
+
+// The row numbers of the team's first UNROLL rows (NO_ROW past n): row u * TEAMS + team.
+template <class RowOf>
+__device__ __forceinline__ void first_rows(const RowOf& row_of, u32 n, u32 (&rows)[UNROLL]) {
+    const u32 team = threadIdx.x / LANES;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const u32 t = u * TEAMS + team;
+        rows[u] = t < n ? row_of(t) : NO_ROW;
+    }
+}
+
+// Attends the thread's team to rows row_of(0..n) of k/v, updating its state. Teams of LANES
+// threads share a row, each thread 8 columns; every thread of the block runs the same number
+// of iterations, so the shuffles see whole warps.
+template <class RowOf>
+__device__ __forceinline__ void attend_rows(const RowOf& row_of, u32 n, const u16* __restrict__ k,
+                                            const u16* __restrict__ v, const float (&qf)[GROUP][8],
+                                            State& st) {
+    const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+    // Row numbers one iteration ahead: where they come from memory (lists, buckets), their
+    // loads overlap the previous rows' instead of delaying the keys and values behind them.
+    u32 next[UNROLL];
+    first_rows(row_of, n, next);
+    for (u32 base = 0; base < n; base += STEP) {
+        uint4 kr[UNROLL], vr[UNROLL];
+        bool live[UNROLL];
+        // All loads first, so that UNROLL rows of keys and values are in flight at once.
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u32 row = next[u], t = base + STEP + u * TEAMS + team;
+            next[u] = t < n ? row_of(t) : NO_ROW;
+            live[u] = row != NO_ROW;
+            if (live[u]) {
+                const u64 at = (u64)row * HEAD_DIM + lane * 8;
+                kr[u] = __ldg(reinterpret_cast<const uint4*>(k + at));
+                vr[u] = __ldg(reinterpret_cast<const uint4*>(v + at));
+            } else {
+                const uint4 zero = {0u, 0u, 0u, 0u};
+                kr[u] = zero;
+                vr[u] = zero;
+            }
+        }
+        float s[UNROLL][GROUP];
+        group_scores(kr, qf, s);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            st.rows += live[u];
+            if (!live[u]) {
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) s[u][g] = NEG_INF;
+            }
+        }
+        // The new maxima rescale the state, and s becomes each row's weight.
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float mx = st.m[g];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) mx = fmaxf(mx, s[u][g]);
+            // Nothing seen yet: the rows weigh nothing (and -inf - -inf is avoided).
+            if (mx == NEG_INF) {
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) s[u][g] = 0.f;
+                continue;
+            }
+            const float c = exp2f(st.m[g] - mx);
+            st.l[g] *= c;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) st.o[g][i] *= c;
+            st.m[g] = mx;
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                s[u][g] = exp2f(s[u][g] - mx);
+                st.l[g] += s[u][g];
+            }
+        }
+        // Then the values, one row at a time: only that row's 8 floats are unpacked at once
+        // (all rows unpacked together cost the f16 variant its occupancy).
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float vf[8];
+            unpack8(vr[u], vf);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) st.o[g][i] = fmaf(s[u][g], vf[i], st.o[g][i]);
+            }
+        }
+    }
+}
+
+#if MMA
+// The tensor-core path (HEAD_DIM 64 or 128, GROUP <= 8). A warp attends to 16 rows at a
+// time, like FlashAttention-2's decode with the group's queries as the rows of the first
+// product:
+// - logits S [16 x 16] = Q [16 x HEAD_DIM] · K^T: the group's queries are rows 0..GROUP-1
+//   of Q (the rest zero), the tile's 16 keys its columns, HEAD_DIM / 16 mma.sync m16n8k16
+//   for each half of the keys. A sum over dimensions may take them in any order, so each
+//   thread loads 16-byte chunks of its keys (and queries) as they lie in memory: chunk
+//   j * 4 + t of a row (t = lane % 4) holds the dimensions of k-steps 2j and 2j + 1.
+//   Thread (g = lane / 4, t) then holds query g's logits of keys 2t, 2t + 1, 2t + 8, 2t + 9.
+// - the softmax state of query g lives in the 4 threads of quad g (as a row's in FA2);
+// - outputs O^T [HEAD_DIM x 8] += V^T [HEAD_DIM x 16] · P^T [16 x 8]: the weights are the
+//   second operand as the logits left them; V^T's fragments are two keys' elements of one
+//   dimension per register, made by byte permutes of the rows' 16-byte loads. Thread g's
+//   dimensions are g * HEAD_DIM / 8 onwards (HEAD_DIM / 8 of them): tile i's rows g and
+//   g + 8 are dimensions g * HEAD_DIM / 8 + 2i and + 2i + 1.
+// The weights in [0, 1] are split into PSPLIT 16-bit terms (f16: 2, bf16: 3) whose products
+// all accumulate in f32, so that the output keeps f32's precision as the scalar path's does.
+#if KV_BF16
+#define MMA_TYPE "bf16"
+#define PSPLIT 3
+#else
+#define MMA_TYPE "f16"
+#define PSPLIT 2
+#endif
+#define WARPS (THREADS / 32)
+// 16-byte chunks of a key row, and of a value row, each thread loads; tiles of the output.
+#define KCH (HEAD_DIM / 32)
+#define VCH (HEAD_DIM / 64)
+#define MTILES (HEAD_DIM / 16)
+
+// c += a · b, a 16x16 (row-major fragments), b 16x8 (column-major).
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
+}
+
+// Word i (a constant) of a 16-byte load.
+__device__ __forceinline__ u32 word(const uint4& x, int i) {
+    return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+}
+
+// Two weights (x0 in the low half) as PSPLIT 16-bit terms whose sum is x0, x1 to about f32
+// precision.
+__device__ __forceinline__ void split_weights(float x0, float x1, u32 (&w)[PSPLIT]) {
+#if KV_BF16
+    // bf16 is f32's upper half: truncate, keep the exact remainder, twice, then round.
+#pragma unroll
+    for (int s = 0; s < PSPLIT - 1; ++s) {
+        const u32 b0 = __float_as_uint(x0), b1 = __float_as_uint(x1);
+        w[s] = prmt(b0, b1, 0x7632);
+        x0 -= __uint_as_float(b0 & 0xffff0000u);
+        x1 -= __uint_as_float(b1 & 0xffff0000u);
+    }
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[PSPLIT - 1]) : "f"(x1), "f"(x0));
+#else
+#pragma unroll
+    for (int s = 0; s < PSPLIT - 1; ++s) {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[s]) : "f"(x1), "f"(x0));
+        float h0, h1;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(h0) : "h"((u16)(w[s] & 0xffffu)));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(h1) : "h"((u16)(w[s] >> 16)));
+        x0 -= h0;
+        x1 -= h1;
+    }
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[PSPLIT - 1]) : "f"(x1), "f"(x0));
+#endif
+}
+
+// A warp's running softmax state, in mma fragments: query g's maximum (base-2 logits) in
+// every thread of quad g, this thread's part of its sum, and O^T's tiles (rows: dimensions,
+// columns: queries 2t and 2t + 1).
+struct MState {
+    float m;
+    float l;
+    float o[MTILES][4];
+    u32 rows;
+};
+
+// Query g's chunks j * 4 + t (zero for g >= GROUP): the first operand of the logits.
+__device__ __forceinline__ void load_query_frags(const u16* __restrict__ q, u32 h,
+                                                 uint4 (&qa)[KCH]) {
+    const u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int j = 0; j < KCH; ++j) {
+        const uint4 zero = {0u, 0u, 0u, 0u};
+        qa[j] = g < GROUP ? __ldg(reinterpret_cast<const uint4*>(
+                                q + ((u64)h * GROUP + g) * HEAD_DIM + (j * 4 + t) * 8))
+                          : zero;
+    }
+}
+
+// 16-byte chunks of a tile each thread copies and reads: its keys' (2 * KCH), then its
+// values' (4 * VCH). A warp's stage holds one tile: chunk c of lane l at c * 32 + l (in
+// 16-byte units), so that a thread reads back only what it copied (no barrier) and a warp's
+// reads of one chunk index are 512 consecutive bytes.
+#define TILE_CHUNKS (2 * KCH + 4 * VCH)
+// Tiles of 16 rows a warp has in flight.
+#define STAGES 2
+// Bytes of a stage. A block's dynamic shared memory holds every warp's stages
+// (WARPS * STAGES * STAGE_BYTES = 512 * HEAD_DIM, as gpu.rs sizes the launch).
+#define STAGE_BYTES (TILE_CHUNKS * 32 * 16)
+extern __shared__ __align__(16) uint4 attend_stages[];
+
+__device__ __forceinline__ u32 smem_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes from global to shared memory, or 16 zero bytes when !valid.
+__device__ __forceinline__ void copy16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void commit_copies() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wait_copies() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Starts copying the tile whose key l % 16 is row `id` of lane l into the stage at `stage`
+// (a shared address): keys g and g + 8, values of keys 2t, 2t + 1, 2t + 8, 2t + 9; rows
+// NO_ROW are zeros.
+__device__ __forceinline__ void copy_tile(u32 stage, u32 id, const u16* __restrict__ k,
+                                          const u16* __restrict__ v) {
+    const u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const u32 rk[2] = {__shfl_sync(0xffffffffu, id, g), __shfl_sync(0xffffffffu, id, g + 8)};
+    const u32 rv[4] = {__shfl_sync(0xffffffffu, id, 2 * t), __shfl_sync(0xffffffffu, id, 2 * t + 1),
+                       __shfl_sync(0xffffffffu, id, 2 * t + 8),
+                       __shfl_sync(0xffffffffu, id, 2 * t + 9)};
+    const u32 dst = stage + lane * 16;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u16* row = k + (u64)(rk[h] == NO_ROW ? 0 : rk[h]) * HEAD_DIM + t * 8;
+#pragma unroll
+        for (int j = 0; j < KCH; ++j)
+            copy16(dst + (h * KCH + j) * 512, row + j * 32, rk[h] != NO_ROW);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const u16* row = v + (u64)(rv[r] == NO_ROW ? 0 : rv[r]) * HEAD_DIM + g * (HEAD_DIM / 8);
+#pragma unroll
+        for (int c = 0; c < VCH; ++c)
+            copy16(dst + (2 * KCH + r * VCH + c) * 512, row + c * 8, rv[r] != NO_ROW);
+    }
+}
+
+__device__ __forceinline__ uint4 lds16(u32 address) {
+    uint4 x;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "r"(address));
+    return x;
+}
+
+// Attends the warp to the tile in the stage at `stage` whose key l % 16 is row `id` of lane
+// l, updating its state.
+__device__ __forceinline__ void attend_tile(u32 stage, u32 id, const uint4 (&qa)[KCH],
+                                            float scale_log2, MState& st) {
+    const u32 lane = threadIdx.x % 32, t = lane % 4;
+    const u32 src = stage + lane * 16;
+    st.rows += lane < 16 && id != NO_ROW;
+    const bool live[4] = {__shfl_sync(0xffffffffu, id, 2 * t) != NO_ROW,
+                          __shfl_sync(0xffffffffu, id, 2 * t + 1) != NO_ROW,
+                          __shfl_sync(0xffffffffu, id, 2 * t + 8) != NO_ROW,
+                          __shfl_sync(0xffffffffu, id, 2 * t + 9) != NO_ROW};
+    // Logits: s[h][e] holds query g's of keys 8h + 2t, 8h + 2t + 1 (and row g + 8's, zero),
+    // over the k-steps of parity e: two chains of mma for each half of the keys.
+    float s[2][2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[h][e][i] = 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < KCH; ++j) {
+            const uint4 kr = lds16(src + (h * KCH + j) * 512);
+            mma16816(s[h][0], qa[j].x, 0u, qa[j].y, 0u, kr.x, kr.y);
+            mma16816(s[h][1], qa[j].z, 0u, qa[j].w, 0u, kr.z, kr.w);
+        }
+    }
+    float p[4] = {(s[0][0][0] + s[0][1][0]) * scale_log2, (s[0][0][1] + s[0][1][1]) * scale_log2,
+                  (s[1][0][0] + s[1][1][0]) * scale_log2, (s[1][0][1] + s[1][1][1]) * scale_log2};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (!live[i]) p[i] = NEG_INF;
+    }
+    float mx = fmaxf(fmaxf(p[0], p[1]), fmaxf(p[2], p[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mx = fmaxf(mx, st.m);
+    // Nothing seen yet: the rows weigh nothing (and -inf - -inf is avoided).
+    const float ref = mx == NEG_INF ? 0.f : mx;
+    const float c = exp2f(st.m - ref);
+    st.m = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        p[i] = exp2f(p[i] - ref);
+        sum += p[i];
+    }
+    st.l = fmaf(st.l, c, sum);
+    // Rescale the outputs of queries 2t and 2t + 1 (their quads' factors), unless no
+    // query's maximum moved.
+    const float c0 = __shfl_sync(0xffffffffu, c, 8 * t);
+    const float c1 = __shfl_sync(0xffffffffu, c, 8 * t + 4);
+    if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i) {
+            st.o[i][0] *= c0;
+            st.o[i][1] *= c1;
+            st.o[i][2] *= c0;
+            st.o[i][3] *= c1;
+        }
+    }
+    u32 w0[PSPLIT], w1[PSPLIT];
+    split_weights(p[0], p[1], w0);
+    split_weights(p[2], p[3], w1);
+#pragma unroll
+    for (int c4 = 0; c4 < VCH; ++c4) {
+        const uint4 v0 = lds16(src + (2 * KCH + 0 * VCH + c4) * 512);
+        const uint4 v1 = lds16(src + (2 * KCH + 1 * VCH + c4) * 512);
+        const uint4 v2 = lds16(src + (2 * KCH + 2 * VCH + c4) * 512);
+        const uint4 v3 = lds16(src + (2 * KCH + 3 * VCH + c4) * 512);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const int i = c4 * 4 + w;
+            const u32 lo0 = word(v0, w), lo1 = word(v1, w), hi0 = word(v2, w), hi1 = word(v3, w);
+            const u32 a0 = prmt(lo0, lo1, 0x5410), a1 = prmt(lo0, lo1, 0x7632);
+            const u32 a2 = prmt(hi0, hi1, 0x5410), a3 = prmt(hi0, hi1, 0x7632);
+#pragma unroll
+            for (int sp = 0; sp < PSPLIT; ++sp) mma16816(st.o[i], a0, a1, a2, a3, w0[sp], w1[sp]);
+        }
+    }
+}
+
+// Attends the thread's warp to rows row_of(0..n) of k/v in tiles of 16 (warp w takes tiles
+// w, w + WARPS, ...), updating its state. The tiles go through the warp's STAGES (2) stages
+// of shared memory by cp.async, the next tile's copy in flight while one is attended; each
+// lane finds the row of one key of the tile after that (lanes 16..31 repeat lanes 0..15)
+// one tile ahead again, so that a copy never waits for its row numbers.
+template <class RowOf>
+__device__ __forceinline__ void attend_rows_mma(const RowOf& row_of, u32 n,
+                                                const u16* __restrict__ k,
+                                                const u16* __restrict__ v,
+                                                const uint4 (&qa)[KCH], float scale_log2,
+                                                MState& st) {
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, mine = lane % 16;
+    const u32 tiles = (n + 15) / 16;
+    const u32 count = tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0;
+#ifdef SKIP_TILES
+    if (SKIP_TILES) return;
+#endif
+    if (count == 0) return;
+    const u32 base = smem_address(attend_stages) + warp * STAGES * STAGE_BYTES;
+    // Row of lane's key in the warp's tile number i.
+    auto row = [&](u32 i) -> u32 {
+        const u32 at = (warp + i * WARPS) * 16 + mine;
+        return i < count && at < n ? row_of(at) : NO_ROW;
+    };
+    u32 id0 = row(0), id1 = row(1), id2 = row(2);
+    copy_tile(base, id0, k, v);
+    commit_copies();
+    copy_tile(base + STAGE_BYTES, id1, k, v);
+    commit_copies();
+    for (u32 i = 0; i < count; ++i) {
+        const u32 stage = base + (i % STAGES) * STAGE_BYTES;
+        wait_copies<STAGES - 1>();
+#ifdef SKIP_COMPUTE
+        if (!SKIP_COMPUTE)
+#endif
+        attend_tile(stage, id0, qa, scale_log2, st);
+        // The stage is free again (this thread read only its own chunks): the tile two
+        // ahead goes there.
+        if (i + 2 < count) copy_tile(stage, id2, k, v);
+        commit_copies();
+        id0 = id1;
+        id1 = id2;
+        id2 = row(i + 3);
+    }
+    wait_copies<0>();
+}
+
+#if !STAGED_OFF
+#define STAGED_OFF 0
+#endif
+// EXPERIMENT: the register path of the first version.
+// Attends the thread's warp to rows row_of(0..n) of k/v in tiles of 16 (warp w takes tiles
+// w, w + WARPS, ...), updating its state. Each lane finds the row of one key of the next
+// tile (lanes 16..31 repeat lanes 0..15) while the current tile's rows are in flight.
+template <class RowOf>
+__device__ __forceinline__ void attend_rows_mma_regs(const RowOf& row_of, u32 n,
+                                                const u16* __restrict__ k,
+                                                const u16* __restrict__ v,
+                                                const uint4 (&qa)[KCH], float scale_log2,
+                                                MState& st) {
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const u32 mine = lane % 16;
+    u32 next = warp * 16 + mine < n ? row_of(warp * 16 + mine) : NO_ROW;
+    for (u32 base = warp * 16; base < n; base += WARPS * 16) {
+        const u32 id = next;
+        const u32 ahead = base + WARPS * 16 + mine;
+        next = ahead < n ? row_of(ahead) : NO_ROW;
+        st.rows += lane < 16 && id != NO_ROW;
+        // Keys g and g + 8 (logits' second operand), values of keys 2t, 2t + 1, 2t + 8,
+        // 2t + 9 (outputs' first operand).
+        const u32 rk[2] = {__shfl_sync(0xffffffffu, id, g), __shfl_sync(0xffffffffu, id, g + 8)};
+        const u32 rv[4] = {__shfl_sync(0xffffffffu, id, 2 * t),
+                           __shfl_sync(0xffffffffu, id, 2 * t + 1),
+                           __shfl_sync(0xffffffffu, id, 2 * t + 8),
+                           __shfl_sync(0xffffffffu, id, 2 * t + 9)};
+        const uint4 zero = {0u, 0u, 0u, 0u};
+        uint4 kr[2][KCH], vr[4][VCH];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int j = 0; j < KCH; ++j)
+                kr[h][j] = rk[h] == NO_ROW ? zero
+                                           : __ldg(reinterpret_cast<const uint4*>(
+                                                 k + (u64)rk[h] * HEAD_DIM + (j * 4 + t) * 8));
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+#pragma unroll
+            for (int c = 0; c < VCH; ++c)
+                vr[r][c] = rv[r] == NO_ROW
+                               ? zero
+                               : __ldg(reinterpret_cast<const uint4*>(
+                                     v + (u64)rv[r] * HEAD_DIM + g * (HEAD_DIM / 8) + c * 8));
+        }
+        // Logits: s[h] holds query g's of keys 8h + 2t, 8h + 2t + 1 (and row g + 8's, zero).
+#ifndef SPLITACC
+#define SPLITACC 0
+#endif
+        float s[2][4];
+#if SPLITACC
+        float s2[2][4];
+#endif
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[h][i] = 0.f;
+#if SPLITACC
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s2[h][i] = 0.f;
+#endif
+#pragma unroll
+            for (int j = 0; j < KCH; ++j) {
+                mma16816(s[h], qa[j].x, 0u, qa[j].y, 0u, kr[h][j].x, kr[h][j].y);
+#if SPLITACC
+                mma16816(s2[h], qa[j].z, 0u, qa[j].w, 0u, kr[h][j].z, kr[h][j].w);
+#else
+                mma16816(s[h], qa[j].z, 0u, qa[j].w, 0u, kr[h][j].z, kr[h][j].w);
+#endif
+            }
+#if SPLITACC
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[h][i] += s2[h][i];
+#endif
+        }
+        float p[4] = {s[0][0] * scale_log2, s[0][1] * scale_log2, s[1][0] * scale_log2,
+                      s[1][1] * scale_log2};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (rv[i] == NO_ROW) p[i] = NEG_INF;
+        }
+        float mx = fmaxf(fmaxf(p[0], p[1]), fmaxf(p[2], p[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(mx, st.m);
+        // Nothing seen yet: the rows weigh nothing (and -inf - -inf is avoided).
+        const float ref = mx == NEG_INF ? 0.f : mx;
+        const float c = exp2f(st.m - ref);
+        st.m = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            p[i] = exp2f(p[i] - ref);
+            sum += p[i];
+        }
+        st.l = fmaf(st.l, c, sum);
+        // Rescale the outputs of queries 2t and 2t + 1 (their quads' factors), unless no
+        // query's maximum moved.
+        const float c0 = __shfl_sync(0xffffffffu, c, 8 * t), c1 = __shfl_sync(0xffffffffu, c, 8 * t + 4);
+        if (__any_sync(0xffffffffu, c0 != 1.f || c1 != 1.f)) {
+#pragma unroll
+            for (int i = 0; i < MTILES; ++i) {
+                st.o[i][0] *= c0;
+                st.o[i][1] *= c1;
+                st.o[i][2] *= c0;
+                st.o[i][3] *= c1;
+            }
+        }
+        u32 w0[PSPLIT], w1[PSPLIT];
+        split_weights(p[0], p[1], w0);
+        split_weights(p[2], p[3], w1);
+#pragma unroll
+        for (int i = 0; i < MTILES; ++i) {
+            const u32 lo0 = word(vr[0][i / 4], i % 4), lo1 = word(vr[1][i / 4], i % 4);
+            const u32 hi0 = word(vr[2][i / 4], i % 4), hi1 = word(vr[3][i / 4], i % 4);
+            const u32 a0 = prmt(lo0, lo1, 0x5410), a1 = prmt(lo0, lo1, 0x7632);
+            const u32 a2 = prmt(hi0, hi1, 0x5410), a3 = prmt(hi0, hi1, 0x7632);
+#pragma unroll
+            for (int sp = 0; sp < PSPLIT; ++sp) mma16816(st.o[i], a0, a1, a2, a3, w0[sp], w1[sp]);
+        }
+    }
+}
+
+// ListPart::item's visitor for `attend` on the tensor-core path.
+struct AttendVisitMma {
+    const u16* k;
+    const u16* v;
+    const uint4 (*qa)[KCH];
+    float scale_log2;
+    MState* st;
+    template <class RowOf>
+    __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
+        if (STAGED_OFF) attend_rows_mma_regs(rows, n, k, v, *qa, scale_log2, *st);
+        else attend_rows_mma(rows, n, k, v, *qa, scale_log2, *st);
+    }
+};
+#endif
+
+// Partials one merge reads at most: the launcher keeps groups and group sizes within it.
+#define MAX_MERGE 128
+
+// Whether this block is the last of `expected` to arrive at `counter` (which it then resets
+// for the next launch). Every thread of the block calls it. The barrier orders the block's
+// writes before thread 0's release; its acquire and the second barrier order the winner's
+// reads after every other block's release (CUTLASS's semaphore does the same): one fence for
+// the block instead of one per thread.
+__device__ __forceinline__ bool last_to_finish(u32* counter, u32 expected) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                     : "=r"(before)
+                     : "l"(counter)
+                     : "memory");
+        last = before == expected - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    return last;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+// Issues the loads of partials j0 .. j0 + MERGE_BATCH (those below `count`): this thread's
+// float4s of their outputs.
+__device__ __forceinline__ void load_batch(float4 (&x)[MERGE_BATCH][MERGE_VECS], const float* src,
+                                           u32 j0, u32 count) {
+#pragma unroll
+    for (int b = 0; b < MERGE_BATCH; ++b) {
+#pragma unroll
+        for (int k = 0; k < MERGE_VECS; ++k) {
+            const u32 v = threadIdx.x + k * THREADS;
+            if (j0 + b < count && v < GROUP * HEAD_DIM / 4)
+                x[b][k] = __ldcg(reinterpret_cast<const float4*>(src + (u64)(j0 + b) * PARTIAL) + v);
+        }
+    }
+}
+
+// Merges `count` (<= MAX_MERGE) consecutive partials at `src` into the partial `dst`, or,
+// when `dst` is null, into the normalised output `out` [GROUP, HEAD_DIM] (zeros for a head
+// that saw no token, as Partial::finish gives). Every thread of the block calls it. It runs
+// on the critical path after the other blocks, so its time is a few L2 round trips: the
+// first batch of outputs is in flight while the maxima and weights are computed, each batch
+// has all its loads in flight at once, and each weight is computed once by a warp. Reads
+// bypass L1: other blocks wrote the partials. Into `out`, it also writes each group head's
+// log-sum-exp (base 2) to `lse` unless that is null.
+__device__ void merge(const float* src, u32 count, float* dst, float* out, float* lse) {
+    __shared__ float sm_w[MAX_MERGE * GROUP];
+    __shared__ float sm_l[MAX_MERGE * GROUP];
+    __shared__ float sm_stat[2][GROUP];
+    float4 x[MERGE_BATCH][MERGE_VECS];
+    load_batch(x, src, 0, count);
+    for (u32 p = threadIdx.x; p < count * GROUP; p += THREADS) {
+        const float* stats = src + (u64)(p / GROUP) * PARTIAL + GROUP * HEAD_DIM + p % GROUP;
+        sm_w[p] = __ldcg(stats);
+        sm_l[p] = __ldcg(stats + GROUP);
+    }
+    __syncthreads();
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (u32 g = warp; g < GROUP; g += THREADS / 32) {
+        float mx = NEG_INF, l = 0.f;
+        for (u32 j = lane; j < count; j += 32) mx = fmaxf(mx, sm_w[j * GROUP + g]);
+        mx = warp_max(mx);
+        for (u32 j = lane; j < count; j += 32) {
+            // Empty partials (max -inf) weigh nothing; so does everything when all are empty.
+            const float w = mx == NEG_INF ? 0.f : exp2f(sm_w[j * GROUP + g] - mx);
+            sm_w[j * GROUP + g] = w;
+            l = fmaf(w, sm_l[j * GROUP + g], l);
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            sm_stat[0][g] = mx;
+            sm_stat[1][g] = l;
+        }
+    }
+    __syncthreads();
+    float4 acc[MERGE_VECS];
+#pragma unroll
+    for (int k = 0; k < MERGE_VECS; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (u32 j0 = 0; j0 < count; j0 += MERGE_BATCH) {
+        if (j0 > 0) load_batch(x, src, j0, count);
+#pragma unroll
+        for (int b = 0; b < MERGE_BATCH; ++b) {
+#pragma unroll
+            for (int k = 0; k < MERGE_VECS; ++k) {
+                const u32 v = threadIdx.x + k * THREADS;
+                if (j0 + b < count && v < GROUP * HEAD_DIM / 4) {
+                    const float w = sm_w[(j0 + b) * GROUP + v * 4 / HEAD_DIM];
+                    acc[k].x = fmaf(w, x[b][k].x, acc[k].x);
+                    acc[k].y = fmaf(w, x[b][k].y, acc[k].y);
+                    acc[k].z = fmaf(w, x[b][k].z, acc[k].z);
+                    acc[k].w = fmaf(w, x[b][k].w, acc[k].w);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < MERGE_VECS; ++k) {
+        const u32 v = threadIdx.x + k * THREADS;
+        if (v >= GROUP * HEAD_DIM / 4) continue;
+        float4 o = acc[k];
+        if (dst == nullptr) {
+            const float l = sm_stat[1][v * 4 / HEAD_DIM], inv = l > 0.f ? 1.f / l : 0.f;
+            o = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+            reinterpret_cast<float4*>(out)[v] = o;
+        } else {
+            reinterpret_cast<float4*>(dst)[v] = o;
+        }
+    }
+    if (dst != nullptr && threadIdx.x < GROUP) {
+        dst[GROUP * HEAD_DIM + threadIdx.x] = sm_stat[0][threadIdx.x];
+        dst[GROUP * HEAD_DIM + GROUP + threadIdx.x] = sm_stat[1][threadIdx.x];
+    }
+    if (dst == nullptr && lse != nullptr && threadIdx.x < GROUP) {
+        lse[threadIdx.x] = sm_stat[0][threadIdx.x] + log2f(sm_stat[1][threadIdx.x]);
+    }
+}
+
+// ListPart::item's visitor for `attend`.
+struct AttendVisit {
+    const u16* k;
+    const u16* v;
+    const float (*qf)[GROUP][8];
+    State* st;
+    template <class RowOf>
+    __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
+        attend_rows(rows, n, k, v, *qf, *st);
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+attend(const u16* __restrict__ q, float scale_log2,
+       // dense part
+       const u16* __restrict__ dk, const u16* __restrict__ dv, u64 d_stride, u32 run0_row,
+       u32 run0_len, u32 run1_row, u32 run1_len, u32 dense_chunk, u32 dense_items,
+       // list part
+       const u16* __restrict__ lk, const u16* __restrict__ lv, u64 l_stride, u32 lrun0_row,
+       u32 lrun0_len, u32 lrun1_row, u32 lrun1_len, u32 lrun_items,
+       const u32* __restrict__ list_off, const u32* __restrict__ list, u32 list_chunk,
+       const u32* __restrict__ bucket_off, const u32* __restrict__ bucket_ids,
+       // results
+       u32 group_size, float* __restrict__ partials, u32* __restrict__ counters,
+       float* __restrict__ out, float* __restrict__ lse, u64* __restrict__ bucket_rows,
+       u16* __restrict__ q_keep) {
+    const u32 h = blockIdx.y, x = blockIdx.x;
+    const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+    // The first item of each head keeps the head's queries for `attention_mass`, which may
+    // run after the caller's query buffer has changed.
+    if (x == 0) {
+        const u64 head = (u64)h * GROUP * HEAD_DIM;
+        const uint4* src = reinterpret_cast<const uint4*>(q + head);
+        uint4* dst = reinterpret_cast<uint4*>(q_keep + head);
+        for (u32 i = threadIdx.x; i < GROUP * HEAD_DIM / 8; i += THREADS) dst[i] = __ldg(src + i);
+    }
+    // The bucket rows this block attends, when the launch counts them (the ids of the
+    // visited buckets outside the runs: what the index selected).
+    __shared__ u32 sm_rows;
+    const bool counts = bucket_rows != nullptr && bucket_off != nullptr &&
+                        x >= dense_items + lrun_items;
+    if (threadIdx.x == 0) sm_rows = 0;
+
+    __shared__ float sm_m[PARTS][GROUP];
+    __shared__ float sm_l[PARTS][GROUP];
+#if MMA
+    // Each warp's outputs go to the start of its own stages, once its copies are done.
+    float* const sm_o_base = reinterpret_cast<float*>(attend_stages);
+#define SM_O(t, g, col) sm_o_base[(t) * (STAGES * STAGE_BYTES / 4) + (g) * HEAD_DIM + (col)]
+    (void)team;
+    (void)lane;
+    uint4 qa[KCH];
+    load_query_frags(q, h, qa);
+    MState st;
+    st.rows = 0;
+    st.m = NEG_INF;
+    st.l = 0.f;
+#pragma unroll
+    for (int i = 0; i < MTILES; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) st.o[i][j] = 0.f;
+    }
+    if (x < dense_items) {
+        const u32 first = x * dense_chunk, dense_len = run0_len + run1_len;
+        const u32 n = min_u32(dense_chunk, dense_len - first);
+        const DenseRows rows = {first, run0_row, run0_len, run1_row};
+        const u64 head = (u64)h * d_stride * HEAD_DIM;
+        if (STAGED_OFF) attend_rows_mma_regs(rows, n, dk + head, dv + head, qa, scale_log2, st);
+        else attend_rows_mma(rows, n, dk + head, dv + head, qa, scale_log2, st);
+    } else {
+        const ListPart part = {lrun0_row, lrun0_len, lrun1_row, lrun1_len, dense_chunk, lrun_items,
+                               list_off,  list,      list_chunk, bucket_off, bucket_ids,
+                               gridDim.x - dense_items};
+        const u64 head = (u64)h * l_stride * HEAD_DIM;
+        part.item(x - dense_items, h, AttendVisitMma{lk + head, lv + head, &qa, scale_log2, &st});
+    }
+    // Each warp's state into shared memory: query g's maximum and sum (the quad's parts
+    // added) from quad g, queries 2t and 2t + 1's dimensions g * HEAD_DIM / 8 onwards from
+    // thread (g, t), 16 bytes at a time.
+    {
+        const u32 warp = threadIdx.x / 32, wl = threadIdx.x % 32, g = wl / 4, t = wl % 4;
+        float l = st.l;
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (t == 0 && g < GROUP) {
+            sm_m[warp][g] = st.m;
+            sm_l[warp][g] = l;
+        }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            if (2 * t + c < GROUP) {
+                float4* o = reinterpret_cast<float4*>(&SM_O(warp, 2 * t + c, g * (HEAD_DIM / 8)));
+#pragma unroll
+                for (int i = 0; i < MTILES / 2; ++i)
+                    o[i] = make_float4(st.o[2 * i][c], st.o[2 * i][c + 2], st.o[2 * i + 1][c],
+                                       st.o[2 * i + 1][c + 2]);
+            }
+        }
+        // Lanes 0..15 counted distinct rows.
+        const u32 rows = __reduce_add_sync(0xffffffffu, st.rows);
+        if (counts && wl == 0 && rows > 0) atomicAdd(&sm_rows, rows);
+    }
+#else
+    __shared__ __align__(16) float sm_o[PARTS][GROUP][HEAD_DIM];
+#define SM_O(t, g, col) sm_o[t][g][col]
+    float qf[GROUP][8];
+    load_queries(q, h, scale_log2, qf);
+    State st;
+    st.rows = 0;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        st.m[g] = NEG_INF;
+        st.l[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) st.o[g][i] = 0.f;
+    }
+
+    if (x < dense_items) {
+        const u32 first = x * dense_chunk, dense_len = run0_len + run1_len;
+        const u32 n = min_u32(dense_chunk, dense_len - first);
+        const DenseRows rows = {first, run0_row, run0_len, run1_row};
+        const u64 head = (u64)h * d_stride * HEAD_DIM;
+        attend_rows(rows, n, dk + head, dv + head, qf, st);
+    } else {
+        const ListPart part = {lrun0_row, lrun0_len, lrun1_row, lrun1_len, dense_chunk, lrun_items,
+                               list_off,  list,      list_chunk, bucket_off, bucket_ids,
+                               gridDim.x - dense_items};
+        const u64 head = (u64)h * l_stride * HEAD_DIM;
+        part.item(x - dense_items, h, AttendVisit{lk + head, lv + head, &qf, &st});
+    }
+
+    // Combine the teams of the block into this item's partial. The outputs are stored 16
+    // bytes at a time (eight scalar stores a thread would hit the same banks 8 ways).
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        float4* o = reinterpret_cast<float4*>(&SM_O(team, g, lane * 8));
+        o[0] = make_float4(st.o[g][0], st.o[g][1], st.o[g][2], st.o[g][3]);
+        o[1] = make_float4(st.o[g][4], st.o[g][5], st.o[g][6], st.o[g][7]);
+        if (lane == 0) {
+            sm_m[team][g] = st.m[g];
+            sm_l[team][g] = st.l[g];
+        }
+    }
+    // A team's lanes counted the same rows: its first lane adds them (the bucket items
+    // passed a barrier in ListPart::item since sm_rows was zeroed).
+    if (counts && lane == 0 && st.rows > 0) atomicAdd(&sm_rows, st.rows);
+#endif
+    __syncthreads();
+    if (counts && threadIdx.x == 0 && sm_rows > 0) atomicAdd(bucket_rows, (u64)sm_rows);
+    float* partial = partials + ((u64)h * gridDim.x + x) * PARTIAL;
+    for (u32 e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
+        const u32 g = e / HEAD_DIM, col = e % HEAD_DIM;
+        float mx = NEG_INF;
+        for (int t = 0; t < PARTS; ++t) mx = fmaxf(mx, sm_m[t][g]);
+        float o = 0.f, l = 0.f;
+        if (mx != NEG_INF) {
+            for (int t = 0; t < PARTS; ++t) {
+                const float w = exp2f(sm_m[t][g] - mx);
+                o = fmaf(w, SM_O(t, g, col), o);
+                l = fmaf(w, sm_l[t][g], l);
+            }
+        }
+        partial[e] = o;
+        if (col == 0) {
+            partial[GROUP * HEAD_DIM + g] = mx;
+            partial[GROUP * HEAD_DIM + GROUP + g] = l;
+        }
+    }
+
+#ifdef SKIP_MERGE
+    if (SKIP_MERGE) return;
+#endif
+    // Merge by log-sum-exp in two levels, so that no block reads more than about sqrt(items)
+    // partials: the last block of each group of `group_size` items to finish merges the
+    // group's partials, and the last group merged merges the groups' (threadfence reduction).
+    const u32 items = gridDim.x, groups = (items + group_size - 1) / group_size;
+    const u32 group = x / group_size, first = group * group_size;
+    u32* head_counters = counters + (u64)h * (groups + 1);
+    float* group_partials = partials + ((u64)gridDim.y * items + (u64)h * groups) * PARTIAL;
+    float* head_out = out + (u64)h * GROUP * HEAD_DIM;
+    if (!last_to_finish(&head_counters[group], min_u32(group_size, items - first))) return;
+    const float* item_partials = partials + ((u64)h * items + first) * PARTIAL;
+    float* head_lse = lse == nullptr ? nullptr : lse + (u64)h * GROUP;
+    if (groups == 1) {
+        merge(item_partials, items, nullptr, head_out, head_lse);
+    } else {
+        merge(item_partials, min_u32(group_size, items - first), group_partials + (u64)group * PARTIAL, nullptr, nullptr);
+        if (!last_to_finish(&head_counters[groups], groups)) return;
+        merge(group_partials, groups, nullptr, head_out, head_lse);
+    }
+}
+
+// Adds to mass[row] the attention weight of each row of the list part (rows row_of(0..n) of
+// keys k), summed over the group's heads: exp2(logit - lse) for each, as `attend` weighed it.
+// Rows are token ids, so every KV head adds to the same `mass`. Pipelined as attend_rows:
+// UNROLL rows a team in flight, the next iteration's row numbers loaded ahead.
+template <class RowOf>
+__device__ __forceinline__ void mass_rows(const RowOf& row_of, u32 n, const u16* __restrict__ k,
+                                          const float (&qf)[GROUP][8], const float (&lse)[GROUP],
+                                          float* __restrict__ mass) {
+    const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+    u32 next[UNROLL];
+    first_rows(row_of, n, next);
+    // Every thread runs the same iterations, so that the shuffles see whole warps.
+    for (u32 base = 0; base < n; base += STEP) {
+        uint4 kr[UNROLL];
+        u32 rows[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u32 t = base + STEP + u * TEAMS + team;
+            rows[u] = next[u];
+            next[u] = t < n ? row_of(t) : NO_ROW;
+            const uint4 zero = {0u, 0u, 0u, 0u};
+            kr[u] = rows[u] == NO_ROW
+                        ? zero
+                        : __ldg(reinterpret_cast<const uint4*>(k + (u64)rows[u] * HEAD_DIM + lane * 8));
+        }
+        float s[UNROLL][GROUP];
+        group_scores(kr, qf, s);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float w = 0.f;
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) w += exp2f(s[u][g] - lse[g]);
+            if (rows[u] != NO_ROW && lane == 0) atomicAdd(mass + rows[u], w);
+        }
+    }
+}
+
+// ListPart::item's visitor for `attention_mass`.
+struct MassVisit {
+    const u16* k;
+    const float (*qf)[GROUP][8];
+    const float (*lse)[GROUP];
+    float* mass;
+    template <class RowOf>
+    __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
+        mass_rows(rows, n, k, *qf, *lse, mass);
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+attention_mass(const u16* __restrict__ q, float scale_log2, const u16* __restrict__ lk,
+               u64 l_stride, u32 lrun0_row, u32 lrun0_len, u32 lrun1_row, u32 lrun1_len,
+               u32 lrun_chunk, u32 lrun_items, const u32* __restrict__ list_off,
+               const u32* __restrict__ list, u32 list_chunk, const u32* __restrict__ bucket_off,
+               const u32* __restrict__ bucket_ids, const float* __restrict__ lse,
+               float* __restrict__ mass) {
+    const u32 h = blockIdx.y;
+    float qf[GROUP][8];
+    load_queries(q, h, scale_log2, qf);
+    float head_lse[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) head_lse[g] = lse[(u64)h * GROUP + g];
+    const ListPart part = {lrun0_row, lrun0_len,  lrun1_row, lrun1_len, lrun_chunk, lrun_items,
+                           list_off,  list,       list_chunk, bucket_off, bucket_ids,
+                           gridDim.x};
+    const u64 head = (u64)h * l_stride * HEAD_DIM;
+    part.item(blockIdx.x, h, MassVisit{lk + head, &qf, &head_lse, mass});
+}
