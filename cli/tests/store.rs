@@ -276,6 +276,47 @@ fn concurrent_queries_answer_as_sequential_ones_do() -> Result<()> {
     Ok(())
 }
 
+/// A session is a checked question: its errors come before any answer, it names the index
+/// it searches, and answering it is what `ask` does.
+#[test]
+fn a_session_checks_the_question_before_answering() -> Result<()> {
+    let TinyCorpus { loaded, store, .. } = tiny_corpus(2, 1200, 7)?;
+    let corpus = Corpus::open(store, "c", loaded.as_ref(), 1 << 30)?;
+    let model = loaded.as_ref();
+    let options = retrieval(32);
+    let question = "which layer retrieves a block?";
+    let session = corpus.session(model, question, &options)?;
+    assert_eq!(session.index_spec().as_deref(), Some("flat"));
+    let tokens = session.question_tokens();
+    assert!(tokens > 0);
+    let answered = session.answer(&mut |_| Ok(()))?;
+    let asked = corpus.ask(model, question, &options, &mut |_| Ok(()))?;
+    assert_eq!(answered.tokens, asked.tokens);
+    assert_eq!(answered.question_tokens, tokens);
+    assert!(!answered.tokens.is_empty());
+
+    let full = AskOptions {
+        mode: AttentionMode::Full,
+        ..AskOptions::default()
+    };
+    assert_eq!(corpus.session(model, question, &full)?.index_spec(), None);
+    let context = model.model.config().context_length;
+    let too_long = "key ".repeat(context);
+    assert!(matches!(
+        corpus.session(model, &too_long, &options),
+        Err(kvdb::Error::TooLongForContext { .. })
+    ));
+    let no_placeholder = AskOptions {
+        template: Some("no question here".into()),
+        ..retrieval(32)
+    };
+    assert!(matches!(
+        corpus.session(model, question, &no_placeholder),
+        Err(kvdb::Error::TemplatePlaceholder)
+    ));
+    Ok(())
+}
+
 #[test]
 fn a_small_ram_budget_evicts_blocks_and_answers_the_same() -> Result<()> {
     let TinyCorpus { loaded, store, .. } = tiny_corpus(2, 2000, 5)?;

@@ -2,7 +2,7 @@
 //! every retrieval layer [`GpuSession`] attends with the retrieval kernels over the corpus's
 //! keys and values, resident on the GPU ([`GpuCorpusKv`]: rotated once per corpus and shared
 //! by every query), and the query's own tail, which the sequence keeps. The selection
-//! statistics and the dense policy are the CPU's [`Session`].
+//! statistics and the dense policy are the CPU's ([`QueryState`]).
 //!
 //! How a retrieval layer selects depends on the index:
 //! - an index that says how to route on the GPU (`ivf…,norope,all`:
@@ -45,7 +45,7 @@ use crate::error::{Error, Result};
 use crate::generate::{continue_generation, GenerateOptions, Generation};
 use crate::indexes::IndexSet;
 use crate::ingest::ModelRef;
-use crate::session::{Corpus, Session, Step, StepPlace};
+use crate::session::{Corpus, QueryState, Step, StepPlace};
 
 /// Host bytes of stored rows a corpus upload reads ahead of the GPU at most.
 const READ_BYTES: usize = 4 << 30;
@@ -239,11 +239,11 @@ pub(crate) fn generate<'c>(
     corpus: &'c Corpus,
     model: ModelRef<'_>,
     gpu: &GpuModel,
-    session: Session<'c>,
+    session: QueryState<'c>,
     ids: &[u32],
     options: &GenerateOptions,
     on_text: &mut dyn FnMut(&str) -> Result<()>,
-) -> Result<(Generation, Session<'c>)> {
+) -> Result<(Generation, QueryState<'c>)> {
     let tail = ids.len() + options.max_tokens;
     with_sequence(corpus, model, gpu, session, tail, &mut |sequence| {
         continue_generation(sequence, model.tokenizer, ids, options, on_text)
@@ -255,7 +255,7 @@ pub(crate) fn score(
     corpus: &Corpus,
     model: ModelRef<'_>,
     gpu: &GpuModel,
-    session: Session<'_>,
+    session: QueryState<'_>,
     ids: &[u32],
 ) -> Result<Tensor> {
     let (logits, _) = with_sequence(corpus, model, gpu, session, ids.len(), &mut |sequence| {
@@ -272,10 +272,10 @@ fn with_sequence<'c, R>(
     corpus: &'c Corpus,
     model: ModelRef<'_>,
     gpu: &GpuModel,
-    session: Session<'c>,
+    session: QueryState<'c>,
     tail: usize,
     work: &mut dyn FnMut(&mut dyn Forward) -> Result<R>,
-) -> Result<(R, Session<'c>)> {
+) -> Result<(R, QueryState<'c>)> {
     if session.estimates() {
         return Err(Error::NotOnGpu {
             what: "estimating unvisited buckets (`estimate`)",
@@ -396,7 +396,7 @@ struct GpuSession<'c, 'm> {
     /// The attention mass each corpus token received from the answer, once it starts.
     /// First, so that it is dropped first: its stream may still read the buffers below.
     provenance: Option<Provenance>,
-    session: Session<'c>,
+    session: QueryState<'c>,
     kv: Arc<GpuCorpusKv>,
     /// Routing on the GPU, when the query's index allows it.
     routes: Option<Routes>,

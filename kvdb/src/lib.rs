@@ -13,8 +13,9 @@
 //! - [`update_indexes`] builds and saves each spec's key indexes ([`IndexSet`]: per retrieval
 //!   layer and KV head) and catches them up as the corpus grows; [`train_artifact`] trains the
 //!   SAAP artifact a model's `saap` indexes route with.
-//! - [`Corpus`] answers a question over a stored corpus ([`Corpus::ask`]): one query's
-//!   session appends the question after the corpus, and every retrieval layer attends to the
+//! - [`Corpus`] answers a question over a stored corpus ([`Corpus::ask`], or
+//!   [`Corpus::session`] and [`Session::answer`]): one query's [`Session`] appends the
+//!   question after the corpus, and every retrieval layer attends to the
 //!   keys its index selects plus a dense part (sinks and recent tokens), reading keys and
 //!   values through a RAM tier; the [`Answer`] comes with [`Provenance`]. With a model on the
 //!   GPU (feature `gpu`), the query's forward runs there and its retrieval layers attend

@@ -405,7 +405,8 @@ impl Corpus {
             .map_or(0, |sets| sets.values().map(|set| set.memory_bytes()).sum())
     }
 
-    /// Answers `question`, streaming the answer's text to `on_text`.
+    /// Answers `question`, streaming the answer's text to `on_text`: [`Corpus::session`],
+    /// then [`Session::answer`].
     pub fn ask(
         &self,
         model: ModelRef<'_>,
@@ -413,6 +414,19 @@ impl Corpus {
         options: &AskOptions,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Answer> {
+        self.session(model, question, options)?.answer(on_text)
+    }
+
+    /// One query: `question` (in `options.template` when given) checked against the corpus
+    /// and the model's context and tokenised, and the index it searches loaded, ready to
+    /// [`Session::answer`]. Every error a question can cause is raised here, before any
+    /// answer text exists.
+    pub fn session<'a>(
+        &'a self,
+        model: ModelRef<'a>,
+        question: &str,
+        options: &'a AskOptions,
+    ) -> Result<Session<'a>> {
         check_model(&self.manifest, model.record)?;
         let text = match &options.template {
             Some(t) if t.contains("{question}") => t.replace("{question}", question),
@@ -445,52 +459,12 @@ impl Corpus {
             });
         }
         let set = self.index_for(model, &options.mode)?;
-        // The question's last token produces the first answer token: mass counts from there.
-        let answer_from = Some(n + ids.len() - 1);
-        #[allow(unused_mut)]
-        let mut session = self.session(model, &options.mode, set.as_deref(), answer_from)?;
-        #[cfg(feature = "gpu")]
-        {
-            session.profile = options.profile;
-        }
-        let started = Instant::now();
-        let mut first_token = None;
-        let mut stream = |piece: &str| {
-            if first_token.is_none() {
-                first_token = Some(started.elapsed().as_secs_f64());
-            }
-            on_text(piece)
-        };
-        let (generation, mut session) = self.generate(
+        Ok(Session {
+            corpus: self,
             model,
-            session,
-            &options.mode,
-            &ids,
-            &options.generate,
-            &mut stream,
-        )?;
-        let first = first_token.unwrap_or(generation.prefill_seconds);
-        let total = started.elapsed().as_secs_f64();
-        let provenance = match &options.mode {
-            AttentionMode::Retrieval(r) => self.provenance(model, &session.mass, r.policy.sink)?,
-            AttentionMode::Full => Provenance::default(),
-        };
-        let retrieval = session.retriever.take().map(|r| r.stats);
-        let later = generation.tokens.len().saturating_sub(1);
-        Ok(Answer {
-            answer: generation.text,
-            tokens: generation.tokens,
-            stop: generation.stop,
-            corpus_tokens: n,
-            question_tokens: ids.len(),
-            provenance,
-            retrieval,
-            timings: Timings {
-                first_token_seconds: first,
-                decode_seconds: total - first,
-                tokens_per_second: later as f64 / (total - first).max(1e-9),
-                gpu_stage_seconds: std::mem::take(&mut session.gpu_stages),
-            },
+            options,
+            ids,
+            set,
         })
     }
 
@@ -500,12 +474,12 @@ impl Corpus {
     fn generate<'c>(
         &'c self,
         model: ModelRef<'_>,
-        session: Session<'c>,
+        session: QueryState<'c>,
         mode: &AttentionMode,
         ids: &[u32],
         options: &GenerateOptions,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
-    ) -> Result<(Generation, Session<'c>)> {
+    ) -> Result<(Generation, QueryState<'c>)> {
         #[cfg(feature = "gpu")]
         if let Some(gpu) = model.gpu {
             return crate::gpu_session::generate(self, model, gpu, session, ids, options, on_text);
@@ -533,7 +507,7 @@ impl Corpus {
         if let Some(gpu) = model.gpu {
             self.check_score(model, ids)?;
             let set = self.index_for(model, &mode)?;
-            let session = self.session(model, &mode, set.as_deref(), None)?;
+            let session = self.query_state(model, &mode, set.as_deref(), None)?;
             return crate::gpu_session::score(self, model, gpu, session, ids);
         }
         self.score_observed(model, ids, mode, &mut |_| Ok(()))
@@ -576,7 +550,7 @@ impl Corpus {
         let set = self.index_for(model, &mode)?;
         let mut session = CpuSession {
             full: self.dense_attention(model, &mode)?,
-            session: self.session(model, &mode, set.as_deref(), None)?,
+            session: self.query_state(model, &mode, set.as_deref(), None)?,
         };
         let mut observed = |input: &AttentionInput<'_>| -> kvdb_model::Result<Tensor> {
             observe(input).map_err(|e| kvdb_model::ModelError::Backend {
@@ -612,13 +586,13 @@ impl Corpus {
     /// A fresh per-query state: under retrieval an empty tail and a searcher per retrieval
     /// layer and KV head. Attention mass counts for provenance from position `answer_from`
     /// on (`None`: not at all).
-    fn session<'c>(
+    fn query_state<'c>(
         &'c self,
         model: ModelRef<'_>,
         mode: &AttentionMode,
         set: Option<&'c IndexSet>,
         answer_from: Option<usize>,
-    ) -> Result<Session<'c>> {
+    ) -> Result<QueryState<'c>> {
         let config = model.model.config();
         let mut layers: Vec<LayerState<'c>> =
             (0..config.n_layers()).map(|_| LayerState::Dense).collect();
@@ -641,7 +615,7 @@ impl Corpus {
             }
             _ => None,
         };
-        Ok(Session {
+        Ok(QueryState {
             corpus: self,
             layers,
             retriever,
@@ -927,9 +901,96 @@ enum LayerState<'c> {
     Retrieval(Vec<RetrievalHead<'c>>),
 }
 
+/// One query on a corpus (ARCHITECTURE's `Session`), made by [`Corpus::session`]: the
+/// question checked and tokenised, the index it searches loaded. [`Session::answer`] runs
+/// it; the per-step state it decodes with ([`QueryState`]) lives only while it answers.
+#[derive(Debug)]
+pub struct Session<'a> {
+    corpus: &'a Corpus,
+    model: ModelRef<'a>,
+    options: &'a AskOptions,
+    /// The question's tokens, as they follow the corpus.
+    ids: Vec<u32>,
+    /// The indexes it searches (`None` under full attention).
+    set: Option<Arc<IndexSet>>,
+}
+
+impl Session<'_> {
+    /// The question's tokens (template included).
+    pub fn question_tokens(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// The spec of the index the question searches, as built (`None` under full
+    /// attention).
+    pub fn index_spec(&self) -> Option<String> {
+        self.set.as_ref().map(|set| set.built_spec())
+    }
+
+    /// Decodes the answer on the model's device, streaming its text to `on_text`, and
+    /// returns it with its provenance, retrieval statistics and timings.
+    pub fn answer(self, on_text: &mut dyn FnMut(&str) -> Result<()>) -> Result<Answer> {
+        let Self {
+            corpus,
+            model,
+            options,
+            ids,
+            set,
+        } = self;
+        let n = corpus.manifest.tokens;
+        // The question's last token produces the first answer token: mass counts from there.
+        let answer_from = Some(n + ids.len() - 1);
+        #[allow(unused_mut)]
+        let mut state = corpus.query_state(model, &options.mode, set.as_deref(), answer_from)?;
+        #[cfg(feature = "gpu")]
+        {
+            state.profile = options.profile;
+        }
+        let started = Instant::now();
+        let mut first_token = None;
+        let mut stream = |piece: &str| {
+            if first_token.is_none() {
+                first_token = Some(started.elapsed().as_secs_f64());
+            }
+            on_text(piece)
+        };
+        let (generation, mut state) = corpus.generate(
+            model,
+            state,
+            &options.mode,
+            &ids,
+            &options.generate,
+            &mut stream,
+        )?;
+        let first = first_token.unwrap_or(generation.prefill_seconds);
+        let total = started.elapsed().as_secs_f64();
+        let provenance = match &options.mode {
+            AttentionMode::Retrieval(r) => corpus.provenance(model, &state.mass, r.policy.sink)?,
+            AttentionMode::Full => Provenance::default(),
+        };
+        let retrieval = state.retriever.take().map(|r| r.stats);
+        let later = generation.tokens.len().saturating_sub(1);
+        Ok(Answer {
+            answer: generation.text,
+            tokens: generation.tokens,
+            stop: generation.stop,
+            corpus_tokens: n,
+            question_tokens: ids.len(),
+            provenance,
+            retrieval,
+            timings: Timings {
+                first_token_seconds: first,
+                decode_seconds: total - first,
+                tokens_per_second: later as f64 / (total - first).max(1e-9),
+                gpu_stage_seconds: std::mem::take(&mut state.gpu_stages),
+            },
+        })
+    }
+}
+
 /// One query's state, whatever device it runs on: how each layer attends, the retrieval
 /// budget and statistics, and the attention mass the corpus received.
-pub(crate) struct Session<'c> {
+pub(crate) struct QueryState<'c> {
     pub(crate) corpus: &'c Corpus,
     /// Per layer of the model.
     layers: Vec<LayerState<'c>>,
@@ -949,7 +1010,7 @@ pub(crate) struct Session<'c> {
     pub(crate) gpu_stages: BTreeMap<&'static str, f64>,
 }
 
-impl<'c> Session<'c> {
+impl<'c> QueryState<'c> {
     /// Whether `layer` retrieves (else it attends densely, or to the whole corpus).
     pub(crate) fn retrieves(&self, layer: usize) -> bool {
         self.retriever.is_some() && matches!(self.layers.get(layer), Some(LayerState::Retrieval(_)))
@@ -1025,7 +1086,7 @@ impl<'c> Session<'c> {
 
     /// Counts one token's searches at a layer whose buckets were routed elsewhere (on a
     /// GPU): one search per KV head of `scored` scores each, over the eligible keys at
-    /// `position`. What they selected is counted by [`Session::add_selected`].
+    /// `position`. What they selected is counted by [`QueryState::add_selected`].
     #[cfg(feature = "gpu")]
     pub(crate) fn record_routed(&mut self, position: usize, kv_heads: usize, scored: usize) {
         let n = self.corpus.manifest.tokens;
@@ -1100,10 +1161,10 @@ struct HeadRows<'s> {
     means: Vec<Option<&'s [f32]>>,
 }
 
-/// The CPU's query state: the shared [`Session`] for retrieval layers, [`FullAttention`]
+/// The CPU's query state: the shared [`QueryState`] for retrieval layers, [`FullAttention`]
 /// (stored windows preloaded, and every corpus token under full attention) for the others.
 struct CpuSession<'c> {
-    session: Session<'c>,
+    session: QueryState<'c>,
     full: FullAttention,
 }
 
