@@ -274,6 +274,15 @@ pub struct HeadQuality {
     pub layer: usize,
     /// The KV head.
     pub kv_head: usize,
+    /// What was measured there (results.json keeps its fields beside the layer's).
+    #[serde(flatten)]
+    pub quality: Quality,
+}
+
+/// Retrieval quality measures: of one layer and KV head, or their mean over all of them
+/// ([`crate::report::overall`]).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Quality {
     /// Share of the eligible attention mass covered.
     pub mass_recall: f64,
     /// The same for a random selection of the same size.
@@ -977,15 +986,17 @@ impl Sums {
         HeadQuality {
             layer,
             kv_head,
-            mass_recall: mean(&self.mass),
-            random_mass_recall: mean(&self.random_mass),
-            top_k_recall: mean(&self.top_k),
-            output_error: mean(&self.error),
-            random_output_error: mean(&self.random_error),
-            selectivity: mean(&self.selectivity),
-            scored: mean(&self.scored),
-            latency_p50_us: quantile(&self.latency_us, 0.5),
-            latency_p99_us: quantile(&self.latency_us, 0.99),
+            quality: Quality {
+                mass_recall: mean(&self.mass),
+                random_mass_recall: mean(&self.random_mass),
+                top_k_recall: mean(&self.top_k),
+                output_error: mean(&self.error),
+                random_output_error: mean(&self.random_error),
+                selectivity: mean(&self.selectivity),
+                scored: mean(&self.scored),
+                latency_p50_us: quantile(&self.latency_us, 0.5),
+                latency_p99_us: quantile(&self.latency_us, 0.99),
+            },
         }
     }
 }
@@ -1030,7 +1041,12 @@ fn end_to_end_of(
         .iter()
         .find(|(p, _)| p == point)
         .map_or(0.0, |(_, heads)| {
-            mean(&heads.iter().map(|h| h.selectivity).collect::<Vec<_>>())
+            mean(
+                &heads
+                    .iter()
+                    .map(|h| h.quality.selectivity)
+                    .collect::<Vec<_>>(),
+            )
         });
     end_to_end(&point.label(), logits, full, eval, selectivity)
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
-use crate::harness::{BenchError, BenchResult, ContextResult, HeadQuality, Result};
+use crate::harness::{BenchError, BenchResult, ContextResult, HeadQuality, Quality, Result};
 use crate::metrics::mean;
 
 fn io(what: &Path) -> impl FnOnce(std::io::Error) -> BenchError {
@@ -40,11 +40,10 @@ pub fn write_report(result: &BenchResult, dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// The mean of a point's measures over retrieval layers and KV heads (latency percentiles
 /// are averaged per head).
-pub fn overall(heads: &[HeadQuality]) -> HeadQuality {
-    let avg = |f: fn(&HeadQuality) -> f64| mean(&heads.iter().map(f).collect::<Vec<_>>());
-    HeadQuality {
-        layer: usize::MAX,
-        kv_head: usize::MAX,
+pub fn overall(heads: &[HeadQuality]) -> Quality {
+    let avg =
+        |f: fn(&Quality) -> f64| mean(&heads.iter().map(|h| f(&h.quality)).collect::<Vec<_>>());
+    Quality {
         mass_recall: avg(|h| h.mass_recall),
         random_mass_recall: avg(|h| h.random_mass_recall),
         top_k_recall: avg(|h| h.top_k_recall),
@@ -224,7 +223,7 @@ fn context_plots(c: &ContextResult, dir: &Path) -> Result<Vec<PathBuf>> {
             specs.push(&p.spec);
         }
     }
-    let series = |x: fn(&HeadQuality) -> f64, y: fn(&HeadQuality) -> f64| {
+    let series = |x: fn(&Quality) -> f64, y: fn(&Quality) -> f64| {
         specs
             .iter()
             .map(|spec| {

@@ -63,10 +63,10 @@ fn flat_is_exact_random_covers_its_share_and_the_report_is_written() -> Result<(
         if point.k == Some(n) {
             // Every eligible key selected: exact.
             for h in heads {
-                assert!((h.mass_recall - 1.0).abs() < 1e-12, "{h:?}");
-                assert!(h.output_error < 1e-12, "{h:?}");
-                assert_eq!(h.top_k_recall, 1.0);
-                assert_eq!(h.selectivity, 1.0);
+                assert!((h.quality.mass_recall - 1.0).abs() < 1e-12, "{h:?}");
+                assert!(h.quality.output_error < 1e-12, "{h:?}");
+                assert_eq!(h.quality.top_k_recall, 1.0);
+                assert_eq!(h.quality.selectivity, 1.0);
             }
         } else {
             // A fifth of the keys: random covers about a fifth of the mass, flat more.
