@@ -16,13 +16,18 @@
 // and values are rows of HEAD_DIM elements, KV head h's rows starting at row h*stride of
 // their buffer; out [kv_heads, GROUP, HEAD_DIM] f32.
 //
-// Grid: (items, kv_heads). Item x < dense_items attends to a slice of the dense part (up to
+// Grid: (kv_heads, items), so that blocks are dispatched item by item across the heads (the
+// dense and run items first). Item x < dense_items attends to a slice of the dense part (up to
 // two runs of consecutive rows of the dense buffer: sinks and window, or a query's own
 // tail). The other items are the list part, rows of the list buffer: first slices of its
 // own runs (up to two: a stored corpus's sinks and window), then the head's list: in list
 // mode a slice of `list_chunk` rows of it, in bucket mode an equal share of the ids of the
 // head's visited buckets (CSR offsets), read as one sequence; bucket ids inside the list
 // buffer's runs are skipped, so no token counts twice.
+// Launched right after the routing kernel that writes the visits (`after_route`, with
+// programmatic dependent launch on Hopper), the blocks may start while routing runs: only
+// the bucket items wait for it (griddepcontrol.wait) before reading the visits; everything
+// else they read was written before routing started.
 // Each item writes a partial (unnormalised output, max, sum of exponentials, in base 2); the
 // last block of a head to finish merges the head's partials into `out` (and, when asked, each
 // query head's log-sum-exp into `lse`) and resets its counter for the next launch.
@@ -708,8 +713,8 @@ attend(const u16* __restrict__ q, float scale_log2,
        // results
        u32 group_size, float* __restrict__ partials, u32* __restrict__ counters,
        float* __restrict__ out, float* __restrict__ lse, u64* __restrict__ bucket_rows,
-       u16* __restrict__ q_keep) {
-    const u32 h = blockIdx.y, x = blockIdx.x;
+       u16* __restrict__ q_keep, u32 after_route) {
+    const u32 h = blockIdx.x, x = blockIdx.y, items = gridDim.y, heads = gridDim.x;
     const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
     // The first item of each head keeps the head's queries for `attention_mass`, which may
     // run after the caller's query buffer has changed.
@@ -725,6 +730,10 @@ attend(const u16* __restrict__ q, float scale_log2,
     const bool counts = bucket_rows != nullptr && bucket_off != nullptr &&
                         x >= dense_items + lrun_items;
     if (threadIdx.x == 0) sm_rows = 0;
+#if __CUDA_ARCH__ >= 900
+    // The visits come from the routing launch before this one: wait for it to finish.
+    if (after_route && x >= dense_items + lrun_items) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 
     __shared__ __align__(16) float sm_o[PARTS][GROUP][HEAD_DIM];
     __shared__ float sm_m[PARTS][GROUP];
@@ -752,7 +761,7 @@ attend(const u16* __restrict__ q, float scale_log2,
     } else {
         const ListPart part = {lrun0_row, lrun0_len, lrun1_row, lrun1_len, dense_chunk, lrun_items,
                                list_off,  list,      list_chunk, bucket_off, bucket_ids,
-                               gridDim.x - dense_items};
+                               items - dense_items};
         const u64 head = (u64)h * l_stride * HEAD_DIM;
         part.item(x - dense_items, h, AttendVisitMma{lk + head, lv + head, &qa, scale_log2, &st});
     }
@@ -804,7 +813,7 @@ attend(const u16* __restrict__ q, float scale_log2,
     } else {
         const ListPart part = {lrun0_row, lrun0_len, lrun1_row, lrun1_len, dense_chunk, lrun_items,
                                list_off,  list,      list_chunk, bucket_off, bucket_ids,
-                               gridDim.x - dense_items};
+                               items - dense_items};
         const u64 head = (u64)h * l_stride * HEAD_DIM;
         part.item(x - dense_items, h, AttendVisit{lk + head, lv + head, &qf, &st});
     }
@@ -827,7 +836,7 @@ attend(const u16* __restrict__ q, float scale_log2,
 #endif
     __syncthreads();
     if (counts && threadIdx.x == 0 && sm_rows > 0) atomicAdd(bucket_rows, (u64)sm_rows);
-    float* partial = partials + ((u64)h * gridDim.x + x) * PARTIAL;
+    float* partial = partials + ((u64)h * items + x) * PARTIAL;
     for (u32 e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
         const u32 g = e / HEAD_DIM, col = e % HEAD_DIM;
         float mx = NEG_INF;
@@ -850,10 +859,10 @@ attend(const u16* __restrict__ q, float scale_log2,
     // Merge by log-sum-exp in two levels, so that no block reads more than about sqrt(items)
     // partials: the last block of each group of `group_size` items to finish merges the
     // group's partials, and the last group merged merges the groups' (threadfence reduction).
-    const u32 items = gridDim.x, groups = (items + group_size - 1) / group_size;
+    const u32 groups = (items + group_size - 1) / group_size;
     const u32 group = x / group_size, first = group * group_size;
     u32* head_counters = counters + (u64)h * (groups + 1);
-    float* group_partials = partials + ((u64)gridDim.y * items + (u64)h * groups) * PARTIAL;
+    float* group_partials = partials + ((u64)heads * items + (u64)h * groups) * PARTIAL;
     float* head_out = out + (u64)h * GROUP * HEAD_DIM;
     if (!last_to_finish(&head_counters[group], min_u32(group_size, items - first))) return;
     const float* item_partials = partials + ((u64)h * items + first) * PARTIAL;

@@ -45,6 +45,11 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, u32 head_dim,
               u32 buckets, u32 probes,
               u32* __restrict__ visited) {
+#if __CUDA_ARCH__ >= 900
+    // A bucket attention launched after this one (programmatic dependent launch) may start
+    // its blocks now: those that need the visits wait for this grid to finish.
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
     // The buckets' scores, padded with -inf to whole SCAN chunks.
     extern __shared__ float scores[];
     const u32 padded = (buckets + SCAN - 1) / SCAN * SCAN;

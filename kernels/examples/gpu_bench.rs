@@ -646,6 +646,32 @@ impl<'g, T: KvElement> Bench<'g, T> {
         let t = time_events(gpu, self.iters, &mut both)?;
         let graph = time_graph(gpu, SETS, self.iters, &mut both)?;
         rows.push(("route+bucket_attention".to_string(), tokens, t, graph));
+        // The same two launches through Partition::route_and_attend: the attention's blocks
+        // start while routing runs (programmatic dependent launch on Hopper).
+        let mut together = |i: usize| -> Result<()> {
+            let kv = &copies[i % copies.len()];
+            let heads = queries[i % SETS].as_view();
+            let query = Query {
+                heads: &heads,
+                scale,
+            };
+            let q = route_queries[i % SETS].as_view();
+            let dense = Dense { kv, runs: &[] };
+            Ok(partition.route_and_attend(
+                gpu,
+                &q,
+                &mut visits[i % SETS],
+                ws,
+                query,
+                dense,
+                kv,
+                &runs,
+                &mut out.as_view_mut(),
+            )?)
+        };
+        let t = time_events(gpu, self.iters, &mut together)?;
+        let graph = time_graph(gpu, SETS, self.iters, &mut together)?;
+        rows.push(("route_and_attend".to_string(), tokens, t, graph));
         Ok(rows
             .into_iter()
             .map(|(what, tokens, t, graph)| {

@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use cudarc::driver::sys;
 use cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
@@ -295,7 +296,7 @@ pub fn flash_decode<T: KvElement>(
         kv,
         runs: std::slice::from_ref(&all),
     };
-    launch(gpu, workspace, plan(query, dense, None)?, out)
+    launch(gpu, workspace, plan(query, dense, None)?, out, false)
 }
 
 /// Retrieval attention of one decode step: every query head over its KV head's dense part
@@ -313,7 +314,7 @@ pub fn retrieval_attention<T: KvElement>(
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     let plan = plan(query, dense, Some(ListPart::Selected(selected)))?;
-    launch(gpu, workspace, plan, out)
+    launch(gpu, workspace, plan, out, false)
 }
 
 /// Bucket attention of one decode step (SAAP / IVF with every key of the visited buckets):
@@ -330,7 +331,23 @@ pub fn bucket_attention<T: KvElement>(
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     let plan = plan(query, dense, Some(ListPart::Buckets(buckets)))?;
-    launch(gpu, workspace, plan, out)
+    launch(gpu, workspace, plan, out, false)
+}
+
+/// [`bucket_attention`] launched right after the routing launch that wrote `buckets`'
+/// visits ([`crate::Partition::route_and_attend`]): on Hopper, a programmatic dependent
+/// launch whose blocks start while routing runs, only the bucket items waiting for it.
+/// Everything else the launch reads must have been written before that routing launch.
+pub(crate) fn bucket_attention_after_route<T: KvElement>(
+    gpu: &Gpu,
+    workspace: &mut Workspace,
+    query: Query<'_, T>,
+    dense: Dense<'_, T>,
+    buckets: Buckets<'_, T>,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    let plan = plan(query, dense, Some(ListPart::Buckets(buckets)))?;
+    launch(gpu, workspace, plan, out, true)
 }
 
 /// Adds to `mass[id]` the attention weight that row `id` of `part`'s buffer received in the
@@ -575,11 +592,14 @@ fn plan<'a, T>(
     })
 }
 
+/// Launches `attend`; `after_route` when the launch right before it on the stream is the
+/// routing that wrote the visits and nothing else it reads changed since that launch began.
 fn launch<T: KvElement>(
     gpu: &Gpu,
     workspace: &mut Workspace,
     launch: Launch<'_, T>,
     out: &mut CudaViewMut<'_, f32>,
+    after_route: bool,
 ) -> Result<()> {
     let head_dim = launch.dense.head_dim;
     let group = group_of(launch.query, launch.kv_heads, head_dim)?;
@@ -699,47 +719,81 @@ fn launch<T: KvElement>(
         bucket_rows: list.count.map_or(0, |c| gpu.address(c)),
         q_keep: gpu.address(&workspace.queries),
     };
-    let config = LaunchConfig {
-        grid_dim: (items_u32, heads_u32, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+    // Only where routing comes right before (the flag tells the bucket items to wait for
+    // it) and the device has programmatic dependent launch (compute capability 9.0 on).
+    let programmatic = after_route && gpu.programmatic_launch();
+    let after_route_u32 = u32::from(programmatic);
+    let mut params: [*mut std::ffi::c_void; 32] = [
+        &args.q as *const u64 as *mut _,
+        &args.scale_log2 as *const f32 as *mut _,
+        &args.dense_keys as *const u64 as *mut _,
+        &args.dense_values as *const u64 as *mut _,
+        &args.dense_stride as *const u64 as *mut _,
+        &args.runs[0].0 as *const u32 as *mut _,
+        &args.runs[0].1 as *const u32 as *mut _,
+        &args.runs[1].0 as *const u32 as *mut _,
+        &args.runs[1].1 as *const u32 as *mut _,
+        &args.dense_chunk as *const u32 as *mut _,
+        &args.dense_items as *const u32 as *mut _,
+        &args.list_keys as *const u64 as *mut _,
+        &args.list_values as *const u64 as *mut _,
+        &args.list_stride as *const u64 as *mut _,
+        &args.list_runs[0].0 as *const u32 as *mut _,
+        &args.list_runs[0].1 as *const u32 as *mut _,
+        &args.list_runs[1].0 as *const u32 as *mut _,
+        &args.list_runs[1].1 as *const u32 as *mut _,
+        &args.list_run_items as *const u32 as *mut _,
+        &args.list_off as *const u64 as *mut _,
+        &args.list as *const u64 as *mut _,
+        &args.list_chunk as *const u32 as *mut _,
+        &args.bucket_off as *const u64 as *mut _,
+        &args.bucket_ids as *const u64 as *mut _,
+        &args.group_size as *const u32 as *mut _,
+        &args.partials as *const u64 as *mut _,
+        &args.counters as *const u64 as *mut _,
+        &args.out as *const u64 as *mut _,
+        &args.lse as *const u64 as *mut _,
+        &args.bucket_rows as *const u64 as *mut _,
+        &args.q_keep as *const u64 as *mut _,
+        &after_route_u32 as *const u32 as *mut _,
+    ];
+    let mut attribute = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        // Safety: a plain-data union of the driver's; zero is every member's default.
+        value: unsafe { std::mem::zeroed() },
     };
-    let mut builder = gpu.stream().launch_builder(&kernel.function);
-    builder
-        .arg(&args.q)
-        .arg(&args.scale_log2)
-        .arg(&args.dense_keys)
-        .arg(&args.dense_values)
-        .arg(&args.dense_stride)
-        .arg(&args.runs[0].0)
-        .arg(&args.runs[0].1)
-        .arg(&args.runs[1].0)
-        .arg(&args.runs[1].1)
-        .arg(&args.dense_chunk)
-        .arg(&args.dense_items)
-        .arg(&args.list_keys)
-        .arg(&args.list_values)
-        .arg(&args.list_stride)
-        .arg(&args.list_runs[0].0)
-        .arg(&args.list_runs[0].1)
-        .arg(&args.list_runs[1].0)
-        .arg(&args.list_runs[1].1)
-        .arg(&args.list_run_items)
-        .arg(&args.list_off)
-        .arg(&args.list)
-        .arg(&args.list_chunk)
-        .arg(&args.bucket_off)
-        .arg(&args.bucket_ids)
-        .arg(&args.group_size)
-        .arg(&args.partials)
-        .arg(&args.counters)
-        .arg(&args.out)
-        .arg(&args.lse)
-        .arg(&args.bucket_rows)
-        .arg(&args.q_keep);
-    // Safety: the arguments match `attend`'s signature in order and type; every address is
-    // of a live buffer whose length was checked against the rows the kernel reads.
-    unsafe { builder.launch(config) }.map_err(driver("launching attend"))?;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    // Grid (KV heads, items): blocks are dispatched item by item across the heads.
+    let config = sys::CUlaunchConfig {
+        gridDimX: heads_u32,
+        gridDimY: items_u32,
+        gridDimZ: 1,
+        blockDimX: THREADS,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: gpu.stream().cu_stream(),
+        attrs: &mut attribute,
+        numAttrs: u32::from(programmatic),
+    };
+    // Safety: `params` points at one value for each of `attend`'s parameters, in order and
+    // of its types, all alive until the call returns (the driver copies them); every address
+    // is of a live buffer whose length was checked against the rows the kernel reads.
+    // The raw launch needs the context current on this thread, as cudarc's own launches do.
+    gpu.context()
+        .bind_to_thread()
+        .map_err(driver("binding the context to the thread"))?;
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            kernel.function.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()
+    }
+    .map_err(driver("launching attend"))?;
     Ok(())
 }
 

@@ -300,6 +300,15 @@ impl Gpu {
             .map_err(driver("waiting for another stream's event"))
     }
 
+    /// Whether launches may overlap the launch before them on the stream (programmatic
+    /// dependent launch: compute capability 9.0 and up).
+    pub(crate) fn programmatic_launch(&self) -> bool {
+        self.arch
+            .trim_start_matches("compute_")
+            .parse::<u32>()
+            .is_ok_and(|cc| cc >= 90)
+    }
+
     /// Number of streaming multiprocessors.
     pub fn multiprocessors(&self) -> u32 {
         self.multiprocessors

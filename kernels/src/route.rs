@@ -3,12 +3,14 @@
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 
-use crate::attention::{lanes_of, Buckets, MAX_VISITED_BUCKETS};
+use crate::attention::{
+    bucket_attention_after_route, lanes_of, Buckets, Dense, Query, Workspace, MAX_VISITED_BUCKETS,
+};
 use crate::buffers::{Csr, KvCache};
 use crate::error::{driver, length, KernelError, Result};
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, KvElement};
 
 const SOURCE: &str = include_str!("../cuda/route.cu");
 
@@ -231,5 +233,29 @@ impl Partition {
         // probes <= buckets.
         unsafe { builder.launch(config) }.map_err(driver("launching route_buckets"))?;
         Ok(())
+    }
+
+    /// [`Partition::route`] then [`crate::bucket_attention`] over the visits (rows of `kv`
+    /// with `runs` attended whole, and `dense`), launched back to back: on Hopper the
+    /// attention's blocks start while routing runs (programmatic dependent launch), and
+    /// only those that attend the visited buckets wait for it. The same results as the two
+    /// calls; everything the attention reads but the visits (queries, rows, workspace) must
+    /// be ready before this call, as for them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_and_attend<T: KvElement>(
+        &self,
+        gpu: &Gpu,
+        route_queries: &CudaView<'_, f32>,
+        visits: &mut Visits,
+        workspace: &mut Workspace,
+        query: Query<'_, T>,
+        dense: Dense<'_, T>,
+        kv: &KvCache<T>,
+        runs: &[Range<u32>],
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        self.route(gpu, route_queries, visits)?;
+        let part = self.list_part(visits, kv, runs);
+        bucket_attention_after_route(gpu, workspace, query, dense, part, out)
     }
 }

@@ -880,6 +880,122 @@ mod on_gpu {
         Ok(())
     }
 
+    /// `Partition::route_and_attend` (routing, then the attention launched to overlap it on
+    /// Hopper) gives the outputs, visits and count of `route` then `bucket_attention`, bit
+    /// for bit, and the reference's attention over what it visited: GQA groups 1/4/7/8,
+    /// head dims 64/128 (tensor cores) and 256 (scalar), f16 and bf16, ragged buckets, a
+    /// query's tail in another buffer, two steps in a row on the same workspace.
+    #[test]
+    fn route_and_attend_matches_route_then_attend() -> Result<()> {
+        let Some((gpu, mut rng)) = start("route_and_attend_matches_route_then_attend") else {
+            return Ok(());
+        };
+        for (kv_heads, group, head_dim, tokens, buckets) in [
+            (2, 4, 128, 20_000, 64),
+            (1, 8, 128, 9000, 100),
+            (3, 7, 64, 5000, 33),
+            (2, 1, 64, 3000, 16),
+            (1, 4, 256, 4000, 20),
+        ] {
+            let shape = (kv_heads, group, head_dim, tokens);
+            route_and_attend_case::<half::f16>(&gpu, &mut rng, shape, buckets)?;
+            route_and_attend_case::<half::bf16>(&gpu, &mut rng, shape, buckets)?;
+        }
+        Ok(())
+    }
+
+    fn floats(rng: &mut StdRng, len: usize) -> Vec<f32> {
+        (0..len).map(|_| rng.random_range(-1.0..1.0)).collect()
+    }
+
+    fn route_and_attend_case<T: KvElement>(
+        gpu: &Gpu,
+        rng: &mut StdRng,
+        shape: Shape,
+        buckets: usize,
+    ) -> Result<()> {
+        let (kv_heads, group, head_dim, tokens) = shape;
+        let layer = Layer::<T>::new(rng, shape);
+        let tail = rng.random_range(0..=40.min(tokens - 1));
+        let n = tokens - tail;
+        let corpus = cache_of(gpu, &layer, 0..n)?;
+        let ring = cache_of(gpu, &layer, n..tokens)?;
+        let tail_runs: Vec<Range<u32>> = std::iter::once(0..tail as u32)
+            .filter(|r| !r.is_empty())
+            .collect();
+        let queries = gpu.upload(&layer.queries)?;
+        let queries = queries.as_view();
+        let query = layer.query(&queries);
+        let centroids = floats(rng, kv_heads * buckets * head_dim);
+        let lists = random_buckets(rng, kv_heads, n, buckets);
+        let partition = Partition::new(gpu, &centroids, &lists, kv_heads, head_dim)?;
+        let probes = rng.random_range(1..=buckets.min(16));
+        let (runs, _) = selection(rng, kv_heads, n, 0.0);
+        let (mut visits_a, mut visits_b) = (
+            partition.visits(gpu, probes)?,
+            partition.visits(gpu, probes)?,
+        );
+        let mut ws_a = Workspace::new(gpu)?;
+        let mut ws_b = Workspace::new(gpu)?;
+        for step in 0..2 {
+            let route_queries = gpu.upload(&floats(rng, kv_heads * group * head_dim))?;
+            let route_queries = route_queries.as_view();
+            let dense = Dense {
+                kv: &ring,
+                runs: &tail_runs,
+            };
+            let mut out_a = poisoned(gpu, layer.queries.len())?;
+            partition.route(gpu, &route_queries, &mut visits_a)?;
+            let part = partition.list_part(&visits_a, &corpus, &runs);
+            bucket_attention(gpu, &mut ws_a, query, dense, part, &mut out_a.as_view_mut())?;
+            let mut out_b = poisoned(gpu, layer.queries.len())?;
+            partition.route_and_attend(
+                gpu,
+                &route_queries,
+                &mut visits_b,
+                &mut ws_b,
+                query,
+                dense,
+                &corpus,
+                &runs,
+                &mut out_b.as_view_mut(),
+            )?;
+            let (got_a, got_b) = (written(gpu, &out_a)?, written(gpu, &out_b)?);
+            let what = format!("route_and_attend {:?} {shape:?} {buckets} buckets, {probes} probed, tail {tail}, step {step}", T::DTYPE);
+            let visited = visits_b.visited().to_lists(gpu)?;
+            ensure!(
+                visits_a.visited().to_lists(gpu)? == visited,
+                "{what}: visits differ"
+            );
+            ensure!(
+                visits_a.selected(gpu)? == visits_b.selected(gpu)?,
+                "{what}: counted {} and {} ids",
+                visits_a.selected(gpu)?,
+                visits_b.selected(gpu)?
+            );
+            let same = got_a
+                .iter()
+                .zip(&got_b)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            ensure!(
+                same,
+                "{what}: outputs differ from route then bucket_attention"
+            );
+            let attended: Vec<Vec<u32>> = visited
+                .iter()
+                .map(|bs| {
+                    let mut ids = ids_of(&runs);
+                    ids.extend(tail_runs.iter().cloned().flatten().map(|r| n as u32 + r));
+                    let bucket_ids = bs.iter().flat_map(|&b| &lists[b as usize]);
+                    ids.extend(bucket_ids.filter(|id| !runs.iter().any(|r| r.contains(id))));
+                    ids
+                })
+                .collect();
+            close(&what, &got_b, &layer.reference(&attended)?, TOLERANCE)?;
+        }
+        Ok(())
+    }
+
     /// Through the pinned-host block cache the outputs equal the resident ones, a repeated
     /// step hits every block, and evictions keep it right.
     #[test]
