@@ -3,8 +3,8 @@
 // of queries picks the `probes` buckets of best score, where a bucket's score is the best
 // over the group's heads (as `IvfIndex` does on the CPU), ties to the lower bucket.
 //
-// Compiled by NVRTC with GROUP, the query heads per KV head (1..16), defined; head_dim / 8
-// is a power of two up to 32.
+// Compiled by NVRTC with GROUP, the query heads per KV head (1..16), and HEAD_DIM defined;
+// HEAD_DIM / 8 is a power of two up to 32.
 //
 // Layouts: queries [kv_heads, GROUP, head_dim] f32; centroids [kv_heads, buckets, head_dim]
 // f32; `visited` [kv_heads, probes] gets list numbers of the partition's CSR of ids, in
@@ -43,7 +43,7 @@ __device__ __forceinline__ void load8(const float* p, float (&x)[8]) {
 
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, u32 head_dim,
-              u32 buckets, u32 probes,
+              u32 buckets, u32 probes, u32 per,
               u32* __restrict__ visited) {
 #if __CUDA_ARCH__ >= 900
     // A bucket attention launched after this one (programmatic dependent launch) may start
@@ -61,7 +61,9 @@ route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, 
     // adjacent threads that each hold 8 dimensions of every group query in registers (read
     // once) and load the same 8 of the bucket's centroid: a warp reads whole centroids,
     // and the queries never pass through shared memory.
-    const u32 lanes = head_dim / 8, sub = threadIdx.x % lanes, per_pass = blockDim.x / lanes;
+    // The threads of a bucket: a constant, so that their shuffles unroll.
+    constexpr u32 lanes = HEAD_DIM / 8;
+    const u32 sub = threadIdx.x % lanes, per_pass = ROUTE_THREADS / lanes;
     float qr[GROUP][8];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) load8(q + ((u64)h * GROUP + g) * head_dim + sub * 8, qr[g]);
@@ -82,6 +84,7 @@ route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, 
                 float x = 0.f;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) x = fmaf(qr[g][i], c[u][i], x);
+#pragma unroll
                 for (u32 off = lanes / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
                 best = fmaxf(best, x);
             }
@@ -97,7 +100,7 @@ route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, 
     // it alone has counted `probes` (the bucket is then not visited), and the shuffles add
     // the parts up. Comparisons are branch-free, so a warp's lanes never diverge inside a
     // chunk. NaN scores compare false both ways: never better than another, never visited.
-    const u32 per = (buckets + gridDim.y - 1) / gridDim.y;
+    // Each slice's `per` buckets (the launcher divides them).
     const u32 first = min(blockIdx.y * per, buckets), end = min(first + per, buckets);
     u32 split = 1;
     while (split < 32 && split * 2 * (end - first) <= blockDim.x) split *= 2;

@@ -206,13 +206,23 @@ impl Partition {
         let probes = visits.visited.longest() as u32;
         // The scores, padded to whole chunks of 8 (`SCAN` in `route.cu`).
         let smem = self.buckets.next_multiple_of(8) * size_of::<f32>();
-        let function = gpu.kernel(SOURCE, "route_buckets", &[("GROUP", group.to_string())])?;
+        let function = gpu.kernel(
+            SOURCE,
+            "route_buckets",
+            &[
+                ("GROUP", group.to_string()),
+                ("HEAD_DIM", self.head_dim.to_string()),
+            ],
+        )?;
         let q = queries.device_ptr(gpu.stream()).0;
         let (centroids, visited) = (
             gpu.address(&self.centroids),
             gpu.address(&visits.visited.items),
         );
         let (head_dim, buckets) = (self.head_dim as u32, self.buckets as u32);
+        let slices = self.buckets.div_ceil(SLICE_BUCKETS).clamp(1, MAX_SLICES);
+        // Buckets each slice ranks.
+        let per = self.buckets.div_ceil(slices) as u32;
         let mut builder = gpu.stream().launch_builder(&function);
         builder
             .arg(&q)
@@ -220,8 +230,9 @@ impl Partition {
             .arg(&head_dim)
             .arg(&buckets)
             .arg(&probes)
+            .arg(&per)
             .arg(&visited);
-        let slices = self.buckets.div_ceil(SLICE_BUCKETS).clamp(1, MAX_SLICES) as u32;
+        let slices = slices as u32;
         let config = LaunchConfig {
             grid_dim: (self.kv_heads as u32, slices, 1),
             block_dim: (ROUTE_THREADS, 1, 1),
