@@ -174,7 +174,7 @@ fn build_context<'a>(
     let rope = model
         .model
         .rope(layer)
-        .ok_or_else(|| Error::Corrupt(format!("the model has no layer {layer}")))?;
+        .ok_or_else(|| Error::Internal(format!("the model has no layer {layer}")))?;
     Ok(BuildContext {
         rope: rope.clone(),
         seed: 0,

@@ -411,7 +411,9 @@ fn prefill_and_commit(
                 .join()
             {
                 Ok(Err(e)) => e,
-                Ok(Ok(_)) => Error::Corrupt("the store's committer stopped early".into()),
+                Ok(Ok(_)) => {
+                    Error::Internal("the store's committer stopped early without an error".into())
+                }
                 Err(panic) => std::panic::resume_unwind(panic),
             };
         let mut waited = 0.0;
@@ -600,13 +602,13 @@ impl<'s> Prefiller<'s> {
         match self.started.take() {
             Some(started) if started == chunk => {}
             Some(_) => {
-                return Err(Error::Corrupt(
+                return Err(Error::Internal(
                     "the chunk the model computed ahead is not the one appended".into(),
                 ))
             }
             None => {
                 if self.sequence.position() != start {
-                    return Err(Error::Corrupt(format!(
+                    return Err(Error::Internal(format!(
                         "the model's state ends at token {} but the corpus at {start}",
                         self.sequence.position()
                     )));
@@ -623,7 +625,7 @@ impl<'s> Prefiller<'s> {
                     .sequence
                     .take_stored(layer, from..chunk.len())?
                     .ok_or_else(|| {
-                        Error::Corrupt(format!("layer {layer} produced no keys for the chunk"))
+                        Error::Internal(format!("layer {layer} produced no keys for the chunk"))
                     })?;
                 let sampled = self.sample_queries(layer, start, chunk.len())?;
                 Ok(LayerRows {

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use kvdb_attention::{attend, Attended, DenseKv, DensePolicy, Estimate, KvSource, RetrievalQuery};
-use kvdb_index::{Found, GroupQuery, IndexSpec, SearchParams, Searcher};
+use kvdb_index::{Found, GroupQuery, IndexSpec, KeyIndex, SearchParams, Searcher};
 use kvdb_model::{
     AttentionBackend, AttentionInput, BackendSequence, EncodeOptions, FullAttention, Logits, Rope,
 };
@@ -598,18 +598,24 @@ impl Corpus {
             (0..config.n_layers()).map(|_| LayerState::Dense).collect();
         let retriever = match (mode, set) {
             (AttentionMode::Retrieval(r), Some(set)) => {
-                let mut means = if r.estimate {
-                    self.bucket_means(set, config.head_dim, r)?
-                } else {
-                    HashMap::new()
-                };
-                for &layer in &self.retrieval_layers {
-                    layers[layer] = LayerState::Retrieval(self.retrieval_heads(
-                        layer,
-                        set,
-                        config.head_dim,
-                        means.remove(&layer),
-                    )?);
+                let d = config.head_dim;
+                for LayerIndexes { layer, heads } in set.layers() {
+                    let means = if r.estimate {
+                        Some(self.bucket_means(*layer, heads, d, r)?)
+                    } else {
+                        None
+                    };
+                    let state = layers.get_mut(*layer).ok_or_else(|| {
+                        Error::Internal(format!("an index for layer {layer}, past the model's"))
+                    })?;
+                    *state = LayerState::Retrieval(retrieval_heads(heads, d, means)?);
+                }
+                if let Some(layer) = (self.retrieval_layers.iter())
+                    .find(|&&l| !matches!(layers[l], LayerState::Retrieval(_)))
+                {
+                    return Err(Error::Internal(format!(
+                        "retrieval layer {layer} has no index"
+                    )));
                 }
                 Some(self.retriever(r, set)?)
             }
@@ -674,31 +680,6 @@ impl Corpus {
         Ok(full)
     }
 
-    /// A retrieval layer's per-KV-head state: an empty tail, a searcher of the layer's index,
-    /// and the bucket means when the query estimates unvisited buckets.
-    fn retrieval_heads<'c>(
-        &self,
-        layer: usize,
-        set: &'c IndexSet,
-        d: usize,
-        means: Option<Vec<Vec<f32>>>,
-    ) -> Result<Vec<RetrievalHead<'c>>> {
-        let indexes = set
-            .layer(layer)
-            .ok_or_else(|| Error::Internal(format!("retrieval layer {layer} has no index")))?;
-        let mut means = means.map(Vec::into_iter);
-        indexes
-            .iter()
-            .map(|index| {
-                Ok(RetrievalHead {
-                    tail: DenseKv::new(Vec::new(), Vec::new(), d)?,
-                    searcher: index.searcher(),
-                    bucket_means: means.as_mut().and_then(Iterator::next),
-                })
-            })
-            .collect()
-    }
-
     /// The budget and empty statistics of a query's retrieval through `set`.
     fn retriever(&self, r: &Retrieval, set: &IndexSet) -> Result<Retriever> {
         let built = set.built_spec();
@@ -718,51 +699,47 @@ impl Corpus {
         })
     }
 
-    /// Per retrieval layer and KV head, the mean value of each bucket of a bucket index
-    /// (an error for other indexes). Reads every value once.
+    /// Per KV head of `layer` (its indexes `heads`), the mean value of each bucket of a
+    /// bucket index (an error for other indexes). Reads every value once.
     fn bucket_means(
         &self,
-        set: &IndexSet,
+        layer: usize,
+        heads: &[Box<dyn KeyIndex>],
         d: usize,
         r: &Retrieval,
-    ) -> Result<HashMap<usize, Vec<Vec<f32>>>> {
+    ) -> Result<Vec<Vec<f32>>> {
         let n = self.manifest.tokens;
         let ids: Vec<u32> = (0..n as u32).collect();
-        let mut out = HashMap::new();
-        for LayerIndexes { layer, heads } in set.layers() {
-            let layer = *layer;
-            let mut per_head = Vec::with_capacity(heads.len());
-            for (head, index) in heads.iter().enumerate() {
-                let Some(buckets) = index.as_buckets() else {
-                    let spec = r.index.clone().map_or_else(|| self.default_index(), Ok)?;
-                    return Err(Error::NotBucketIndex {
-                        spec: spec.to_string(),
-                    });
-                };
-                let (mut keys, mut values) = (Vec::new(), Vec::new());
-                self.tier
-                    .gather(layer, head, &ids, &mut keys, &mut values)?;
-                let mut sums = vec![0f64; buckets.buckets() * d];
-                let mut counts = vec![0usize; buckets.buckets()];
-                for (row, &b) in values.chunks_exact(d).zip(&buckets.assignments()) {
-                    counts[b as usize] += 1;
-                    for (s, v) in sums[b as usize * d..(b as usize + 1) * d]
-                        .iter_mut()
-                        .zip(row)
-                    {
-                        *s += *v as f64;
-                    }
+        let mut per_head = Vec::with_capacity(heads.len());
+        for (head, index) in heads.iter().enumerate() {
+            let Some(buckets) = index.as_buckets() else {
+                let spec = r.index.clone().map_or_else(|| self.default_index(), Ok)?;
+                return Err(Error::NotBucketIndex {
+                    spec: spec.to_string(),
+                });
+            };
+            let (mut keys, mut values) = (Vec::new(), Vec::new());
+            self.tier
+                .gather(layer, head, &ids, &mut keys, &mut values)?;
+            let mut sums = vec![0f64; buckets.buckets() * d];
+            let mut counts = vec![0usize; buckets.buckets()];
+            for (row, &b) in values.chunks_exact(d).zip(&buckets.assignments()) {
+                counts[b as usize] += 1;
+                for (s, v) in sums[b as usize * d..(b as usize + 1) * d]
+                    .iter_mut()
+                    .zip(row)
+                {
+                    *s += *v as f64;
                 }
-                let means = sums
-                    .chunks_exact(d)
-                    .zip(&counts)
-                    .flat_map(|(s, &c)| s.iter().map(move |x| (x / c.max(1) as f64) as f32))
-                    .collect();
-                per_head.push(means);
             }
-            out.insert(layer, per_head);
+            let means = sums
+                .chunks_exact(d)
+                .zip(&counts)
+                .flat_map(|(s, &c)| s.iter().map(move |x| (x / c.max(1) as f64) as f32))
+                .collect();
+            per_head.push(means);
         }
-        Ok(out)
+        Ok(per_head)
     }
 
     /// Documents and passages ranked by the attention mass they received (sink excluded: it
@@ -986,6 +963,26 @@ impl Session<'_> {
             },
         })
     }
+}
+
+/// A retrieval layer's per-KV-head state for one query over its indexes `heads`: an empty
+/// tail, a fresh searcher, and the bucket means when the query estimates.
+fn retrieval_heads<'c>(
+    heads: &'c [Box<dyn KeyIndex>],
+    d: usize,
+    means: Option<Vec<Vec<f32>>>,
+) -> Result<Vec<RetrievalHead<'c>>> {
+    let mut means = means.map(Vec::into_iter);
+    heads
+        .iter()
+        .map(|index| {
+            Ok(RetrievalHead {
+                tail: DenseKv::new(Vec::new(), Vec::new(), d)?,
+                searcher: index.searcher(),
+                bucket_means: means.as_mut().and_then(Iterator::next),
+            })
+        })
+        .collect()
 }
 
 /// One query's state, whatever device it runs on: how each layer attends, the retrieval
