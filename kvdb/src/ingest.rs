@@ -438,22 +438,9 @@ fn prefill_and_commit(
                 halt = Some(Halt::Stopped);
                 break;
             }
-            let mut done = resumed_at;
-            while done < tokens.len() {
-                let chunk = &tokens[done..(done + chunk_size).min(tokens.len())];
-                let complete = done + chunk.len() == tokens.len();
-                // The chunk after this one (the next document's first when this one ends),
-                // which the model computes while this one is committed. Only the first
-                // planned document can resume in the middle, so the others start at their
-                // first token.
-                let next = if complete {
-                    planned
-                        .get(index + 1)
-                        .map(|p| &p.tokens[..chunk_size.min(p.tokens.len())])
-                } else {
-                    let from = done + chunk.len();
-                    Some(&tokens[from..(from + chunk_size).min(tokens.len())])
-                };
+            for PlannedChunk { chunk, next, done } in
+                document_chunks(planned, index, resumed_at, chunk_size)
+            {
                 let rows = match prefiller.prefill(chunk, next) {
                     Ok(rows) => rows,
                     Err(e) => {
@@ -461,7 +448,6 @@ fn prefill_and_commit(
                         break 'documents;
                     }
                 };
-                done += chunk.len();
                 report.tokens += chunk.len();
                 let job = Job {
                     document: index,
@@ -516,6 +502,44 @@ fn prefill_and_commit(
             // What was committed by the time the committer finished counts.
             Some(Halt::Stopped) => Err(cancelled(&committed)),
             Some(Halt::Failed(e)) => Err(e),
+        }
+    })
+}
+
+/// One chunk of a planned document to prefill.
+#[derive(Debug, PartialEq)]
+struct PlannedChunk<'a> {
+    chunk: &'a [u32],
+    /// The chunk after it (the next document's first when this one ends), which a device
+    /// that runs ahead computes while this one is committed.
+    next: Option<&'a [u32]>,
+    /// The document's tokens done once it is committed.
+    done: usize,
+}
+
+/// The chunks of planned document `index` from token `resumed_at` on, `chunk_size` tokens
+/// each. Only the first planned document can resume in the middle, so a next document's
+/// first chunk starts at its first token.
+fn document_chunks<'a>(
+    planned: &'a [PlannedDocument<'_>],
+    index: usize,
+    resumed_at: usize,
+    chunk_size: usize,
+) -> impl Iterator<Item = PlannedChunk<'a>> {
+    let tokens: &[u32] = &planned[index].tokens;
+    let first_of = |p: &'a PlannedDocument<'_>| &p.tokens[..chunk_size.min(p.tokens.len())];
+    let following = planned.get(index + 1).map(first_of);
+    let starts = (resumed_at..tokens.len()).step_by(chunk_size.max(1));
+    starts.map(move |from| {
+        let to = (from + chunk_size).min(tokens.len());
+        PlannedChunk {
+            chunk: &tokens[from..to],
+            next: if to == tokens.len() {
+                following
+            } else {
+                Some(&tokens[to..(to + chunk_size).min(tokens.len())])
+            },
+            done: to,
         }
     })
 }
@@ -972,6 +996,57 @@ impl<T: Copy> OpenBlock<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A resumed document's chunks start where it stopped, each names the one after it,
+    /// and the last names the next document's first chunk (or none after the last).
+    #[test]
+    fn document_chunks_resume_and_look_one_chunk_ahead() {
+        let doc = SourceDocument {
+            title: "t".into(),
+            path: "t".into(),
+            text: String::new(),
+            sha256: String::new(),
+            bytes: 0,
+        };
+        let planned = [
+            PlannedDocument {
+                doc: &doc,
+                first: 0,
+                tokens: (0..10).collect(),
+            },
+            PlannedDocument {
+                doc: &doc,
+                first: 10,
+                tokens: (10..13).collect(),
+            },
+        ];
+        let chunks: Vec<_> = document_chunks(&planned, 0, 3, 4).collect();
+        let (a, b): (Vec<u32>, Vec<u32>) = ((3..7).collect(), (7..10).collect());
+        let next: Vec<u32> = (10..13).collect();
+        assert_eq!(
+            chunks,
+            vec![
+                PlannedChunk {
+                    chunk: &a,
+                    next: Some(&b),
+                    done: 7
+                },
+                PlannedChunk {
+                    chunk: &b,
+                    next: Some(&next),
+                    done: 10
+                },
+            ]
+        );
+        let last: Vec<_> = document_chunks(&planned, 1, 0, 2).collect();
+        assert_eq!(last.len(), 2);
+        assert_eq!(last[0].next, Some(&[12][..]));
+        assert_eq!(
+            (last[1].chunk, last[1].next, last[1].done),
+            (&[12][..], None, 3)
+        );
+        assert_eq!(document_chunks(&planned, 0, 10, 4).count(), 0);
+    }
 
     /// Blocks of 4 rows of 2 items: an open block of 3 rows (block 5) gets 6 more rows; it
     /// is handed over whole with the next full block and the rest, and the 1 row past them
