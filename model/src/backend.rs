@@ -12,7 +12,7 @@ use candle_core::{Device, Tensor, D};
 
 use crate::config::{LayerKind, LayerSpec, ModelConfig};
 use crate::error::{ModelError, Result};
-use crate::ops::{causal_softmax, matmul};
+use crate::ops::{causal_softmax, matmul, Rhs};
 use crate::rope::Rope;
 
 /// What one attention layer hands to the backend for one chunk of tokens.
@@ -319,9 +319,9 @@ pub fn causal_attention(
             .reshape((n_kv, group * tb, d))?;
         let kb = keys.narrow(1, k0, kn)?;
         let vb = values.narrow(1, k0, kn)?;
-        let scores = matmul(&qb, &kb, true)?; // [n_kv, group * tb, kn]
+        let scores = matmul(&qb, &kb, Rhs::Transposed)?; // [n_kv, group * tb, kn]
         let probs = causal_softmax(&scores, tb, first, lo, window)?;
-        let out = matmul(&probs, &vb, false)?; // [n_kv, group * tb, d]
+        let out = matmul(&probs, &vb, Rhs::AsIs)?; // [n_kv, group * tb, d]
         blocks.push(out.reshape((h, tb, d))?);
         t0 += tb;
     }

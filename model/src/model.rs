@@ -14,7 +14,7 @@ use crate::config::{Activation, ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 use crate::forward::{check_call, CpuSequence, SequenceOptions};
 use crate::gguf::GgufFile;
-use crate::ops::{gated_activation, matmul, small_matmul};
+use crate::ops::{gated_activation, matmul, small_matmul, Rhs};
 use crate::rope::Rope;
 
 /// How projection weights are held and multiplied.
@@ -104,10 +104,10 @@ impl Linear {
         let rows = x.dim(0)?;
         let small = rows < DENSE_MIN_ROWS;
         let y = match (&self.dense, &self.quantized) {
-            (Some(w), _) if !small => matmul(x, w, true)?,
+            (Some(w), _) if !small => matmul(x, w, Rhs::Transposed)?,
             (_, Some(q)) => q.forward(x)?,
             (Some(w), None) if w.device().is_cpu() => small_matmul(x, w)?,
-            (Some(w), None) => matmul(x, w, true)?,
+            (Some(w), None) => matmul(x, w, Rhs::Transposed)?,
             (None, None) => {
                 return Err(ModelError::Internal("a projection without weights".into()))
             }
@@ -157,7 +157,7 @@ impl Fused {
         else {
             return self.parts.iter().map(|p| p.forward(x)).collect();
         };
-        let y = matmul(x, stacked, true)?;
+        let y = matmul(x, stacked, Rhs::Transposed)?;
         let mut offset = 0;
         let mut out = Vec::with_capacity(self.parts.len());
         for part in &self.parts {

@@ -262,18 +262,30 @@ pub fn blas_on_calling_threads() {
     blas::single_threaded_blas();
 }
 
-/// Matrix products `a · b` (`transpose_b = false`, `b` `[.., k, n]`) or `a · bᵀ` (`b`
-/// `[.., n, k]`) of f32 CPU tensors, 2-D or batched 3-D. With feature `openblas` they run
-/// through the system OpenBLAS; otherwise (or for other devices) through candle.
-pub(crate) fn matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Result<Tensor> {
+/// How [`matmul`] reads its right-hand side `b`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rhs {
+    /// `a · b`, `b` `[.., k, n]`.
+    AsIs,
+    /// `a · bᵀ`, `b` `[.., n, k]` (a projection's weights, stored `[out, in]`).
+    Transposed,
+}
+
+/// Matrix products `a · b` or `a · bᵀ` (`rhs`) of f32 CPU tensors, 2-D or batched 3-D. With
+/// feature `openblas` they run through the system OpenBLAS; otherwise (or for other devices)
+/// through candle.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor, rhs: Rhs) -> Result<Tensor> {
     #[cfg(feature = "openblas")]
     if a.device().is_cpu()
         && a.dtype() == candle_core::DType::F32
         && b.dtype() == candle_core::DType::F32
     {
-        return blas::matmul(a, b, transpose_b);
+        return blas::matmul(a, b, rhs);
     }
-    let b = if transpose_b { b.t()? } else { b.clone() };
+    let b = match rhs {
+        Rhs::AsIs => b.clone(),
+        Rhs::Transposed => b.t()?,
+    };
     Ok(a.matmul(&b)?)
 }
 
@@ -282,6 +294,7 @@ pub(crate) mod blas {
     use candle_core::{CpuStorage, Storage, Tensor};
     use rayon::prelude::*;
 
+    use super::Rhs;
     use crate::error::{ModelError, Result};
 
     /// Rows below which a product is not split further.
@@ -315,7 +328,8 @@ pub(crate) mod blas {
         f(&data[start..end])
     }
 
-    pub(super) fn matmul(a: &Tensor, b: &Tensor, transpose_b: bool) -> Result<Tensor> {
+    pub(super) fn matmul(a: &Tensor, b: &Tensor, rhs: Rhs) -> Result<Tensor> {
+        let transpose_b = rhs == Rhs::Transposed;
         let (batch, m, k) = match a.dims() {
             [m, k] => (None, *m, *k),
             [bt, m, k] => (Some(*bt), *m, *k),
@@ -513,13 +527,13 @@ mod tests {
             let a = Tensor::randn(0f32, 1., ashape, &dev)?;
             let b = Tensor::randn(0f32, 1., bshape, &dev)?;
             let bt = Tensor::randn(0f32, 1., btshape, &dev)?;
-            let d1 = (matmul(&a, &b, false)? - a.matmul(&b)?)?
+            let d1 = (matmul(&a, &b, Rhs::AsIs)? - a.matmul(&b)?)?
                 .abs()?
                 .flatten_all()?
                 .max(0)?
                 .to_scalar::<f32>()?;
             let bt_t = bt.transpose(batch.map_or(0, |_| 1), batch.map_or(1, |_| 2))?;
-            let d2 = (matmul(&a, &bt, true)? - a.matmul(&bt_t)?)?
+            let d2 = (matmul(&a, &bt, Rhs::Transposed)? - a.matmul(&bt_t)?)?
                 .abs()?
                 .flatten_all()?
                 .max(0)?
