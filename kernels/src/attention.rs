@@ -10,7 +10,7 @@ use cudarc::driver::{
 
 use crate::buffers::{Csr, KvCache};
 use crate::error::{driver, length, KernelError, Result};
-use crate::gpu::{Gpu, KvElement, Variant, MAX_GROUP, MAX_MERGE, THREADS, UNROLL};
+use crate::gpu::{AttendKernel, Gpu, KvElement, Variant, MAX_GROUP, MAX_MERGE, THREADS, UNROLL};
 
 /// The queries of one decode step: `[kv_heads, group, head_dim]` (query head `h * group + g`
 /// attends with KV head `h`), and the logit scale (usually `1 / sqrt(head_dim)`).
@@ -72,10 +72,11 @@ impl Workspace {
         })
     }
 
-    /// Whether this workspace's launches compute logits and outputs with tensor cores
-    /// (`mma.sync`: head dimensions 64 and 128, f16 and bf16; the default) or with the
-    /// scalar kernel, which every shape has: how tests cover both paths and benchmarks
-    /// compare them.
+    /// Whether this workspace's launches may compute logits and outputs with tensor cores
+    /// (`mma.sync`: head dimensions 64 and 128, f16 and bf16; the default) where a work item
+    /// attends few rows (at most 1,024: a step's selection, not a long dense run), or always
+    /// use the scalar kernel, which every shape has: how tests cover both paths and
+    /// benchmarks compare them.
     pub fn with_tensor_cores(mut self, on: bool) -> Self {
         self.tensor_cores = on;
         self
@@ -218,6 +219,9 @@ impl_copy!(Query, KvRows, Selected, Buckets, ListPart, Dense);
 
 /// Work items per head merged by one block in one level (see `launch`).
 const SINGLE_MERGE: usize = 32;
+
+/// Most rows a work item of the tensor-core path attends (see `launch`).
+const TENSOR_CORE_MAX_CHUNK: usize = 1024;
 
 /// Most buckets a KV head visits in one bucket launch (`MAX_VISITS` in `attend.cu`: their
 /// starts and running sizes live in shared memory).
@@ -609,13 +613,12 @@ fn launch<T: KvElement>(
         launch.query.heads.len(),
         out.len(),
     )?;
-    let variant = Variant {
+    let mut variant = Variant {
         dtype: T::DTYPE,
         head_dim,
         group,
         tensor_cores: workspace.tensor_cores && Variant::TENSOR_CORE_HEAD_DIMS.contains(&head_dim),
     };
-    let kernel = gpu.attend_kernel(variant)?;
 
     // Work items: a chunk of rows each, sized so that one wave of blocks covers the step
     // (few partials to merge, no tail), but never less than two iterations of the block:
@@ -624,14 +627,29 @@ fn launch<T: KvElement>(
     let dense_len = launch.runs[0].1 as usize + launch.runs[1].1 as usize;
     let list_runs = launch.list.map_or(0, |l| l.run_rows());
     let list_rows = launch.list.map_or(0, |l| l.list_rows());
-    let step = if variant.tensor_cores {
-        THREADS as usize / 32 * 16
-    } else {
-        (THREADS as usize / lanes) * UNROLL as usize
-    };
-    let wave = (gpu.multiprocessors() * kernel.blocks_per_sm) as usize;
     let rows = launch.kv_heads * (dense_len + list_runs + list_rows);
-    let chunk = rows.div_ceil(wave).next_multiple_of(step).max(2 * step);
+    let sizing = |variant: Variant| -> Result<(AttendKernel, usize)> {
+        let kernel = gpu.attend_kernel(variant)?;
+        let step = if variant.tensor_cores {
+            THREADS as usize / 32 * 16
+        } else {
+            (THREADS as usize / lanes) * UNROLL as usize
+        };
+        let wave = (gpu.multiprocessors() * kernel.blocks_per_sm) as usize;
+        Ok((
+            kernel,
+            rows.div_ceil(wave).next_multiple_of(step).max(2 * step),
+        ))
+    };
+    let (mut kernel, mut chunk) = sizing(variant)?;
+    // The tensor-core path wins where each block attends few rows (a step's selection:
+    // 21.5 against 28.7 µs at 128 rows an item) and loses a little on long dense runs (full
+    // attention over 128K tokens, ~2,000 rows an item: 148 against 144 µs), both measured
+    // on an H200 for the Llama shape: past TENSOR_CORE_MAX_CHUNK rows the scalar kernel runs.
+    if variant.tensor_cores && chunk > TENSOR_CORE_MAX_CHUNK {
+        variant.tensor_cores = false;
+        (kernel, chunk) = sizing(variant)?;
+    }
     let dense_items = dense_len.div_ceil(chunk);
     let list_run_items = list_runs.div_ceil(chunk);
     let list_items = launch.list.map_or(0, |l| l.list_items(chunk));
