@@ -78,7 +78,7 @@ pub use ram_tier::TierStats;
 pub use session::GpuUpload;
 pub use session::{
     Answer, AskOptions, AttentionMode, Corpus, DocumentShare, PassageShare, Provenance, Retrieval,
-    RetrievalStats, Timings, DEFAULT_K, PASSAGE_TOKENS,
+    RetrievalStats, Session, Timings, DEFAULT_K, PASSAGE_TOKENS,
 };
 
 // Generation, and the limits the CLI and the server check options against.

@@ -880,7 +880,7 @@ enum LayerState<'c> {
 
 /// One query on a corpus (ARCHITECTURE's `Session`), made by [`Corpus::session`]: the
 /// question checked and tokenised, the index it searches loaded. [`Session::answer`] runs
-/// it; the per-step state it decodes with ([`QueryState`]) lives only while it answers.
+/// it; the per-step state it decodes with (`QueryState`) lives only while it answers.
 #[derive(Debug)]
 pub struct Session<'a> {
     corpus: &'a Corpus,
