@@ -45,8 +45,12 @@ pub enum IndexError {
         reason: String,
     },
     /// An error from faiss.
+    #[cfg(feature = "faiss")]
     #[error("faiss: {0}")]
-    Faiss(String),
+    Faiss(#[from] faiss::error::Error),
+    /// faiss handed back what an IVF index cannot hold (a bug of ours or of faiss).
+    #[error("faiss returned {0}")]
+    FaissOutput(String),
     /// A tensor computation on the CPU failed (candle).
     #[error("computing {what}")]
     Compute {

@@ -88,10 +88,6 @@ struct CentroidsOnly {
     centroids: Vec<f32>,
 }
 
-fn faiss_error(e: faiss::error::Error) -> IndexError {
-    IndexError::Faiss(e.to_string())
-}
-
 impl IvfIndex {
     /// Trains the partition on pre-RoPE `keys` (ids `0..`) and adds them.
     pub fn build(spec: &IvfSpec, context: &BuildContext<'_>, keys: &[f32]) -> Result<Self> {
@@ -217,14 +213,13 @@ impl IvfIndex {
         // Keys join the list of their nearest centroid in L2, the geometry k-means placed
         // the centroids in (by inner product, long centroids would swallow other clusters'
         // keys); lists are probed by inner product, the mean logit of a list's keys.
-        let mut quantizer = FaissFlat::new_l2(d as u32).map_err(faiss_error)?;
-        quantizer.add(&centroids).map_err(faiss_error)?;
-        let mut faiss = IVFFlatIndexImpl::new_ip(quantizer, d as u32, spec.lists as u32)
-            .map_err(faiss_error)?;
+        let mut quantizer = FaissFlat::new_l2(d as u32)?;
+        quantizer.add(&centroids)?;
+        let mut faiss = IVFFlatIndexImpl::new_ip(quantizer, d as u32, spec.lists as u32)?;
         if !centroids.is_empty() {
             // The quantizer already holds `lists` centroids, so faiss skips its k-means and
             // only marks the index trained.
-            faiss.train(&centroids).map_err(faiss_error)?;
+            faiss.train(&centroids)?;
         }
         Ok(Self {
             spec,
@@ -253,7 +248,7 @@ impl IvfIndex {
         let ids: Vec<faiss::Idx> = (first..self.keys.len())
             .map(|i| faiss::Idx::new(i as u64))
             .collect();
-        self.faiss.add_with_ids(space, &ids).map_err(faiss_error)?;
+        self.faiss.add_with_ids(space, &ids)?;
         self.lists = inverted_lists(&self.faiss, self.spec.lists)?;
         Ok(())
     }
@@ -265,7 +260,7 @@ fn inverted_lists(faiss: &IVFFlatIndexImpl, lists: usize) -> Result<Vec<Vec<u32>
     unsafe {
         let ivf = faiss_sys::faiss_IndexIVF_cast(faiss.inner_ptr());
         if ivf.is_null() {
-            return Err(IndexError::Faiss("not an IVF index".into()));
+            return Err(IndexError::FaissOutput("an index that is not IVF".into()));
         }
         (0..lists)
             .map(|list| {
@@ -276,7 +271,10 @@ fn inverted_lists(faiss: &IVFFlatIndexImpl, lists: usize) -> Result<Vec<Vec<u32>
                 }
                 let mut ids = ids
                     .into_iter()
-                    .map(|id| u32::try_from(id).map_err(|_| IndexError::Faiss(format!("id {id}"))))
+                    .map(|id| {
+                        u32::try_from(id)
+                            .map_err(|_| IndexError::FaissOutput(format!("token id {id}")))
+                    })
                     .collect::<Result<Vec<u32>>>()?;
                 ids.sort_unstable();
                 Ok(ids)
