@@ -57,9 +57,13 @@ pub enum AttentionError {
         /// The position.
         position: usize,
     },
-    /// A [`crate::KvSource`] could not read keys or values (e.g. the store failed).
-    #[error("reading keys and values: {0}")]
-    Source(String),
+    /// A [`crate::KvSource`] could not read keys or values (e.g. the store failed); its
+    /// error is the source.
+    #[error("reading keys and values")]
+    Source(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// An estimate of unvisited buckets that does not fit the query (a bug of the caller).
+    #[error("bucket estimate: {0}")]
+    Estimate(String),
     /// An index failed (for callers that search and attend in one go).
     #[error(transparent)]
     Index(#[from] IndexError),

@@ -53,8 +53,8 @@ impl Estimate {
         for (i, b) in unvisited.iter().enumerate() {
             let at = b.bucket as usize;
             if at >= buckets || b.logits.len() != heads {
-                return Err(AttentionError::Source(format!(
-                    "estimate of bucket {at} with {} logits ({buckets} buckets, {heads} heads)",
+                return Err(AttentionError::Estimate(format!(
+                    "bucket {at} with {} logits ({buckets} buckets, {heads} heads)",
                     b.logits.len()
                 )));
             }

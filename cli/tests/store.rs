@@ -317,6 +317,25 @@ fn a_session_checks_the_question_before_answering() -> Result<()> {
     Ok(())
 }
 
+/// An error kvdb raises inside the model's forward pass (here an observer's, at the first
+/// layer) comes out as itself, not as the model's text of it.
+#[test]
+fn errors_raised_inside_the_forward_pass_keep_their_type() -> Result<()> {
+    let TinyCorpus { loaded, store, .. } = tiny_corpus(1, 800, 9)?;
+    let corpus = Corpus::open(store, "c", loaded.as_ref(), 1 << 30)?;
+    for mode in [AttentionMode::Full, retrieval(16).mode] {
+        let scored = corpus.score_observed(loaded.as_ref(), &[5, 6, 7], mode, &mut |_| {
+            Err(kvdb::Error::Abandoned)
+        });
+        assert!(
+            matches!(scored, Err(kvdb::Error::Abandoned)),
+            "{:?}",
+            scored.map(|_| ())
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn a_small_ram_budget_evicts_blocks_and_answers_the_same() -> Result<()> {
     let TinyCorpus { loaded, store, .. } = tiny_corpus(2, 2000, 5)?;

@@ -330,13 +330,13 @@ pub enum Error {
     Rocks(#[from] rocksdb::Error),
     /// The model failed.
     #[error(transparent)]
-    Model(#[from] kvdb_model::ModelError),
+    Model(kvdb_model::ModelError),
     /// Tensor code failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     /// Retrieval attention failed.
     #[error(transparent)]
-    Attention(#[from] kvdb_attention::AttentionError),
+    Attention(kvdb_attention::AttentionError),
     /// An index failed.
     #[error(transparent)]
     Index(#[from] kvdb_index::IndexError),
@@ -348,6 +348,41 @@ pub enum Error {
         /// The error.
         source: std::io::Error,
     },
+}
+
+/// kvdb's own error when `source` is one (raised by kvdb's code that another crate called
+/// back: attention inside the model's forward pass, keys read for the attention crate), else
+/// `wrap`ped as the other crate's error.
+fn ours_or(
+    source: Box<dyn std::error::Error + Send + Sync>,
+    wrap: impl FnOnce(Box<dyn std::error::Error + Send + Sync>) -> Error,
+) -> Error {
+    match source.downcast::<Error>() {
+        Ok(ours) => *ours,
+        Err(other) => wrap(other),
+    }
+}
+
+impl From<kvdb_model::ModelError> for Error {
+    fn from(e: kvdb_model::ModelError) -> Self {
+        match e {
+            kvdb_model::ModelError::BackendFailed { layer, source } => ours_or(source, |source| {
+                Error::Model(kvdb_model::ModelError::BackendFailed { layer, source })
+            }),
+            e => Error::Model(e),
+        }
+    }
+}
+
+impl From<kvdb_attention::AttentionError> for Error {
+    fn from(e: kvdb_attention::AttentionError) -> Self {
+        match e {
+            kvdb_attention::AttentionError::Source(source) => ours_or(source, |source| {
+                Error::Attention(kvdb_attention::AttentionError::Source(source))
+            }),
+            e => Error::Attention(e),
+        }
+    }
 }
 
 fn available_list(available: &[String]) -> String {

@@ -45,7 +45,7 @@ use crate::error::{Error, Result};
 use crate::generate::{continue_generation, GenerateOptions, Generation};
 use crate::indexes::IndexSet;
 use crate::ingest::ModelRef;
-use crate::session::{Corpus, QueryState, Step, StepPlace};
+use crate::session::{backend_failed, Corpus, QueryState, Step, StepPlace};
 
 /// Host bytes of stored rows a corpus upload reads ahead of the GPU at most.
 const READ_BYTES: usize = 4 << 30;
@@ -531,10 +531,7 @@ impl StageTimer {
 impl LayerAttention for GpuSession<'_, '_> {
     fn attend(&mut self, call: LayerCall<'_>) -> kvdb_model::Result<()> {
         let layer = call.layer;
-        self.attend_call(call).map_err(|e| ModelError::Backend {
-            layer,
-            reason: e.to_string(),
-        })
+        self.attend_call(call).map_err(|e| backend_failed(layer, e))
     }
 }
 

@@ -553,10 +553,7 @@ impl Corpus {
             session: self.query_state(model, &mode, set.as_deref(), None)?,
         };
         let mut observed = |input: &AttentionInput<'_>| -> kvdb_model::Result<Tensor> {
-            observe(input).map_err(|e| kvdb_model::ModelError::Backend {
-                layer: input.layer.index,
-                reason: e.to_string(),
-            })?;
+            observe(input).map_err(|e| backend_failed(input.layer.index, e))?;
             session.attend(input)
         };
         model
@@ -1192,7 +1189,7 @@ impl KvSource for SessionSource<'_> {
             if in_corpus {
                 self.tier
                     .gather(self.layer, self.head, now, keys, values)
-                    .map_err(|e| kvdb_attention::AttentionError::Source(e.to_string()))?;
+                    .map_err(|e| kvdb_attention::AttentionError::Source(Box::new(e)))?;
             } else {
                 let shifted: Vec<u32> = now.iter().map(|&id| id - n).collect();
                 self.tail.gather(&shifted, keys, values)?;
@@ -1217,10 +1214,16 @@ impl AttentionBackend for CpuSession<'_> {
                     .attend(&step, &found)?
                     .output(&step, input.queries.device())
             })
-            .map_err(|e| kvdb_model::ModelError::Backend {
-                layer,
-                reason: e.to_string(),
-            })
+            .map_err(|e| backend_failed(layer, e))
+    }
+}
+
+/// `e`, raised by kvdb's attention inside the model's forward pass, as the model reports it;
+/// [`Error`]'s conversion from the model's error takes `e` back out.
+pub(crate) fn backend_failed(layer: usize, e: Error) -> kvdb_model::ModelError {
+    kvdb_model::ModelError::BackendFailed {
+        layer,
+        source: Box::new(e),
     }
 }
 

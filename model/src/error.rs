@@ -112,6 +112,16 @@ pub enum ModelError {
         /// What went wrong.
         reason: String,
     },
+    /// The caller's attention backend failed; its error is the source (the caller can take
+    /// its own error type back out of it).
+    #[error("attention in layer {layer} failed")]
+    BackendFailed {
+        /// The layer index.
+        layer: usize,
+        /// The backend's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// Fetching the default model failed.
     #[error("{0}")]
     Fetch(String),
