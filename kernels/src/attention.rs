@@ -596,6 +596,12 @@ fn plan<'a, T>(
     })
 }
 
+/// A kernel parameter for `cuLaunchKernelEx`: the address of its value, which the driver
+/// copies during the call.
+fn param<T>(value: &T) -> *mut std::ffi::c_void {
+    value as *const T as *mut std::ffi::c_void
+}
+
 /// Launches `attend`; `after_route` when the launch right before it on the stream is the
 /// routing that wrote the visits and nothing else it reads changed since that launch began.
 fn launch<T: KvElement>(
@@ -742,38 +748,38 @@ fn launch<T: KvElement>(
     let programmatic = after_route && gpu.programmatic_launch();
     let after_route_u32 = u32::from(programmatic);
     let mut params: [*mut std::ffi::c_void; 32] = [
-        &args.q as *const u64 as *mut _,
-        &args.scale_log2 as *const f32 as *mut _,
-        &args.dense_keys as *const u64 as *mut _,
-        &args.dense_values as *const u64 as *mut _,
-        &args.dense_stride as *const u64 as *mut _,
-        &args.runs[0].0 as *const u32 as *mut _,
-        &args.runs[0].1 as *const u32 as *mut _,
-        &args.runs[1].0 as *const u32 as *mut _,
-        &args.runs[1].1 as *const u32 as *mut _,
-        &args.dense_chunk as *const u32 as *mut _,
-        &args.dense_items as *const u32 as *mut _,
-        &args.list_keys as *const u64 as *mut _,
-        &args.list_values as *const u64 as *mut _,
-        &args.list_stride as *const u64 as *mut _,
-        &args.list_runs[0].0 as *const u32 as *mut _,
-        &args.list_runs[0].1 as *const u32 as *mut _,
-        &args.list_runs[1].0 as *const u32 as *mut _,
-        &args.list_runs[1].1 as *const u32 as *mut _,
-        &args.list_run_items as *const u32 as *mut _,
-        &args.list_off as *const u64 as *mut _,
-        &args.list as *const u64 as *mut _,
-        &args.list_chunk as *const u32 as *mut _,
-        &args.bucket_off as *const u64 as *mut _,
-        &args.bucket_ids as *const u64 as *mut _,
-        &args.group_size as *const u32 as *mut _,
-        &args.partials as *const u64 as *mut _,
-        &args.counters as *const u64 as *mut _,
-        &args.out as *const u64 as *mut _,
-        &args.lse as *const u64 as *mut _,
-        &args.bucket_rows as *const u64 as *mut _,
-        &args.q_keep as *const u64 as *mut _,
-        &after_route_u32 as *const u32 as *mut _,
+        param(&args.q),
+        param(&args.scale_log2),
+        param(&args.dense_keys),
+        param(&args.dense_values),
+        param(&args.dense_stride),
+        param(&args.runs[0].0),
+        param(&args.runs[0].1),
+        param(&args.runs[1].0),
+        param(&args.runs[1].1),
+        param(&args.dense_chunk),
+        param(&args.dense_items),
+        param(&args.list_keys),
+        param(&args.list_values),
+        param(&args.list_stride),
+        param(&args.list_runs[0].0),
+        param(&args.list_runs[0].1),
+        param(&args.list_runs[1].0),
+        param(&args.list_runs[1].1),
+        param(&args.list_run_items),
+        param(&args.list_off),
+        param(&args.list),
+        param(&args.list_chunk),
+        param(&args.bucket_off),
+        param(&args.bucket_ids),
+        param(&args.group_size),
+        param(&args.partials),
+        param(&args.counters),
+        param(&args.out),
+        param(&args.lse),
+        param(&args.bucket_rows),
+        param(&args.q_keep),
+        param(&after_route_u32),
     ];
     let mut attribute = sys::CUlaunchAttribute {
         id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
