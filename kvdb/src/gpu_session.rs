@@ -7,8 +7,9 @@
 //! How a retrieval layer selects depends on the index:
 //! - an index that says how to route on the GPU (`ivf…,norope,all`:
 //!   `BucketIndex::linear_routing`) is routed there: the step's pre-RoPE queries pick each
-//!   KV head's buckets (`Partition::route`), and `bucket_attention` attends to every key of
-//!   them, the corpus's sinks and window and the tail in one launch: no host round trip;
+//!   KV head's buckets and `bucket_attention` attends to every key of them, the corpus's
+//!   sinks and window and the tail (`Partition::route_and_attend`: the attention's launch
+//!   starts while routing runs): no host round trip;
 //! - every other index searches on CPU threads: the layer's queries are copied to the host
 //!   once per call and the selection is uploaded as each KV head's list for
 //!   `retrieval_attention`, with the corpus's sinks and window as runs and the tail dense.
@@ -31,9 +32,8 @@ use half::f16;
 use kvdb_kernels::cudarc::driver::sys::CUevent_flags;
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
-    attention_mass, bucket_attention, retrieval_attention, Csr, Dense, KernelError, KvCache,
-    ListPart, Partition, Query, Selected, Visits, Workspace, MAX_ROUTED_BUCKETS,
-    MAX_VISITED_BUCKETS,
+    attention_mass, retrieval_attention, Csr, Dense, KernelError, KvCache, ListPart, Partition,
+    Query, Selected, Visits, Workspace, MAX_ROUTED_BUCKETS, MAX_VISITED_BUCKETS,
 };
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
@@ -620,19 +620,27 @@ impl GpuSession<'_, '_> {
             let part = match (&mut routed, &found) {
                 (Some((partition, visits)), _) => {
                     let raw = call.raw_queries.slice(i * q..(i + 1) * q);
-                    StageTimer::time(&mut self.timer, gpu, "routing", || {
-                        partition.route(gpu, &raw, visits)
+                    // One stage: the attention's launch starts while routing runs (a
+                    // programmatic dependent launch), so no event may sit between them. The
+                    // attention counts the visited ids outside the corpus runs: those in the
+                    // policy's candidates, since every corpus id precedes `position`.
+                    let workspace = &mut self.workspace;
+                    StageTimer::time(&mut self.timer, gpu, "routing and attention", || {
+                        partition.route_and_attend(
+                            gpu,
+                            &raw,
+                            visits,
+                            workspace,
+                            query,
+                            dense,
+                            corpus,
+                            &corpus_runs,
+                            &mut out,
+                        )
                     })?;
                     self.session
                         .record_routed(position, kv_heads, partition.buckets());
-                    // The launch counts the visited ids outside the corpus runs: those in
-                    // the policy's candidates, since every corpus id precedes `position`.
-                    let part = partition.list_part(visits, corpus, &corpus_runs);
-                    let workspace = &mut self.workspace;
-                    StageTimer::time(&mut self.timer, gpu, "attention", || {
-                        bucket_attention(gpu, workspace, query, dense, part, &mut out)
-                    })?;
-                    ListPart::Buckets(part)
+                    ListPart::Buckets(partition.list_part(visits, corpus, &corpus_runs))
                 }
                 (None, Some(found)) => {
                     let lists: Vec<Vec<u32>> = found

@@ -177,7 +177,8 @@ pub struct Timings {
     /// Answer tokens per second after the first.
     pub tokens_per_second: f64,
     /// With [`AskOptions::profile`] on a GPU: seconds of GPU time per stage of the
-    /// attention layers the query computes itself (`routing`, `attention`, `provenance`),
+    /// attention layers the query computes itself (`attention`, or `routing and attention`
+    /// for a query routed on the GPU, and `provenance`),
     /// over the question and the answer; the rest of a step is the model's own work.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub gpu_stage_seconds: BTreeMap<&'static str, f64>,
