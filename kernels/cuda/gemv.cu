@@ -58,31 +58,52 @@ __device__ __forceinline__ float dot8(float acc, uint4 w, uint4 x) {
     return acc;
 }
 
+// The UNROLL chunks of a row from chunk `base` on (zeros past its end), loaded before any is
+// used.
+__device__ __forceinline__ void load_batch(const uint4* w_row, u32 base, u32 chunks,
+                                           uint4 (&wv)[UNROLL]) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const u32 c = base + u * 32;
+        const uint4 zero = {0u, 0u, 0u, 0u};
+        wv[u] = c < chunks ? load_streaming(w_row + c) : zero;
+    }
+}
+
 // One warp per weight row at a time (rows strided over the grid's warps). Lane l reads the
 // row's 16-byte chunks l, l + 32, l + 64, ..., UNROLL of them before it uses any.
+//
+// Launched as a programmatic dependent launch: the weights are not the previous launch's
+// output, so each warp loads its first row's first chunks before it waits for that launch
+// (griddepcontrol.wait; a no-op when launched plainly), and the weight stream starts while a
+// norm or an activation still runs. Nothing the previous launch writes or reads (x, out) is
+// touched before the wait. A row's first chunks are likewise loaded before the row before it
+// is summed across the warp.
 extern "C" __global__ void __launch_bounds__(THREADS)
     gemv(const uint4* __restrict__ w, const uint4* __restrict__ x,
          const float* __restrict__ bias, u32 n, u32 k, u32 accumulate, float* __restrict__ out) {
     const u32 lane = threadIdx.x & 31;
     const u32 chunks = k / 8;
     const u32 warps = gridDim.x * (THREADS / 32);
-    for (u32 row = blockIdx.x * (THREADS / 32) + threadIdx.x / 32; row < n; row += warps) {
+    u32 row = blockIdx.x * (THREADS / 32) + threadIdx.x / 32;
+    // Invariant at the top of each row: wv holds its chunks from `lane` on.
+    uint4 wv[UNROLL];
+    if (row < n) load_batch(w + (u64)row * chunks, lane, chunks, wv);
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    for (; row < n; row += warps) {
         const uint4* w_row = w + (u64)row * chunks;
         float acc = 0.0f;
         for (u32 base = lane; base < chunks; base += 32 * UNROLL) {
-            uint4 wv[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const u32 c = base + u * 32;
-                const uint4 zero = {0u, 0u, 0u, 0u};
-                wv[u] = c < chunks ? load_streaming(w_row + c) : zero;
-            }
+            if (base != lane) load_batch(w_row, base, chunks, wv);
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const u32 c = base + u * 32;
                 if (c < chunks) acc = dot8(acc, wv[u], __ldg(x + c));
             }
         }
+        if (row + warps < n) load_batch(w + (u64)(row + warps) * chunks, lane, chunks, wv);
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1)
             acc += __shfl_xor_sync(0xffffffffu, acc, offset);

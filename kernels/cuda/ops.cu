@@ -154,11 +154,22 @@ __device__ __forceinline__ float sum_squares(const float* __restrict__ row, u32 
     return block_sum(ss, scratch);
 }
 
+// Lets the launch after this one on the stream start its blocks now, if it is a programmatic
+// dependent launch (`gemv`, which reads its weights and then waits for this grid to finish
+// before it reads what this grid writes). Called first thing: this kernel was itself launched
+// plainly, so everything before it has finished.
+__device__ __forceinline__ void let_dependents_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 // out [rows, width] (OUT_T) = RMSNorm(x [rows, width]) with weight [width]. Grid: one block
 // of NORM_THREADS per row.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     ops_rms_norm(const float* __restrict__ x, u32 width, const float* __restrict__ weight,
                  float eps, float offset, OUT_T* __restrict__ out) {
+    let_dependents_start();
     __shared__ float scratch[32];
     const float* row = x + (u64)blockIdx.x * width;
     const float r = rms(sum_squares(row, width, scratch), width, eps);
@@ -333,6 +344,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS)
 // act 1: SiLU x / (1 + exp(-x)). Grid-stride over the n = rows * width outputs.
 extern "C" __global__ void ops_gated_activation(const float* __restrict__ gate_up, u32 width,
                                                 u64 n, u32 act, OUT_T* __restrict__ out) {
+    let_dependents_start();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (u64)gridDim.x * blockDim.x) {
         const u64 row = i / width, col = i % width;
@@ -351,6 +363,7 @@ extern "C" __global__ void ops_gated_activation(const float* __restrict__ gate_u
 
 // out[i] = x[i] converted from IN_T to OUT_T (through float). Grid-stride.
 extern "C" __global__ void ops_convert(const IN_T* __restrict__ x, u64 n, OUT_T* __restrict__ out) {
+    let_dependents_start();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (u64)gridDim.x * blockDim.x)
         out[i] = from_float<OUT_T>(to_float(x[i]));

@@ -3,14 +3,15 @@
 
 use std::ops::Range;
 
-use cudarc::driver::sys;
 use cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
 use crate::buffers::{Csr, KvCache};
 use crate::error::{driver, length, KernelError, Result};
-use crate::gpu::{AttendKernel, Gpu, KvElement, Variant, MAX_GROUP, MAX_MERGE, THREADS, UNROLL};
+use crate::gpu::{
+    param, AttendKernel, Gpu, KvElement, Variant, MAX_GROUP, MAX_MERGE, THREADS, UNROLL,
+};
 
 /// The queries of one decode step: `[kv_heads, group, head_dim]` (query head `h * group + g`
 /// attends with KV head `h`), and the logit scale (usually `1 / sqrt(head_dim)`).
@@ -596,12 +597,6 @@ fn plan<'a, T>(
     })
 }
 
-/// A kernel parameter for `cuLaunchKernelEx`: the address of its value, which the driver
-/// copies during the call.
-fn param<T>(value: &T) -> *mut std::ffi::c_void {
-    value as *const T as *mut std::ffi::c_void
-}
-
 /// Launches `attend`; `after_route` when the launch right before it on the stream is the
 /// routing that wrote the visits and nothing else it reads changed since that launch began.
 fn launch<T: KvElement>(
@@ -781,43 +776,19 @@ fn launch<T: KvElement>(
         param(&args.q_keep),
         param(&after_route_u32),
     ];
-    let mut attribute = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-        pad: [0; 4],
-        // Safety: a plain-data union of the driver's; zero is every member's default.
-        value: unsafe { std::mem::zeroed() },
-    };
-    attribute.value.programmaticStreamSerializationAllowed = 1;
     // Grid (KV heads, items): blocks are dispatched item by item across the heads.
-    let config = sys::CUlaunchConfig {
-        gridDimX: heads_u32,
-        gridDimY: items_u32,
-        gridDimZ: 1,
-        blockDimX: THREADS,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
-        hStream: gpu.stream().cu_stream(),
-        attrs: &mut attribute,
-        numAttrs: u32::from(programmatic),
-    };
     // Safety: `params` points at one value for each of `attend`'s parameters, in order and
-    // of its types, all alive until the call returns (the driver copies them); every address
-    // is of a live buffer whose length was checked against the rows the kernel reads.
-    // The raw launch needs the context current on this thread, as cudarc's own launches do.
-    gpu.context()
-        .bind_to_thread()
-        .map_err(driver("binding the context to the thread"))?;
+    // of its types, all alive until the call returns; every address is of a live buffer
+    // whose length was checked against the rows the kernel reads.
     unsafe {
-        sys::cuLaunchKernelEx(
-            &config,
-            kernel.function.cu_function(),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
+        gpu.launch_raw(
+            &kernel.function,
+            ((heads_u32, items_u32), THREADS, 0),
+            &mut params,
+            programmatic,
+            "launching attend",
         )
-        .result()
-    }
-    .map_err(driver("launching attend"))?;
+    }?;
     Ok(())
 }
 

@@ -12,13 +12,10 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
-use cudarc::driver::{
-    CudaContext, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use crate::error::{cublas, driver, length, KernelError, Result};
-use crate::gpu::{Float, Gpu};
+use crate::gpu::{param, Float, Gpu};
 use crate::ops::add_bias;
 
 const GEMV_SOURCE: &str = include_str!("../cuda/gemv.cu");
@@ -351,27 +348,35 @@ fn gemv<T: Float>(
     // stride over the rest).
     let most = gpu.multiprocessors() * GEMV_BLOCKS_PER_SM;
     let blocks = (n as u32).div_ceil(GEMV_THREADS / 32).clamp(1, most);
-    let config = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (GEMV_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
     let bias = bias.map_or(0u64, |b| b.device_ptr(gpu.stream()).0);
+    let (w, x) = (w.device_ptr(gpu.stream()).0, x.device_ptr(gpu.stream()).0);
+    let out = out.device_ptr_mut(gpu.stream()).0;
     let (n, k, accumulate) = (n as u32, k as u32, u32::from(accumulate));
-    let mut builder = gpu.stream().launch_builder(&kernel);
-    builder
-        .arg(w)
-        .arg(x)
-        .arg(&bias)
-        .arg(&n)
-        .arg(&k)
-        .arg(&accumulate)
-        .arg(out);
-    // Safety: the arguments match `gemv`; w holds n rows of k, x k and out n elements
+    let mut params = [
+        param(&w),
+        param(&x),
+        param(&bias),
+        param(&n),
+        param(&k),
+        param(&accumulate),
+        param(&out),
+    ];
+    // A programmatic dependent launch: the weights are not the previous launch's output, so
+    // the kernel starts reading them while that launch (a norm, an activation) still runs,
+    // and waits for it before it reads x or touches out.
+    // Safety: the parameters match `gemv`'s; w holds n rows of k, x k and out n elements
     // (checked by `Gemm::linear`, which also checked that n and k fit in i32), bias n or is
     // null; k is a multiple of 8 and w and x are 16-byte aligned, as the kernel's 16-byte
     // loads need.
-    unsafe { builder.launch(config) }.map_err(driver("launching gemv"))?;
+    unsafe {
+        gpu.launch_raw(
+            &kernel,
+            ((blocks, 1), GEMV_THREADS, 0),
+            &mut params,
+            true,
+            "launching gemv",
+        )
+    }?;
     Ok(())
 }
 

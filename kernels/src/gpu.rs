@@ -5,7 +5,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
     ValidAsZeroBits,
@@ -25,6 +25,12 @@ pub(crate) const UNROLL: u32 = 4;
 pub(crate) const MAX_GROUP: usize = 8;
 /// Partials one merge of the attention kernel reads at most (`MAX_MERGE` in `attend.cu`).
 pub(crate) const MAX_MERGE: usize = 128;
+
+/// A kernel parameter for [`Gpu::launch_raw`]: the address of its value, which the driver
+/// copies during the call.
+pub(crate) fn param<T>(value: &T) -> *mut std::ffi::c_void {
+    value as *const T as *mut std::ffi::c_void
+}
 
 /// Element type of keys, values and queries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -307,6 +313,65 @@ impl Gpu {
             .trim_start_matches("compute_")
             .parse::<u32>()
             .is_ok_and(|cc| cc >= 90)
+    }
+
+    /// Launches `function` on the stream with raw parameters (`cuLaunchKernelEx`): a grid
+    /// of `grid` blocks of `threads` threads and `shared` bytes of dynamic shared memory. When
+    /// `programmatic` and the device has it ([`Gpu::programmatic_launch`]), as a programmatic
+    /// dependent launch: the kernel's blocks may start before the launch before it on the
+    /// stream has finished, so the kernel must run `griddepcontrol.wait` before it touches
+    /// anything that launch writes or reads. Returns whether it was launched so.
+    ///
+    /// # Safety
+    /// `params` holds the address of one value for each of the kernel's parameters, in order
+    /// and of its types, alive until the call returns (the driver copies them); every device
+    /// address among them is of a live buffer long enough for what the kernel does with it.
+    pub(crate) unsafe fn launch_raw(
+        &self,
+        function: &CudaFunction,
+        (grid, threads, shared): ((u32, u32), u32, u32),
+        params: &mut [*mut std::ffi::c_void],
+        programmatic: bool,
+        op: &'static str,
+    ) -> Result<bool> {
+        let programmatic = programmatic && self.programmatic_launch();
+        let mut attribute = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            // Safety: a plain-data union of the driver's; zero is every member's default.
+            value: unsafe { std::mem::zeroed() },
+        };
+        attribute.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: u32::from(programmatic),
+        };
+        // The raw launch needs the context current on this thread, as cudarc's own
+        // launches do.
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("binding the context to the thread"))?;
+        // Safety: the caller vouches for the parameters; the configuration and its one
+        // attribute live until the call returns.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                function.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()
+        }
+        .map_err(driver(op))?;
+        Ok(programmatic)
     }
 
     /// Number of streaming multiprocessors.
