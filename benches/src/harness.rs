@@ -163,6 +163,10 @@ pub struct BenchOptions {
     pub seed: u64,
     /// SAAP artifact (default: the one registered for the model).
     pub saap: Option<PathBuf>,
+    /// [`kvdb::Retrieval::follow`] for every retrieval question (0: off; absent from the
+    /// results of runs before it, which had none).
+    #[serde(default)]
+    pub follow: usize,
 }
 
 /// Specs are written as their strings, the form they are given in everywhere.
@@ -194,6 +198,7 @@ impl BenchOptions {
             window: 64,
             seed: 0,
             saap: None,
+            follow: 0,
         }
     }
 
@@ -735,8 +740,9 @@ fn retrieval_mode(point: &Point, options: &BenchOptions) -> Result<AttentionMode
         index: Some(point.spec.parse()?),
         k: point.k,
         policy: options.policy(),
-        estimate: false,
         breadth: point.breadth,
+        follow: options.follow,
+        ..Retrieval::default()
     }))
 }
 

@@ -81,7 +81,7 @@ fn markdown(result: &BenchResult, plots: &[PathBuf]) -> String {
          top-k budgets {:?} of the corpus; whole-bucket indexes at {:?} × their own lists \
          probed or buckets visited, hip and ihip at those multiples of their own k; needles at \
          depths {:?}, {} per depth (asked at each spec's own budget, top-k indexes at the one \
-         nearest 1%).\n",
+         nearest 1%).{}\n",
         result.model,
         &result.model_sha256[..result.model_sha256.len().min(12)],
         result.threads,
@@ -93,7 +93,14 @@ fn markdown(result: &BenchResult, plots: &[PathBuf]) -> String {
         o.budgets,
         o.sweep,
         o.depths,
-        o.needles
+        o.needles,
+        match o.follow {
+            0 => String::new(),
+            n => format!(
+                " Every answer step also attends the token after each of the {n} retrieved \
+                 tokens the step before attended most (`--follow {n}`)."
+            ),
+        }
     );
     let _ = writeln!(
         s,

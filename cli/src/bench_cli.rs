@@ -67,6 +67,11 @@ pub(crate) struct BenchArgs {
     /// SAAP artifact (default: the one registered for the model).
     #[arg(long)]
     saap: Option<PathBuf>,
+    /// Every answer step also attends the token after each of the N retrieved tokens the
+    /// step before attended most (`kvdb ask --follow`); it acts across decode steps, so on
+    /// the needles' answers, not on the per-query retrieval measures.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    follow: usize,
 }
 
 pub(crate) fn bench(args: BenchArgs) -> Result<()> {
@@ -89,6 +94,7 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
     options.eval_tokens = args.eval_tokens;
     options.seed = args.seed;
     options.saap = args.saap;
+    options.follow = args.follow;
     anyhow::ensure!(
         options.depths.iter().all(|d| (0.0..=1.0).contains(d)),
         "depths must lie in 0..1"

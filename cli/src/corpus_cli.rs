@@ -94,6 +94,11 @@ pub(crate) struct AskArgs {
     /// overriding the index's spec without rebuilding it.
     #[arg(long)]
     breadth: Option<usize>,
+    /// At every step also attend the token after each of the N retrieved tokens the step
+    /// before attended most, per KV head (helps an answer that copies a number or a name
+    /// from the corpus; CPU only for now).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    follow: usize,
     /// Attend to every corpus token exactly instead of retrieving (the reference).
     #[arg(long)]
     full_attention: bool,
@@ -338,6 +343,7 @@ pub(crate) fn ask(args: AskArgs) -> Result<()> {
                 k: args.k,
                 estimate: args.estimate,
                 breadth: args.breadth,
+                follow: args.follow,
                 policy: DensePolicy {
                     sink: args.sink,
                     window: args.window,

@@ -82,9 +82,8 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         AttentionMode::Retrieval(Retrieval {
             index: Some(spec.clone()),
             k: Some(k),
-            estimate: false,
-            breadth: None,
             policy: DensePolicy::default(),
+            ..Retrieval::default()
         })
     }));
     let mut rows: Vec<Row> = Vec::new();

@@ -88,8 +88,7 @@ mod on_gpu {
             index: Some(spec.parse::<IndexSpec>()?),
             k,
             policy: POLICY,
-            estimate: false,
-            breadth: None,
+            ..Retrieval::default()
         }))
     }
 
@@ -267,23 +266,39 @@ mod on_gpu {
             ensure!(!g.provenance.passages.is_empty(), "{spec}: no provenance");
         }
         // What the GPU path lacks says so.
-        let estimate = AttentionMode::Retrieval(Retrieval {
-            index: Some("ivf16,np4".parse()?),
-            estimate: true,
-            policy: POLICY,
-            ..Retrieval::default()
-        });
-        let refused = ask(&gpu, &on_gpu, estimate);
-        ensure!(
-            matches!(
-                refused
-                    .as_ref()
-                    .map_err(|e| e.downcast_ref::<kvdb::Error>()),
-                Err(Some(kvdb::Error::NotOnGpu { .. }))
+        let lacking = [
+            (
+                "estimation",
+                Retrieval {
+                    index: Some("ivf16,np4".parse()?),
+                    estimate: true,
+                    policy: POLICY,
+                    ..Retrieval::default()
+                },
             ),
-            "estimation on the GPU: {:?}",
-            refused.map(|a| a.answer)
-        );
+            (
+                "following the most attended tokens",
+                Retrieval {
+                    index: Some("flat".parse()?),
+                    follow: 4,
+                    policy: POLICY,
+                    ..Retrieval::default()
+                },
+            ),
+        ];
+        for (what, asked) in lacking {
+            let refused = ask(&gpu, &on_gpu, AttentionMode::Retrieval(asked));
+            ensure!(
+                matches!(
+                    refused
+                        .as_ref()
+                        .map_err(|e| e.downcast_ref::<kvdb::Error>()),
+                    Err(Some(kvdb::Error::NotOnGpu { .. }))
+                ),
+                "{what} on the GPU: {:?}",
+                refused.map(|a| a.answer)
+            );
+        }
         Ok(())
     }
 }

@@ -281,6 +281,11 @@ fn with_sequence<'c, R>(
             what: "estimating unvisited buckets (`estimate`)",
         });
     }
+    if session.follows() {
+        return Err(Error::NotOnGpu {
+            what: "following the most attended tokens (`follow`)",
+        });
+    }
     let kv = corpus.gpu_kv(model, gpu)?;
     let config = model.model.config();
     let n = corpus.manifest().tokens;

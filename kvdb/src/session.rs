@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use kvdb_attention::{attend, Attended, DenseKv, DensePolicy, Estimate, KvSource, RetrievalQuery};
-use kvdb_index::{Found, GroupQuery, IndexSpec, KeyIndex, SearchParams, Searcher};
+use kvdb_index::{Found, GroupQuery, IndexSpec, KeyIndex, SearchParams, Searcher, Selection};
 use kvdb_model::{
     AttentionBackend, AttentionInput, BackendSequence, EncodeOptions, FullAttention, Logits, Rope,
 };
@@ -59,6 +59,12 @@ pub struct Retrieval {
     /// Lists probed (ivf), buckets visited (saap) or the graph's candidate list (hnsw) for
     /// this query, overriding the index's spec (`None`: the spec's own).
     pub breadth: Option<usize>,
+    /// At every step, each KV head also attends the token after each of the `follow`
+    /// retrieved tokens its attention weighted most at the step before (0: off). A model
+    /// that copies text (a number, a name) attends one position further each step, as
+    /// MInference's slash lines show; an index searched with the next step's query can miss
+    /// that next key, and this adds it without scoring anything. CPU sessions only for now.
+    pub follow: usize,
 }
 
 impl AttentionMode {
@@ -70,6 +76,7 @@ impl AttentionMode {
             policy,
             estimate: false,
             breadth: None,
+            follow: 0,
         })
     }
 }
@@ -689,6 +696,7 @@ impl Corpus {
                     ..SearchParams::top(r.k.or(spec.default_k()).unwrap_or(DEFAULT_K), 0..0)
                 },
                 policy: r.policy,
+                follow: r.follow,
             },
             stats: RetrievalStats {
                 index: built,
@@ -811,6 +819,8 @@ struct Budget {
     search: SearchParams,
     /// The dense part, excluded from the candidates.
     policy: DensePolicy,
+    /// [`Retrieval::follow`].
+    follow: usize,
 }
 
 impl Budget {
@@ -865,6 +875,9 @@ struct RetrievalHead<'c> {
     searcher: Box<dyn Searcher + 'c>,
     /// With estimation, the mean value of every bucket `[buckets, head_dim]`.
     bucket_means: Option<Vec<f32>>,
+    /// The corpus tokens after the ones the last step attended most ([`Retrieval::follow`]),
+    /// which the next search's selection gains.
+    followed: Vec<u32>,
 }
 
 /// How a query attends at one layer.
@@ -978,6 +991,7 @@ fn retrieval_heads<'c>(
                 tail: DenseKv::new(Vec::new(), Vec::new(), d)?,
                 searcher: index.searcher(),
                 bucket_means: means.as_mut().and_then(Iterator::next),
+                followed: Vec::new(),
             })
         })
         .collect()
@@ -1027,6 +1041,12 @@ impl<'c> QueryState<'c> {
             LayerState::Retrieval(heads) => heads.iter().any(|h| h.bucket_means.is_some()),
             LayerState::Dense => false,
         })
+    }
+
+    /// Whether the query follows the most attended tokens ([`Retrieval::follow`]).
+    #[cfg(feature = "gpu")]
+    pub(crate) fn follows(&self) -> bool {
+        self.retriever.as_ref().is_some_and(|r| r.budget.follow > 0)
     }
 
     /// A retrieval layer's chunk: its keys and values join the tail, and every KV head's
@@ -1123,6 +1143,26 @@ impl<'c> QueryState<'c> {
         self.count_attention(started);
         if let Some(from) = self.answer_from {
             attended.add_mass(from, step, &mut self.mass);
+        }
+        let follow = self.retriever.as_ref().map_or(0, |r| r.budget.follow);
+        if let (true, Some(LayerState::Retrieval(heads))) =
+            (follow > 0, self.layers.get_mut(step.layer))
+        {
+            // The chunk's last token decides what the next step follows.
+            let last = step.t - 1;
+            for (g, head) in heads.iter_mut().enumerate() {
+                head.followed = most_attended(
+                    &attended.0[last * step.n_kv + g],
+                    &found[g][last].selection,
+                    step.group,
+                    follow,
+                )
+                .into_iter()
+                .filter_map(|id| id.checked_add(1))
+                // The tail after the corpus is attended densely anyway.
+                .filter(|&id| (id as usize) < step.n)
+                .collect();
+            }
         }
         Ok(attended)
     }
@@ -1385,11 +1425,46 @@ fn search(
                         position,
                     };
                     let params = budget.params(position, step.n, estimate);
-                    Ok(head.searcher.search(&query, &params)?)
+                    let found = head.searcher.search(&query, &params)?;
+                    Ok(with_followed(found, &head.followed, &params.candidates))
                 })
                 .collect::<Result<Vec<_>>>()
         })
         .collect()
+}
+
+/// `found` with the `followed` ids among `candidates` added to its selection (nothing is
+/// scored for them).
+fn with_followed(mut found: Found, followed: &[u32], candidates: &Range<u32>) -> Found {
+    if followed
+        .iter()
+        .any(|id| candidates.contains(id) && !found.selection.contains(*id))
+    {
+        let mut ids = found.selection.ids().to_vec();
+        ids.extend(followed.iter().filter(|id| candidates.contains(id)));
+        found.selection = Selection::new(ids);
+    }
+    found
+}
+
+/// The `count` ids of `selection` (the retrieved ids, not the dense part) that `attended`
+/// weighted most, summed over the group's heads; ties go to the lower id.
+fn most_attended(
+    attended: &Attended,
+    selection: &Selection,
+    group: usize,
+    count: usize,
+) -> Vec<u32> {
+    let m = attended.ids.len();
+    let mut weighted: Vec<(f32, u32)> = attended
+        .ids
+        .iter()
+        .enumerate()
+        .filter(|(_, &id)| selection.contains(id))
+        .map(|(k, &id)| ((0..group).map(|h| attended.weights[h * m + k]).sum(), id))
+        .collect();
+    weighted.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    weighted.into_iter().take(count).map(|(_, id)| id).collect()
 }
 
 /// Adds a chunk's searches to the query's statistics.
@@ -1457,4 +1532,40 @@ fn attend_selected(
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(ChunkAttention(attended))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_most_attended_retrieved_tokens_are_followed() {
+        // Dense part 0 and 1 (the sink takes most of the weight), retrieved 10, 20, 30; two
+        // query heads. Summed over the heads: 10 → 0.5, 20 → 0.25, 30 → 0.5 (a tie, to 10).
+        let attended = Attended {
+            output: Vec::new(),
+            ids: vec![0, 1, 10, 20, 30],
+            weights: vec![
+                0.9, 0.0, 0.05, 0.05, 0.0, //
+                0.1, 0.0, 0.45, 0.2, 0.5,
+            ],
+        };
+        let selection = Selection::new(vec![10, 20, 30]);
+        assert_eq!(most_attended(&attended, &selection, 2, 2), vec![10, 30]);
+        assert_eq!(most_attended(&attended, &selection, 2, 9), vec![10, 30, 20]);
+        assert!(most_attended(&attended, &selection, 2, 0).is_empty());
+    }
+
+    #[test]
+    fn followed_ids_join_the_selection_inside_the_candidates_only() {
+        let found = Found {
+            selection: Selection::new(vec![5, 9]),
+            scored: 7,
+            unvisited: Vec::new(),
+        };
+        // 10 joins; 9 is already there; 2 is in the sink, 40 in the window.
+        let with = with_followed(found, &[10, 9, 2, 40], &(4..30));
+        assert_eq!(with.selection.ids(), &[5, 9, 10]);
+        assert_eq!(with.scored, 7, "following scores nothing");
+    }
 }

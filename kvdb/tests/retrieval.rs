@@ -295,7 +295,7 @@ fn ask_options(spec: &kvdb_index::IndexSpec, k: Option<usize>, estimate: bool) -
                 window: 64,
             },
             estimate,
-            breadth: None,
+            ..kvdb::Retrieval::default()
         }),
         generate: kvdb::GenerateOptions {
             max_tokens: 8,
@@ -353,6 +353,31 @@ fn every_index_finds_the_needle_at_its_default_spec() -> Result<()> {
         }
     }
     assert!(missed.is_empty(), "{missed:?}");
+
+    // Following the most attended tokens (`Retrieval::follow`) adds their successors to
+    // hip's selections: more keys attended, at most `follow` more a search, and the needle
+    // still answered.
+    let hip: kvdb_index::IndexSpec = "hip".parse()?;
+    let per_search = |follow: usize| -> Result<(String, f64)> {
+        let mut options = ask_options(&hip, None, false);
+        if let AttentionMode::Retrieval(retrieval) = &mut options.mode {
+            retrieval.follow = follow;
+        }
+        let answer = corpus.ask(model.as_ref(), &question, &options, &mut |_| Ok(()))?;
+        let stats = answer.retrieval.unwrap_or_default();
+        Ok((
+            answer.answer,
+            stats.selected as f64 / stats.searches.max(1) as f64,
+        ))
+    };
+    let (_, plain) = per_search(0)?;
+    let (answer, followed) = per_search(8)?;
+    eprintln!("hip following 8: {answer:?}, {followed:.1} ids a search against {plain:.1}");
+    assert!(answer.contains(NUMBER), "{answer:?}");
+    assert!(
+        followed > plain && followed <= plain + 8.0,
+        "{followed} ids a search following 8, {plain} without"
+    );
 
     // Estimating the unvisited buckets (RetroInfer's idea) works through a bucket index and
     // is refused, naming the index, through one without buckets.
