@@ -320,7 +320,7 @@ impl Gpu {
     /// `programmatic` and the device has it ([`Gpu::programmatic_launch`]), as a programmatic
     /// dependent launch: the kernel's blocks may start before the launch before it on the
     /// stream has finished, so the kernel must run `griddepcontrol.wait` before it touches
-    /// anything that launch writes or reads. Returns whether it was launched so.
+    /// anything that launch writes or reads.
     ///
     /// # Safety
     /// `params` holds the address of one value for each of the kernel's parameters, in order
@@ -333,7 +333,7 @@ impl Gpu {
         params: &mut [*mut std::ffi::c_void],
         programmatic: bool,
         op: &'static str,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let programmatic = programmatic && self.programmatic_launch();
         let mut attribute = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
@@ -370,8 +370,7 @@ impl Gpu {
             )
             .result()
         }
-        .map_err(driver(op))?;
-        Ok(programmatic)
+        .map_err(driver(op))
     }
 
     /// Number of streaming multiprocessors.
