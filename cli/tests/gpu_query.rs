@@ -2,9 +2,10 @@
 //! random-weight model, a corpus ingested once is asked through every index type and with
 //! full attention on both devices. Selecting every token on the GPU gives GPU full
 //! attention's answer (the same keys, another summation order); the GPU's answers through
-//! flat, ivf (searched on the CPU, and `norope,all` routed on the GPU) and saap equal the
-//! CPU's (bf16 weights against f32, so greedy answers are compared, with the ranking of
-//! provenance and the search statistics); every other index type answers on the GPU.
+//! flat, ivf (searched on the CPU, and `norope,all` routed on the GPU) and saap (routed on
+//! the GPU by its classifier) equal the CPU's (bf16 weights against f32, so greedy answers
+//! are compared, with the ranking of provenance and the search statistics); every other
+//! index type answers on the GPU.
 //!
 //! Needs a GPU: on a machine without one (CI) each test prints `SKIPPED` and passes.
 
@@ -60,7 +61,8 @@ mod on_gpu {
     const TOKENS: usize = 12;
 
     /// The specs asked through besides flat: the CPU and GPU must agree on the first ones.
-    /// `ivf…,norope,all` is routed on the GPU (no CPU search), the others search on the CPU.
+    /// `ivf…,norope,all` and saap are routed on the GPU (no CPU search), the others search
+    /// on the CPU.
     const SAME_ANSWER: &[&str] = &["flat", "ivf16,np4", "ivf16,np4,norope,all", "saap16,l4"];
     const ANSWERS: &[&str] = &[
         "hnsw8,ef32",
@@ -237,6 +239,13 @@ mod on_gpu {
             ensure!(
                 (cs.searches, cs.eligible) == (gs.searches, gs.eligible),
                 "{spec}: searches counted differently: CPU {cs:?}, GPU {gs:?}"
+            );
+            // Routed on the GPU: no query goes to the host.
+            let routed = spec.ends_with("norope,all") || spec.starts_with("saap");
+            ensure!(
+                (gs.transfer_seconds == 0.0) == routed,
+                "{spec}: routed on the GPU {routed}, queries copied to the host for {} s",
+                gs.transfer_seconds
             );
             let near = |a: usize, b: usize| (a as f64 - b as f64).abs() <= 0.05 * a as f64;
             ensure!(

@@ -35,8 +35,9 @@ use crate::fitted::FittedRouting;
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::kmeans::kmeans;
 use crate::{
-    BucketIndex, BuildContext, BuildStats, FlatIndex, Found, GroupQuery, IndexError, IndexSpec,
-    IvfSpec, KeyIndex, LinearRouting, Result, SearchParams, Searcher, Selection, UnvisitedBucket,
+    BucketIndex, BucketScores, BuildContext, BuildStats, FlatIndex, Found, GpuRouting, GroupQuery,
+    IndexError, IndexSpec, IvfSpec, KeyIndex, Result, SearchParams, Searcher, Selection,
+    UnvisitedBucket,
 };
 use kvdb_simd::dot;
 
@@ -429,9 +430,9 @@ impl BucketIndex for IvfIndex {
 
     /// Routing by centroid only: the GPU's routing kernel has no per-bucket bias yet, so a
     /// fitted routing searches on the CPU.
-    fn linear_routing(&self) -> Option<LinearRouting<'_>> {
-        (self.spec.norope && self.spec.all && self.routing.is_none()).then_some(LinearRouting {
-            centroids: &self.centroids,
+    fn gpu_routing(&self) -> Option<GpuRouting<'_>> {
+        (self.spec.norope && self.spec.all && self.routing.is_none()).then_some(GpuRouting {
+            scores: BucketScores::Centroids(&self.centroids),
             lists: &self.lists,
             probes: self.spec.probes,
         })

@@ -237,28 +237,47 @@ impl<T: StatelessSearch + ?Sized> Searcher for OneShot<'_, T> {
 
 /// A bucket index (ivf, saap): every key belongs to one bucket. The engine uses this to
 /// compute each bucket's mean value for the estimate of unvisited buckets, and to route on
-/// the GPU where the index allows it ([`BucketIndex::linear_routing`]).
+/// the GPU where the index allows it ([`BucketIndex::gpu_routing`]).
 pub trait BucketIndex: KeyIndex {
     /// Number of buckets.
     fn buckets(&self) -> usize;
     /// The bucket of every key, by id.
     fn assignments(&self) -> Vec<u32>;
-    /// How the index searches, when that is simple enough for a GPU to do it alone: every
-    /// key of the probed buckets is selected, and the buckets probed are those whose
-    /// centroid has the best inner product with the de-roped queries (the best over a GQA
-    /// group's heads), as `ivf…,norope,all` searches. `None` for any other search.
-    fn linear_routing(&self) -> Option<LinearRouting<'_>> {
+    /// How the index searches, when a GPU can repeat it alone: every key of the probed
+    /// buckets is selected, and the buckets probed are the best by a score the description
+    /// holds (see [`BucketScores`]). `None` for any other search.
+    fn gpu_routing(&self) -> Option<GpuRouting<'_>> {
         None
     }
 }
 
-/// A bucket index's search as the GPU repeats it (see [`BucketIndex::linear_routing`]).
+/// A bucket index's search as the GPU repeats it (see [`BucketIndex::gpu_routing`]).
 #[derive(Debug, Clone, Copy)]
-pub struct LinearRouting<'a> {
-    /// One centroid per bucket, `[buckets, head_dim]`, in the de-roped keys' space.
-    pub centroids: &'a [f32],
+pub struct GpuRouting<'a> {
+    /// How a query scores the buckets.
+    pub scores: BucketScores<'a>,
     /// Each bucket's key ids, ascending.
     pub lists: &'a [Vec<u32>],
     /// Buckets probed per search, unless the query asks for another breadth.
     pub probes: usize,
+}
+
+/// How a [`GpuRouting`] scores a query's buckets.
+#[derive(Debug, Clone, Copy)]
+pub enum BucketScores<'a> {
+    /// `ivf…,norope,all`: a bucket's score is its centroid's inner product with the de-roped
+    /// queries, the best over a GQA group's heads; the best buckets are probed whatever ids
+    /// they hold. One centroid per bucket, `[buckets, head_dim]`.
+    Centroids(&'a [f32]),
+    /// saap: each query head's routing distribution (the classifier's softmax over the
+    /// buckets holding keys, mixed with the geometric expert's), summed over the group; the
+    /// best buckets holding a candidate are probed (see `crate::saap`).
+    Classifier {
+        /// The trained head (centroids, the classifier's two layers, the prior's weight).
+        head: &'a crate::saap::SaapHead,
+        /// Each bucket's mean rotated key `[buckets, head_dim]`: the geometric expert's.
+        mean_keys: &'a [f32],
+        /// The geometric expert's share of each distribution.
+        share: f32,
+    },
 }

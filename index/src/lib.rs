@@ -75,8 +75,8 @@ pub use ihip::IhipIndex;
 #[cfg(feature = "faiss")]
 pub use ivf::IvfIndex;
 pub use key_index::{
-    BucketIndex, BuildContext, BuildStats, Found, GroupQuery, KeyIndex, LinearRouting, QuerySample,
-    SearchParams, Searcher, UnvisitedBucket,
+    BucketIndex, BucketScores, BuildContext, BuildStats, Found, GpuRouting, GroupQuery, KeyIndex,
+    QuerySample, SearchParams, Searcher, UnvisitedBucket,
 };
 pub use lsh::LshIndex;
 pub use qgraph::QgraphIndex;

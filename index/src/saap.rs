@@ -58,8 +58,8 @@ use crate::common::{
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::kmeans::nearest;
 use crate::{
-    BucketIndex, BuildContext, BuildStats, Found, GroupQuery, IndexError, IndexSpec, KeyIndex,
-    Result, SaapSpec, SearchParams, Searcher, Selection, UnvisitedBucket,
+    BucketIndex, BucketScores, BuildContext, BuildStats, Found, GpuRouting, GroupQuery, IndexError,
+    IndexSpec, KeyIndex, Result, SaapSpec, SearchParams, Searcher, Selection, UnvisitedBucket,
 };
 use kvdb_simd::dot;
 
@@ -504,6 +504,18 @@ impl BucketIndex for SaapIndex {
 
     fn assignments(&self) -> Vec<u32> {
         self.assigned.clone()
+    }
+
+    fn gpu_routing(&self) -> Option<GpuRouting<'_>> {
+        Some(GpuRouting {
+            scores: BucketScores::Classifier {
+                head: &self.head,
+                mean_keys: &self.mean_keys,
+                share: geometry_share(&self.head),
+            },
+            lists: &self.buckets,
+            probes: self.spec.probes,
+        })
     }
 }
 

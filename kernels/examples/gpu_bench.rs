@@ -35,9 +35,11 @@ use kvdb_kernels::cudarc::driver::sys::{
     CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice};
+use kvdb_kernels::ops::RopePairs;
 use kvdb_kernels::{
-    attention_mass, bucket_attention, flash_decode, retrieval_attention, BlockCache, Csr, Dense,
-    Gpu, HostKv, KvCache, KvElement, ListPart, Partition, Query, Selected, Visits, Workspace,
+    attention_mass, bucket_attention, flash_decode, retrieval_attention, BlockCache,
+    ClassifierHead, Csr, Dense, Gpu, HostKv, KvCache, KvElement, ListPart, Partition, Query,
+    RouteRope, RouteStep, Selected, Visits, Workspace,
 };
 use serde_json::{json, Value};
 
@@ -68,6 +70,8 @@ const LENGTHS: [usize; 4] = [32 << 10, 128 << 10, 512 << 10, 1 << 20];
 const KS: [usize; 4] = [256, 1024, 2048, 4096];
 const SINK: u32 = 1;
 const WINDOW: u32 = 2048;
+/// Hidden units of the saap classifier whose routing `--buckets` times (kvdb's `HIDDEN`).
+const SAAP_HIDDEN: usize = 1024;
 /// Input sets rotate over at least this many bytes.
 const ROTATE_BYTES: f64 = 200e6;
 /// Tokens per block of the pinned-host path (the store's block size).
@@ -556,6 +560,43 @@ impl<'g, T: KvElement> Bench<'g, T> {
         let mut unit = |len: usize| -> Vec<f32> { (0..len).map(|_| self.rng.unit()).collect() };
         let centroids = unit(s.kv_heads * buckets * s.head_dim);
         let partition = Partition::new(self.gpu, &centroids, &lists, s.kv_heads, s.head_dim)?;
+        // The same buckets routed by a saap classifier of SAAP_HIDDEN units (random
+        // weights: the cost does not depend on them) with the geometric expert.
+        let classifier_weights: Vec<[Vec<f32>; 6]> = (0..s.kv_heads)
+            .map(|_| {
+                [
+                    s.head_dim * SAAP_HIDDEN,
+                    SAAP_HIDDEN,
+                    buckets * SAAP_HIDDEN,
+                    buckets,
+                    buckets * s.head_dim,
+                    buckets * s.head_dim,
+                ]
+                .map(&mut unit)
+            })
+            .collect();
+        let heads: Vec<ClassifierHead<'_>> = classifier_weights
+            .iter()
+            .map(|[w1, b1, w2, b2, centroids, mean_keys]| ClassifierHead {
+                centroids,
+                w1,
+                b1,
+                w2,
+                b2,
+                prior: 0.5,
+                mean_keys,
+                share: 0.5,
+            })
+            .collect();
+        let inv_freq: Vec<f64> = (0..s.head_dim / 2)
+            .map(|i| 10_000f64.powf(-2.0 * i as f64 / s.head_dim as f64))
+            .collect();
+        let rope = RouteRope {
+            inv_freq: &inv_freq,
+            pairs: RopePairs::Halves,
+        };
+        let group = s.q_heads / s.kv_heads;
+        let classifier = Partition::classifier(self.gpu, &heads, &lists, s.head_dim, group, rope)?;
         // Input sets whose visits (about 15 MB of keys and values each for Llama at 128K)
         // add up to more than the L2 holds.
         const SETS: usize = 16;
@@ -570,11 +611,15 @@ impl<'g, T: KvElement> Bench<'g, T> {
         let position = self.n as u32 - 1;
         let window_start = position + 1 - WINDOW;
         let runs = [0..SINK, window_start..position + 1];
+        let step = RouteStep {
+            position: position as usize,
+            candidates: SINK..window_start,
+        };
         let (gpu, scale) = (self.gpu, self.scale());
         let (copies, ws, out) = (&self.copies, &mut self.workspace, &mut self.out);
         let route = |i: usize, visits: &mut [Visits]| -> Result<()> {
             let q = route_queries[i % SETS].as_view();
-            Ok(partition.route(gpu, &q, &mut visits[i % SETS])?)
+            Ok(partition.route(gpu, &q, &step, &mut visits[i % SETS])?)
         };
         let mut attend = |i: usize, visits: &[Visits], ws: &mut Workspace| -> Result<()> {
             let kv = &copies[i % copies.len()];
@@ -648,7 +693,7 @@ impl<'g, T: KvElement> Bench<'g, T> {
         rows.push(("route+bucket_attention".to_string(), tokens, t, graph));
         // The same two launches through Partition::route_and_attend: the attention's blocks
         // start while routing runs (programmatic dependent launch on Hopper).
-        let mut together = |i: usize| -> Result<()> {
+        let mut together = |partition: &Partition, i: usize, visits: &mut [Visits]| -> Result<()> {
             let kv = &copies[i % copies.len()];
             let heads = queries[i % SETS].as_view();
             let query = Query {
@@ -660,6 +705,7 @@ impl<'g, T: KvElement> Bench<'g, T> {
             Ok(partition.route_and_attend(
                 gpu,
                 &q,
+                &step,
                 &mut visits[i % SETS],
                 ws,
                 query,
@@ -669,9 +715,50 @@ impl<'g, T: KvElement> Bench<'g, T> {
                 &mut out.as_view_mut(),
             )?)
         };
-        let t = time_events(gpu, self.iters, &mut together)?;
-        let graph = time_graph(gpu, SETS, self.iters, &mut together)?;
+        let t = time_events(gpu, self.iters, |i| together(&partition, i, &mut visits))?;
+        let graph = time_graph(gpu, SETS, self.iters, |i| {
+            together(&partition, i, &mut visits)
+        })?;
         rows.push(("route_and_attend".to_string(), tokens, t, graph));
+        // Routing by the classifier, alone and with the attention behind it; first one step
+        // a set, to count the ids its visits select (a head, on average).
+        let mut classifier_visits: Vec<Visits> = (0..SETS)
+            .map(|_| Ok(classifier.visits(gpu, probes)?))
+            .collect::<Result<_>>()?;
+        for i in 0..SETS {
+            together(&classifier, i, &mut classifier_visits)?;
+        }
+        let classified = classifier_visits
+            .iter()
+            .map(|v| Ok(v.selected(gpu)? as usize))
+            .sum::<Result<usize>>()?
+            / (SETS * s.kv_heads);
+        let classify = |i: usize, visits: &mut [Visits]| -> Result<()> {
+            let q = route_queries[i % SETS].as_view();
+            Ok(classifier.route(gpu, &q, &step, &mut visits[i % SETS])?)
+        };
+        let t = time_events(gpu, self.iters, |i| classify(i, &mut classifier_visits))?;
+        let graph = time_graph(gpu, SETS, self.iters, |i| {
+            classify(i, &mut classifier_visits)
+        })?;
+        rows.push((
+            format!("route by a classifier of {SAAP_HIDDEN} hidden units"),
+            0,
+            t,
+            graph,
+        ));
+        let t = time_events(gpu, self.iters, |i| {
+            together(&classifier, i, &mut classifier_visits)
+        })?;
+        let graph = time_graph(gpu, SETS, self.iters, |i| {
+            together(&classifier, i, &mut classifier_visits)
+        })?;
+        rows.push((
+            format!("route_and_attend by the classifier ({classified} selected a head)"),
+            (SINK + WINDOW) as usize + classified,
+            t,
+            graph,
+        ));
         Ok(rows
             .into_iter()
             .map(|(what, tokens, t, graph)| {

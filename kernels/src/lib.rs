@@ -77,4 +77,4 @@ pub use gpu::{Float, Gpu, KvDtype, KvElement};
 #[cfg(feature = "gpu")]
 pub use prefill::{prefill_attention, Causal};
 #[cfg(feature = "gpu")]
-pub use route::{Partition, Visits, MAX_ROUTED_BUCKETS};
+pub use route::{ClassifierHead, Partition, RouteRope, RouteStep, Visits, MAX_ROUTED_BUCKETS};

@@ -1,5 +1,7 @@
 //! [`Partition`]: a bucket index's partition on the GPU, routed there ([`Partition::route`],
-//! `cuda/route.cu`), so that a decode step's bucket attention needs no host round trip.
+//! `cuda/route.cu`), so that a decode step's bucket attention needs no host round trip. A
+//! partition routes by its centroids' inner products with the queries (ivf) or by a trained
+//! classifier with the geometric expert (saap, [`Partition::classifier`]).
 
 use std::ops::Range;
 
@@ -10,7 +12,8 @@ use crate::attention::{
 };
 use crate::buffers::{Csr, KvCache};
 use crate::error::{driver, length, KernelError, Result};
-use crate::gpu::{Gpu, KvElement};
+use crate::gpu::{param, Gpu, KvElement};
+use crate::ops::RopePairs;
 
 const SOURCE: &str = include_str!("../cuda/route.cu");
 
@@ -31,13 +34,103 @@ const MAX_ROUTED_GROUP: usize = 16;
 /// memory, what every CUDA GPU gives a block without opting in.
 pub const MAX_ROUTED_BUCKETS: usize = (48 << 10) / size_of::<f32>();
 
+/// Threads of a classifier routing block, hidden units and buckets each block of its two
+/// launches takes (`SAAP_THREADS`, `SAAP_ROWS`, `SAAP_BUCKETS` in `route.cu`: two units and
+/// one bucket a warp).
+const SAAP_THREADS: u32 = 256;
+const SAAP_ROWS: usize = 16;
+const SAAP_BUCKETS: usize = 8;
+
+/// Shared memory a classifier routing block may use: what every CUDA GPU gives a block
+/// without opting in.
+const SAAP_SHARED_BYTES: usize = 48 << 10;
+
+/// One KV head's trained classifier partition (saap), as [`Partition::classifier`] takes
+/// it: a bucket's logit for a de-roped query `q` is `w2 · relu(w1 · q + b1) + b2 + prior ·
+/// q · centroid`, and the geometric expert's is `prior · rot(q) · mean_key`.
+#[derive(Debug, Clone, Copy)]
+pub struct ClassifierHead<'a> {
+    /// k-means centroids of the de-roped keys, `[buckets, head_dim]`.
+    pub centroids: &'a [f32],
+    /// The first layer `[hidden, head_dim]` (a batch norm folded in).
+    pub w1: &'a [f32],
+    /// Its bias `[hidden]`.
+    pub b1: &'a [f32],
+    /// The second layer `[buckets, hidden]`.
+    pub w2: &'a [f32],
+    /// Its bias `[buckets]`.
+    pub b2: &'a [f32],
+    /// Weight of the centroid scores in the logits, and of the expert's scores.
+    pub prior: f32,
+    /// Each bucket's mean rotated key `[buckets, head_dim]`.
+    pub mean_keys: &'a [f32],
+    /// The expert's share of each query head's distribution (0: the classifier's alone).
+    pub share: f32,
+}
+
+/// The layer's RoPE, which rotates the geometric expert's queries as the model rotates its
+/// own.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRope<'a> {
+    /// The angle of each pair at position 1 (`head_dim / 2` of them).
+    pub inv_freq: &'a [f64],
+    /// Which dimensions form a pair.
+    pub pairs: RopePairs,
+}
+
+/// What one decode step's routing needs besides its queries ([`Partition::route`]): a
+/// classifier partition rotates the queries to `position` for the geometric expert and
+/// visits only buckets that hold one of the `candidates` (as saap's search); centroid
+/// routing visits the best buckets whatever they hold (as `ivf…,all`) and ignores both.
+#[derive(Debug, Clone)]
+pub struct RouteStep {
+    /// The step's position.
+    pub position: usize,
+    /// The ids a search may select.
+    pub candidates: Range<u32>,
+}
+
+/// How a [`Partition`] scores buckets.
+enum Router {
+    /// `[kv_heads, buckets, head_dim]`.
+    Centroids(CudaSlice<f32>),
+    Classifier(Box<Classifier>),
+}
+
+/// A classifier partition's every KV head, stacked as `route.cu` reads them.
+struct Classifier {
+    /// The GQA group it routes (its shared memory holds the group's hidden units).
+    group: usize,
+    hidden: usize,
+    w1: CudaSlice<f32>,
+    b1: CudaSlice<f32>,
+    w2: CudaSlice<f32>,
+    b2: CudaSlice<f32>,
+    centroids: CudaSlice<f32>,
+    mean_keys: CudaSlice<f32>,
+    prior: CudaSlice<f32>,
+    share: CudaSlice<f32>,
+    inv_freq: CudaSlice<f64>,
+    interleaved: bool,
+}
+
+impl Classifier {
+    /// Dynamic shared memory of a `saap_scores` block (see `route.cu`): the group's queries,
+    /// or in the last block of a head every logit, the sums and the flags.
+    fn shared_bytes(group: usize, head_dim: usize, buckets: usize) -> usize {
+        let scores = 2 * group * head_dim;
+        let ranking = 2 * (group + 1) * buckets;
+        scores.max(ranking) * size_of::<f32>()
+    }
+}
+
 /// One layer's bucket partition, every KV head's: the centroids that route a query
 /// (`[kv_heads, buckets, head_dim]`, f32; a bucket's score is its inner product with the
 /// query, the best over a GQA group's heads) and each bucket's token ids, ascending, as the
 /// CSR [`crate::Buckets::ids`] takes (KV head `h`'s bucket `b` is list `h * buckets + b`,
 /// and one empty list follows them).
 pub struct Partition {
-    centroids: CudaSlice<f32>,
+    router: Router,
     ids: Csr,
     kv_heads: usize,
     buckets: usize,
@@ -50,6 +143,13 @@ impl std::fmt::Debug for Partition {
             .field("kv_heads", &self.kv_heads)
             .field("buckets", &self.buckets)
             .field("head_dim", &self.head_dim)
+            .field(
+                "router",
+                &match &self.router {
+                    Router::Centroids(_) => "centroids",
+                    Router::Classifier(_) => "classifier",
+                },
+            )
             .finish_non_exhaustive()
     }
 }
@@ -60,6 +160,9 @@ impl std::fmt::Debug for Partition {
 pub struct Visits {
     visited: Csr,
     selected: CudaSlice<u64>,
+    /// A classifier partition's scratch (`route.cu`): hidden units and logits, then a
+    /// counter per KV head and a flag word per bucket.
+    scratch: Option<(CudaSlice<f32>, CudaSlice<u32>)>,
 }
 
 impl std::fmt::Debug for Visits {
@@ -95,14 +198,127 @@ impl Partition {
     ) -> Result<Self> {
         let buckets = lists.len() / kv_heads.max(1);
         length(
-            "bucket lists (kv_heads * buckets)",
-            kv_heads * buckets,
-            lists.len(),
-        )?;
-        length(
             "centroids [kv_heads, buckets, head_dim]",
             kv_heads * buckets * head_dim,
             centroids.len(),
+        )?;
+        Self::with_router(
+            gpu,
+            Router::Centroids(gpu.upload(centroids)?),
+            lists,
+            kv_heads,
+            head_dim,
+        )
+    }
+
+    /// Uploads a classifier partition (saap) of one KV head per `heads` for queries of GQA
+    /// groups of `group` heads: `lists[h * buckets + b]` the ascending token ids of head `h`'s
+    /// bucket `b`, `rope` the layer's (see [`ClassifierHead`] and [`RouteRope`]).
+    pub fn classifier<'a>(
+        gpu: &Gpu,
+        heads: &[ClassifierHead<'a>],
+        lists: &[Vec<u32>],
+        head_dim: usize,
+        group: usize,
+        rope: RouteRope<'_>,
+    ) -> Result<Self> {
+        let kv_heads = heads.len();
+        let buckets = lists.len() / kv_heads.max(1);
+        let hidden = heads.first().map_or(0, |h| h.b1.len());
+        if group == 0 || group > MAX_ROUTED_GROUP {
+            return Err(KernelError::Unsupported {
+                what: "query heads per KV head routed on the GPU",
+                value: group,
+                supported: "1 to 16",
+            });
+        }
+        if hidden == 0 {
+            return Err(KernelError::Unsupported {
+                what: "hidden units of a routing classifier",
+                value: 0,
+                supported: "at least 1",
+            });
+        }
+        let shared = Classifier::shared_bytes(group, head_dim, buckets);
+        if shared > SAAP_SHARED_BYTES {
+            return Err(KernelError::Unsupported {
+                what: "shared memory of classifier routing (bytes: the larger of 2 * group * head_dim and 2 * (group + 1) * buckets floats)",
+                value: shared,
+                supported: "at most 49,152",
+            });
+        }
+        length(
+            "RoPE inv_freq (head_dim / 2)",
+            head_dim / 2,
+            rope.inv_freq.len(),
+        )?;
+        for head in heads {
+            for (what, expected, found) in [
+                (
+                    "classifier centroids [buckets, head_dim]",
+                    buckets * head_dim,
+                    head.centroids.len(),
+                ),
+                (
+                    "classifier w1 [hidden, head_dim]",
+                    hidden * head_dim,
+                    head.w1.len(),
+                ),
+                ("classifier b1 [hidden]", hidden, head.b1.len()),
+                (
+                    "classifier w2 [buckets, hidden]",
+                    buckets * hidden,
+                    head.w2.len(),
+                ),
+                ("classifier b2 [buckets]", buckets, head.b2.len()),
+                (
+                    "mean keys [buckets, head_dim]",
+                    buckets * head_dim,
+                    head.mean_keys.len(),
+                ),
+            ] {
+                length(what, expected, found)?;
+            }
+        }
+        let stacked = |part: fn(&ClassifierHead<'a>) -> &'a [f32]| -> Result<CudaSlice<f32>> {
+            gpu.upload(&heads.iter().flat_map(part).copied().collect::<Vec<f32>>())
+        };
+        let classifier = Classifier {
+            group,
+            hidden,
+            w1: stacked(|h| h.w1)?,
+            b1: stacked(|h| h.b1)?,
+            w2: stacked(|h| h.w2)?,
+            b2: stacked(|h| h.b2)?,
+            centroids: stacked(|h| h.centroids)?,
+            mean_keys: stacked(|h| h.mean_keys)?,
+            prior: gpu.upload(&heads.iter().map(|h| h.prior).collect::<Vec<f32>>())?,
+            share: gpu.upload(&heads.iter().map(|h| h.share).collect::<Vec<f32>>())?,
+            inv_freq: gpu.upload(rope.inv_freq)?,
+            interleaved: rope.pairs == RopePairs::Interleaved,
+        };
+        Self::with_router(
+            gpu,
+            Router::Classifier(Box::new(classifier)),
+            lists,
+            kv_heads,
+            head_dim,
+        )
+    }
+
+    /// The partition of `router` over `lists` (checked).
+    fn with_router(
+        gpu: &Gpu,
+        router: Router,
+        lists: &[Vec<u32>],
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let buckets = lists.len() / kv_heads.max(1);
+        length(
+            "bucket lists (kv_heads * buckets)",
+            kv_heads * buckets,
+            lists.len(),
         )?;
         if buckets == 0 || buckets > MAX_ROUTED_BUCKETS {
             return Err(KernelError::Unsupported {
@@ -126,7 +342,7 @@ impl Partition {
         let mut all: Vec<&[u32]> = lists.iter().map(Vec::as_slice).collect();
         all.push(&[]);
         Ok(Self {
-            centroids: gpu.upload(centroids)?,
+            router,
             ids: Csr::from_lists(gpu, &all)?,
             kv_heads,
             buckets,
@@ -154,9 +370,17 @@ impl Partition {
                 supported: "1 to the partition's buckets, at most MAX_VISITED_BUCKETS (128)",
             });
         }
+        let scratch = match &self.router {
+            Router::Centroids(_) => None,
+            Router::Classifier(c) => Some((
+                gpu.zeros(self.kv_heads * c.group * (c.hidden + 2 * self.buckets))?,
+                gpu.zeros(self.kv_heads * (1 + self.buckets))?,
+            )),
+        };
         Ok(Visits {
             visited: Csr::uniform(gpu, self.kv_heads, probes, self.ids.lists() as u32)?,
             selected: gpu.zeros(1)?,
+            scratch,
         })
     }
 
@@ -179,9 +403,15 @@ impl Partition {
     }
 
     /// Routes one decode step: each KV head's group of `queries` (`[kv_heads, group,
-    /// head_dim]`, f32, in the partition's space) visits the buckets of best score, written
-    /// to `visits`.
-    pub fn route(&self, gpu: &Gpu, queries: &CudaView<'_, f32>, visits: &mut Visits) -> Result<()> {
+    /// head_dim]`, f32, de-roped: the partition's space) visits the buckets of best score at
+    /// `step`, written to `visits`.
+    pub fn route(
+        &self,
+        gpu: &Gpu,
+        queries: &CudaView<'_, f32>,
+        step: &RouteStep,
+        visits: &mut Visits,
+    ) -> Result<()> {
         let per_group = self.kv_heads * self.head_dim;
         if !queries.len().is_multiple_of(per_group) || queries.is_empty() {
             return Err(KernelError::Length {
@@ -203,22 +433,40 @@ impl Partition {
             self.kv_heads,
             visits.visited.lists(),
         )?;
+        let defines = [
+            ("GROUP", group.to_string()),
+            ("HEAD_DIM", self.head_dim.to_string()),
+        ];
+        match &self.router {
+            Router::Centroids(centroids) => {
+                self.route_by_centroids(gpu, centroids, queries, &defines, visits)
+            }
+            Router::Classifier(classifier) => {
+                length(
+                    "routing queries of the classifier's group",
+                    self.kv_heads * classifier.group * self.head_dim,
+                    queries.len(),
+                )?;
+                self.route_by_classifier(gpu, classifier, queries, step, &defines, visits)
+            }
+        }
+    }
+
+    /// `route_buckets` (see `route.cu`).
+    fn route_by_centroids(
+        &self,
+        gpu: &Gpu,
+        centroids: &CudaSlice<f32>,
+        queries: &CudaView<'_, f32>,
+        defines: &[(&str, String)],
+        visits: &mut Visits,
+    ) -> Result<()> {
         let probes = visits.visited.longest() as u32;
         // The scores, padded to whole chunks of 8 (`SCAN` in `route.cu`).
         let smem = self.buckets.next_multiple_of(8) * size_of::<f32>();
-        let function = gpu.kernel(
-            SOURCE,
-            "route_buckets",
-            &[
-                ("GROUP", group.to_string()),
-                ("HEAD_DIM", self.head_dim.to_string()),
-            ],
-        )?;
+        let function = gpu.kernel(SOURCE, "route_buckets", defines)?;
         let q = queries.device_ptr(gpu.stream()).0;
-        let (centroids, visited) = (
-            gpu.address(&self.centroids),
-            gpu.address(&visits.visited.items),
-        );
+        let (centroids, visited) = (gpu.address(centroids), gpu.address(&visits.visited.items));
         let (head_dim, buckets) = (self.head_dim as u32, self.buckets as u32);
         let slices = self.buckets.div_ceil(SLICE_BUCKETS).clamp(1, MAX_SLICES);
         // Buckets each slice ranks.
@@ -246,6 +494,105 @@ impl Partition {
         Ok(())
     }
 
+    /// `saap_hidden` then `saap_scores` (see `route.cu`).
+    fn route_by_classifier(
+        &self,
+        gpu: &Gpu,
+        c: &Classifier,
+        queries: &CudaView<'_, f32>,
+        step: &RouteStep,
+        defines: &[(&str, String)],
+        visits: &mut Visits,
+    ) -> Result<()> {
+        let (scratch, counters) = visits.scratch.as_ref().ok_or(KernelError::Unsupported {
+            what: "visits of another partition (no classifier scratch)",
+            value: 0,
+            supported: "visits made by this partition's `visits`",
+        })?;
+        let heads = self.kv_heads as u32;
+        let q = queries.device_ptr(gpu.stream()).0;
+        let hidden_units = gpu.address(scratch);
+        let logits = hidden_units + (self.kv_heads * c.group * c.hidden * size_of::<f32>()) as u64;
+        let hidden = c.hidden as u32;
+        let (buckets, probes) = (self.buckets as u32, visits.visited.longest() as u32);
+        let (offsets, ids) = (gpu.address(&self.ids.offsets), gpu.address(&self.ids.items));
+        let (counters, visited) = (gpu.address(counters), gpu.address(&visits.visited.items));
+        let flags = counters + (self.kv_heads * size_of::<u32>()) as u64;
+        let function = gpu.kernel(SOURCE, "saap_hidden", defines)?;
+        let (w1, b1) = (gpu.address(&c.w1), gpu.address(&c.b1));
+        let mut builder = gpu.stream().launch_builder(&function);
+        builder
+            .arg(&q)
+            .arg(&w1)
+            .arg(&b1)
+            .arg(&hidden)
+            .arg(&hidden_units)
+            .arg(&buckets)
+            .arg(&offsets)
+            .arg(&ids)
+            .arg(&step.candidates.start)
+            .arg(&step.candidates.end)
+            .arg(&flags);
+        let config = LaunchConfig {
+            grid_dim: (heads, c.hidden.div_ceil(SAAP_ROWS) as u32, 1),
+            block_dim: (SAAP_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Safety: the arguments match `saap_hidden`'s signature; the queries hold
+        // `kv_heads * group * head_dim` floats (checked by `route`), w1 and b1 every head's
+        // `hidden * head_dim` and `hidden` (checked by `classifier`), the scratch
+        // `kv_heads * group * hidden` floats before the logits, the ids' CSR
+        // `kv_heads * buckets` lists (and the empty one), the flags `kv_heads * buckets` words
+        // after the counters.
+        unsafe { builder.launch(config) }.map_err(driver("launching saap_hidden"))?;
+
+        let function = gpu.kernel(SOURCE, "saap_scores", defines)?;
+        let [w2, b2, centroids, mean_keys, prior, share] =
+            [&c.w2, &c.b2, &c.centroids, &c.mean_keys, &c.prior, &c.share].map(|b| gpu.address(b));
+        let inv_freq = gpu.address(&c.inv_freq);
+        let interleaved = u32::from(c.interleaved);
+        let position = step.position as u64;
+        let mut params = [
+            param(&q),
+            param(&hidden_units),
+            param(&w2),
+            param(&b2),
+            param(&centroids),
+            param(&mean_keys),
+            param(&prior),
+            param(&share),
+            param(&inv_freq),
+            param(&interleaved),
+            param(&position),
+            param(&hidden),
+            param(&buckets),
+            param(&probes),
+            param(&logits),
+            param(&flags),
+            param(&counters),
+            param(&visited),
+        ];
+        let grid = (heads, self.buckets.div_ceil(SAAP_BUCKETS) as u32);
+        let shared = Classifier::shared_bytes(c.group, self.head_dim, self.buckets) as u32;
+        // A programmatic dependent launch: its blocks load and rotate the queries while
+        // `saap_hidden` runs, and wait for it before reading what it wrote.
+        // Safety: `params` points at one value for each of `saap_scores`'s parameters, in
+        // order and of its types, alive until the call returns; every buffer holds what
+        // `route.cu` reads and writes for `kv_heads` heads of this partition's buckets,
+        // hidden units and group (checked by `classifier` and `route`), the shared memory is
+        // within what a block gets without opting in (checked by `classifier`), and the
+        // counters start at zero and are reset by the last block of each head.
+        unsafe {
+            gpu.launch_raw(
+                &function,
+                (grid, SAAP_THREADS, shared),
+                &mut params,
+                true,
+                "launching saap_scores",
+            )
+        }
+    }
+
     /// [`Partition::route`] then [`crate::bucket_attention`] over the visits (rows of `kv`
     /// with `runs` attended whole, and `dense`), launched back to back: on Hopper the
     /// attention's blocks start while routing runs (programmatic dependent launch), and
@@ -257,6 +604,7 @@ impl Partition {
         &self,
         gpu: &Gpu,
         route_queries: &CudaView<'_, f32>,
+        step: &RouteStep,
         visits: &mut Visits,
         workspace: &mut Workspace,
         query: Query<'_, T>,
@@ -265,7 +613,7 @@ impl Partition {
         runs: &[Range<u32>],
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        self.route(gpu, route_queries, visits)?;
+        self.route(gpu, route_queries, step, visits)?;
         let part = self.list_part(visits, kv, runs);
         bucket_attention_after_route(gpu, workspace, query, dense, part, out)
     }

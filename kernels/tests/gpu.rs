@@ -19,10 +19,12 @@ mod on_gpu {
     use kvdb_attention::reference::attention_over_f64;
     use kvdb_attention::DensePolicy;
     use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+    use kvdb_kernels::ops::RopePairs;
     use kvdb_kernels::{
         attention_mass, bucket_attention, flash_decode, retrieval_attention, BlockCache, Buckets,
-        Csr, Dense, Gpu, HostKv, KernelError, KvCache, KvElement, ListPart, Partition, Query,
-        Selected, Workspace, MAX_ROUTED_BUCKETS, MAX_VISITED_BUCKETS,
+        ClassifierHead, Csr, Dense, Gpu, HostKv, KernelError, KvCache, KvElement, ListPart,
+        Partition, Query, RouteRope, RouteStep, Selected, Workspace, MAX_ROUTED_BUCKETS,
+        MAX_VISITED_BUCKETS,
     };
     use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
     use rand::rngs::StdRng;
@@ -800,6 +802,10 @@ mod on_gpu {
             let lo = rng.random_range(0..tokens as u32);
             let eligible = lo..rng.random_range(lo..=tokens as u32);
             let runs = [0..eligible.start, eligible.end..tokens as u32];
+            let step = RouteStep {
+                position: tokens,
+                candidates: eligible.clone(),
+            };
             // The attention reads keys and values (zeros here) and attended queries.
             let zeros = vec![half::f16::ZERO; kv_heads * tokens * head_dim];
             let kv = KvCache::upload(&gpu, &zeros, &zeros, kv_heads, head_dim)?;
@@ -812,7 +818,7 @@ mod on_gpu {
             let (mut workspace, mut out) = (Workspace::new(&gpu)?, gpu.zeros(queries.len())?);
             // Twice: the count adds up over steps.
             for _ in 0..2 {
-                partition.route(&gpu, &on_gpu.as_view(), &mut visits)?;
+                partition.route(&gpu, &on_gpu.as_view(), &step, &mut visits)?;
                 let part = partition.list_part(&visits, &kv, &runs);
                 let dense = Dense { kv: &kv, runs: &[] };
                 let mut out = out.as_view_mut();
@@ -871,12 +877,282 @@ mod on_gpu {
         let partition = Partition::new(&gpu, &centroids, &lists, kv_heads, head_dim)?;
         let mut visits = partition.visits(&gpu, probes)?;
         let queries = gpu.upload(&vec![1.0f32; kv_heads * 4 * head_dim])?;
-        partition.route(&gpu, &queries.as_view(), &mut visits)?;
+        partition.route(&gpu, &queries.as_view(), &anywhere(), &mut visits)?;
         let visited: Vec<u32> = visits.visited().to_lists(&gpu)?.concat();
         let want: Vec<u32> = (0..kv_heads as u32)
             .flat_map(|h| (0..probes as u32).map(move |b| h * buckets as u32 + b))
             .collect();
         ensure!(visited == want, "ties visited {visited:?}, want {want:?}");
+        Ok(())
+    }
+
+    /// A step that may select any id (centroid routing ignores the step).
+    fn anywhere() -> RouteStep {
+        RouteStep {
+            position: 0,
+            candidates: 0..u32::MAX,
+        }
+    }
+
+    /// One KV head's classifier partition (saap), owned.
+    struct Head {
+        centroids: Vec<f32>,
+        w1: Vec<f32>,
+        b1: Vec<f32>,
+        w2: Vec<f32>,
+        b2: Vec<f32>,
+        prior: f32,
+        mean_keys: Vec<f32>,
+        share: f32,
+    }
+
+    impl Head {
+        fn random(rng: &mut StdRng, buckets: usize, hidden: usize, head_dim: usize) -> Self {
+            let mut floats = |len: usize, bound: f32| -> Vec<f32> {
+                (0..len).map(|_| rng.random_range(-bound..bound)).collect()
+            };
+            let amplitude = 1.0 / (head_dim as f32).sqrt();
+            let (centroids, w1, b1) = (
+                floats(buckets * head_dim, 1.0),
+                floats(hidden * head_dim, amplitude),
+                floats(hidden, 0.1),
+            );
+            let (w2, b2) = (floats(buckets * hidden, 0.5), floats(buckets, 0.5));
+            let mean_keys = floats(buckets * head_dim, 1.0);
+            // A head trained without the prior routes by its classifier alone.
+            let prior = if rng.random_bool(0.25) {
+                0.0
+            } else {
+                rng.random_range(0.1..1.0)
+            };
+            let share = if prior == 0.0 { 0.0 } else { 0.5 };
+            Self {
+                centroids,
+                w1,
+                b1,
+                w2,
+                b2,
+                prior,
+                mean_keys,
+                share,
+            }
+        }
+
+        fn view(&self) -> ClassifierHead<'_> {
+            ClassifierHead {
+                centroids: &self.centroids,
+                w1: &self.w1,
+                b1: &self.b1,
+                w2: &self.w2,
+                b2: &self.b2,
+                prior: self.prior,
+                mean_keys: &self.mean_keys,
+                share: self.share,
+            }
+        }
+
+        /// The group's summed routing distribution over the buckets (f64; zero where
+        /// `held` is false), saap's search: `queries` de-roped, rotated by `rope` at
+        /// `position` for the geometric expert.
+        fn routed(&self, queries: &[f32], rope: &Rope, position: usize, held: &[bool]) -> Vec<f64> {
+            let d = rope.head_dim();
+            let dot = |a: &[f32], b: &[f32]| -> f64 {
+                a.iter()
+                    .zip(b)
+                    .map(|(&x, &y)| f64::from(x) * f64::from(y))
+                    .sum()
+            };
+            let softmax = |logits: Vec<f64>| -> Vec<f64> {
+                let max = (0..logits.len())
+                    .filter(|&b| held[b])
+                    .map(|b| logits[b])
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let exp: Vec<f64> = (0..logits.len())
+                    .map(|b| {
+                        if held[b] {
+                            (logits[b] - max).exp()
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                let sum: f64 = exp.iter().sum();
+                exp.into_iter().map(|e| e / sum).collect()
+            };
+            let mut summed = vec![0.0; held.len()];
+            for q in queries.chunks_exact(d) {
+                let hidden: Vec<f32> = self
+                    .w1
+                    .chunks_exact(d)
+                    .zip(&self.b1)
+                    .map(|(w, &b)| (dot(w, q) + f64::from(b)).max(0.0) as f32)
+                    .collect();
+                let logits = self
+                    .w2
+                    .chunks_exact(hidden.len())
+                    .zip(&self.b2)
+                    .zip(self.centroids.chunks_exact(d))
+                    .map(|((w, &b), c)| {
+                        dot(w, &hidden) + f64::from(b) + f64::from(self.prior) * dot(q, c)
+                    })
+                    .collect();
+                let classifier = softmax(logits);
+                let mut rotated = q.to_vec();
+                rope.rotate(&mut rotated, position);
+                let expert = self
+                    .mean_keys
+                    .chunks_exact(d)
+                    .map(|m| f64::from(self.prior) * dot(&rotated, m))
+                    .collect();
+                let expert = softmax(expert);
+                let share = f64::from(self.share);
+                for (b, s) in summed.iter_mut().enumerate() {
+                    *s += (1.0 - share) * classifier[b] + share * expert[b];
+                }
+            }
+            summed
+        }
+    }
+
+    /// Classifier routing (saap) visits, per KV head, the buckets of best summed routing
+    /// distribution among those holding a candidate id (the f64 reference's choice, up to
+    /// float ties), the empty list for visits past them; a bucket attention launched behind
+    /// it counts the ids it attends. Group 1/4/7/8, head dims 32 to 256, either RoPE pairing,
+    /// heads with and without the prior, empty buckets, two steps on the same visits.
+    #[test]
+    fn classifier_routing_matches_reference() -> Result<()> {
+        let Some((gpu, mut rng)) = start("classifier_routing_matches_reference") else {
+            return Ok(());
+        };
+        for (kv_heads, group, head_dim, tokens, buckets, hidden) in [
+            (2, 4, 128, 5000, 64, 96),
+            (1, 8, 64, 3000, 100, 200),
+            (3, 1, 256, 2000, 7, 33),
+            (2, 7, 32, 1500, 40, 1024),
+        ] {
+            let heads: Vec<Head> = (0..kv_heads)
+                .map(|_| Head::random(&mut rng, buckets, hidden, head_dim))
+                .collect();
+            let mut lists = random_buckets(&mut rng, kv_heads, tokens, buckets);
+            // Empty buckets (a partition trained on other text leaves many): never visited.
+            for list in lists.iter_mut().skip(1).step_by(5) {
+                list.clear();
+            }
+            let style = if rng.random_bool(0.5) {
+                RopeStyle::Halves
+            } else {
+                RopeStyle::Interleaved
+            };
+            let config = RopeConfig {
+                base: 10_000.0,
+                style,
+                scaling: RopeScaling::None,
+            };
+            let rope = Rope::new(&config, head_dim, None);
+            let pairs = match style {
+                RopeStyle::Halves => RopePairs::Halves,
+                RopeStyle::Interleaved => RopePairs::Interleaved,
+            };
+            let views: Vec<ClassifierHead<'_>> = heads.iter().map(Head::view).collect();
+            let route_rope = RouteRope {
+                inv_freq: rope.inv_freq(),
+                pairs,
+            };
+            let partition =
+                Partition::classifier(&gpu, &views, &lists, head_dim, group, route_rope)?;
+            let probes = rng.random_range(1..=buckets.min(MAX_VISITED_BUCKETS));
+            let mut visits = partition.visits(&gpu, probes)?;
+            let zeros = vec![half::f16::ZERO; kv_heads * tokens * head_dim];
+            let kv = KvCache::upload(&gpu, &zeros, &zeros, kv_heads, head_dim)?;
+            let heads_q = gpu.upload(&vec![half::f16::ONE; kv_heads * group * head_dim])?;
+            let heads_q = heads_q.as_view();
+            let query = Query {
+                heads: &heads_q,
+                scale: 1.0,
+            };
+            let mut workspace = Workspace::new(&gpu)?;
+            let mut out = gpu.zeros(kv_heads * group * head_dim)?;
+            let mut selected = 0u64;
+            for step in 0..2 {
+                let queries: Vec<f32> = (0..kv_heads * group * head_dim)
+                    .map(|_| rng.random_range(-1.0..1.0))
+                    .collect();
+                let position = rng.random_range(tokens..4 * tokens);
+                let lo = rng.random_range(0..tokens as u32);
+                let candidates = lo..rng.random_range(lo..=tokens as u32);
+                let runs = [0..candidates.start, candidates.end..tokens as u32];
+                let route_step = RouteStep {
+                    position,
+                    candidates: candidates.clone(),
+                };
+                let on_gpu = gpu.upload(&queries)?;
+                let dense = Dense { kv: &kv, runs: &[] };
+                partition.route_and_attend(
+                    &gpu,
+                    &on_gpu.as_view(),
+                    &route_step,
+                    &mut visits,
+                    &mut workspace,
+                    query,
+                    dense,
+                    &kv,
+                    &runs,
+                    &mut out.as_view_mut(),
+                )?;
+                let visited: Vec<u32> = visits.visited().to_lists(&gpu)?.concat();
+                for (h, head) in heads.iter().enumerate() {
+                    let what = format!(
+                        "{kv_heads}x{group} heads, d {head_dim}, {buckets} buckets of {hidden} hidden, {probes} probed, {style:?}, step {step}, head {h}"
+                    );
+                    let list = |b: usize| &lists[h * buckets + b];
+                    let held: Vec<bool> = (0..buckets).map(|b| !list(b).is_empty()).collect();
+                    let eligible = |b: usize| list(b).iter().any(|id| candidates.contains(id));
+                    let score = head.routed(
+                        &queries[h * group * head_dim..(h + 1) * group * head_dim],
+                        &rope,
+                        position,
+                        &held,
+                    );
+                    let count = (0..buckets).filter(|&b| eligible(b)).count().min(probes);
+                    let mine = &visited[h * probes..(h + 1) * probes];
+                    let empty = (kv_heads * buckets) as u32;
+                    ensure!(
+                        mine[count..].iter().all(|&l| l == empty),
+                        "{what}: visits past the {count} eligible buckets: {mine:?}"
+                    );
+                    let mine: Vec<usize> = mine[..count]
+                        .iter()
+                        .map(|&l| (l as usize).wrapping_sub(h * buckets))
+                        .collect();
+                    let mut seen = mine.clone();
+                    seen.sort_unstable();
+                    seen.dedup();
+                    ensure!(
+                        seen.len() == count && seen.iter().all(|&b| b < buckets && eligible(b)),
+                        "{what}: visited {mine:?}"
+                    );
+                    let worst_in = mine.iter().map(|&b| score[b]).fold(f64::INFINITY, f64::min);
+                    let best_out = (0..buckets)
+                        .filter(|&b| eligible(b) && !mine.contains(&b))
+                        .map(|b| score[b])
+                        .fold(f64::NEG_INFINITY, f64::max);
+                    ensure!(
+                        worst_in >= best_out - 1e-5,
+                        "{what}: visited down to {worst_in}, left {best_out}"
+                    );
+                    selected += mine
+                        .iter()
+                        .flat_map(|&b| list(b))
+                        .filter(|id| candidates.contains(id))
+                        .count() as u64;
+                }
+                ensure!(
+                    visits.selected(&gpu)? == selected,
+                    "step {step}: counted {} selected ids of {selected}",
+                    visits.selected(&gpu)?
+                );
+            }
+        }
         Ok(())
     }
 
@@ -945,13 +1221,18 @@ mod on_gpu {
                 runs: &tail_runs,
             };
             let mut out_a = poisoned(gpu, layer.queries.len())?;
-            partition.route(gpu, &route_queries, &mut visits_a)?;
+            let route_step = RouteStep {
+                position: tokens,
+                candidates: 0..n as u32,
+            };
+            partition.route(gpu, &route_queries, &route_step, &mut visits_a)?;
             let part = partition.list_part(&visits_a, &corpus, &runs);
             bucket_attention(gpu, &mut ws_a, query, dense, part, &mut out_a.as_view_mut())?;
             let mut out_b = poisoned(gpu, layer.queries.len())?;
             partition.route_and_attend(
                 gpu,
                 &route_queries,
+                &route_step,
                 &mut visits_b,
                 &mut ws_b,
                 query,
@@ -1272,6 +1553,7 @@ mod on_gpu {
         ensure!(unsupported(partition.route(
             &gpu,
             &seventeen.as_view(),
+            &anywhere(),
             &mut visits
         )));
         // Head dims whose rows are not 8 dimensions for each of a power of two of threads.

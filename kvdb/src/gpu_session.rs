@@ -5,11 +5,12 @@
 //! statistics and the dense policy are the CPU's ([`QueryState`]).
 //!
 //! How a retrieval layer selects depends on the index:
-//! - an index that says how to route on the GPU (`ivf…,norope,all`:
-//!   `BucketIndex::linear_routing`) is routed there: the step's pre-RoPE queries pick each
-//!   KV head's buckets and `bucket_attention` attends to every key of them, the corpus's
-//!   sinks and window and the tail (`Partition::route_and_attend`: the attention's launch
-//!   starts while routing runs): no host round trip;
+//! - an index that says how to route on the GPU (`BucketIndex::gpu_routing`: `ivf…,norope,all`
+//!   by its centroids, saap by its classifier and geometric expert) is routed there: the
+//!   step's pre-RoPE queries pick each KV head's buckets and `bucket_attention` attends to
+//!   every key of them, the corpus's sinks and window and the tail
+//!   (`Partition::route_and_attend`: the attention's launch starts while routing runs): no
+//!   host round trip;
 //! - every other index searches on CPU threads: the layer's queries are copied to the host
 //!   once per call and the selection is uploaded as each KV head's list for
 //!   `retrieval_attention`, with the corpus's sinks and window as runs and the tail dense.
@@ -29,11 +30,13 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use half::f16;
+use kvdb_index::BucketScores;
 use kvdb_kernels::cudarc::driver::sys::CUevent_flags;
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
-    attention_mass, retrieval_attention, Csr, Dense, KernelError, KvCache, ListPart, Partition,
-    Query, Selected, Visits, Workspace, MAX_ROUTED_BUCKETS, MAX_VISITED_BUCKETS,
+    attention_mass, retrieval_attention, ClassifierHead, Csr, Dense, KernelError, KvCache,
+    ListPart, Partition, Query, RouteRope, RouteStep, Selected, Visits, Workspace,
+    MAX_VISITED_BUCKETS,
 };
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
@@ -81,21 +84,26 @@ struct GpuPartitions {
 }
 
 impl GpuPartitions {
-    /// `set`'s partitions when every index of it routes linearly with the same buckets per
-    /// KV head within a layer, at most [`MAX_ROUTED_BUCKETS`], and probes at most
-    /// [`MAX_VISITED_BUCKETS`]; else `None`.
+    /// `set`'s partitions when every index of it says how the GPU routes it
+    /// (`BucketIndex::gpu_routing`), all of one kind within a layer with the same buckets
+    /// per KV head, at most [`kvdb_kernels::MAX_ROUTED_BUCKETS`], and probes at most
+    /// [`MAX_VISITED_BUCKETS`], and the routing kernels take the shapes (a classifier's
+    /// units fit a block's shared memory); else `None`: the CPU searches. `ropes` are the
+    /// model's, per layer (a classifier's geometric expert rotates with its layer's), and
+    /// `group` its query heads per KV head.
     fn build(
         set: &IndexSet,
         gpu: &kvdb_model::Gpu,
-        n_layers: usize,
+        ropes: &[&Rope],
+        group: usize,
         d: usize,
     ) -> Result<Option<Self>> {
-        let mut layers: Vec<Option<(Partition, usize)>> = (0..n_layers).map(|_| None).collect();
+        let mut layers: Vec<Option<(Partition, usize)>> = ropes.iter().map(|_| None).collect();
         for layer in set.layers() {
             let routings = layer
                 .heads
                 .iter()
-                .map(|index| index.as_buckets().and_then(|b| b.linear_routing()))
+                .map(|index| index.as_buckets().and_then(|b| b.gpu_routing()))
                 .collect::<Option<Vec<_>>>();
             let Some(routings) = routings else {
                 return Ok(None);
@@ -104,22 +112,71 @@ impl GpuPartitions {
                 return Ok(None);
             };
             let buckets = first.lists.len();
-            // More buckets than a routing block holds, or more probes than a bucket launch
-            // visits, search on the CPU instead.
+            // More probes than a bucket launch visits search on the CPU instead.
             let differ = routings
                 .iter()
                 .any(|r| r.lists.len() != buckets || r.probes != first.probes);
-            if differ || buckets > MAX_ROUTED_BUCKETS || first.probes > MAX_VISITED_BUCKETS {
+            if differ || first.probes > MAX_VISITED_BUCKETS {
                 return Ok(None);
             }
-            let centroids: Vec<f32> = routings.iter().flat_map(|r| r.centroids).copied().collect();
-            let lists: Vec<Vec<u32>> = routings.iter().flat_map(|r| r.lists).cloned().collect();
-            let partition = Partition::new(gpu, &centroids, &lists, routings.len(), d)
-                .map_err(ModelError::from)?;
-            let slot = layers.get_mut(layer.layer).ok_or_else(|| {
+            let rope = ropes.get(layer.layer).ok_or_else(|| {
                 Error::Internal(format!("index of layer {} past the model", layer.layer))
             })?;
-            *slot = Some((partition, first.probes));
+            let lists: Vec<Vec<u32>> = routings.iter().flat_map(|r| r.lists).cloned().collect();
+            let partition = match first.scores {
+                BucketScores::Centroids(_) => {
+                    let centroids = routings
+                        .iter()
+                        .map(|r| match r.scores {
+                            BucketScores::Centroids(c) => Some(c),
+                            BucketScores::Classifier { .. } => None,
+                        })
+                        .collect::<Option<Vec<&[f32]>>>();
+                    let Some(centroids) = centroids else {
+                        return Ok(None);
+                    };
+                    let centroids: Vec<f32> = centroids.concat();
+                    Partition::new(gpu, &centroids, &lists, routings.len(), d)
+                }
+                BucketScores::Classifier { .. } => {
+                    let heads = routings
+                        .iter()
+                        .map(|r| match r.scores {
+                            BucketScores::Classifier {
+                                head,
+                                mean_keys,
+                                share,
+                            } => Some(ClassifierHead {
+                                centroids: &head.centroids,
+                                w1: &head.w1,
+                                b1: &head.b1,
+                                w2: &head.w2,
+                                b2: &head.b2,
+                                prior: head.prior,
+                                mean_keys,
+                                share,
+                            }),
+                            BucketScores::Centroids(_) => None,
+                        })
+                        .collect::<Option<Vec<ClassifierHead<'_>>>>();
+                    let Some(heads) = heads else {
+                        return Ok(None);
+                    };
+                    let rope = RouteRope {
+                        inv_freq: rope.inv_freq(),
+                        pairs: kvdb_model::rope_pairs(rope.style()),
+                    };
+                    Partition::classifier(gpu, &heads, &lists, d, group, rope)
+                }
+            };
+            let partition = match partition {
+                Ok(partition) => partition,
+                // Shapes the routing kernels do not take (too many buckets, a classifier
+                // too wide for a block): the CPU searches.
+                Err(KernelError::Unsupported { .. }) => return Ok(None),
+                Err(e) => return Err(ModelError::from(e).into()),
+            };
+            layers[layer.layer] = Some((partition, first.probes));
         }
         Ok(Some(Self { layers }))
     }
@@ -195,7 +252,8 @@ impl GpuCorpusKv {
     fn partitions(
         &self,
         set: &IndexSet,
-        n_layers: usize,
+        ropes: &[&Rope],
+        group: usize,
         d: usize,
     ) -> Result<Option<Arc<GpuPartitions>>> {
         let mut cached = self.partitions.lock().map_err(|_| {
@@ -205,7 +263,7 @@ impl GpuCorpusKv {
         if let Some(partitions) = cached.get(&spec) {
             return Ok(partitions.clone());
         }
-        let partitions = GpuPartitions::build(set, &self.gpu, n_layers, d)?.map(Arc::new);
+        let partitions = GpuPartitions::build(set, &self.gpu, ropes, group, d)?.map(Arc::new);
         cached.insert(spec, partitions.clone());
         Ok(partitions)
     }
@@ -294,7 +352,12 @@ fn with_sequence<'c, R>(
         .collect::<Option<Vec<&Rope>>>()
         .ok_or_else(|| Error::Internal("a layer of the model has no RoPE".into()))?;
     let routes = match session.index_set() {
-        Some(set) => match kv.partitions(set, config.n_layers(), config.head_dim)? {
+        Some(set) => match kv.partitions(
+            set,
+            &ropes,
+            config.n_heads / config.n_kv_heads.max(1),
+            config.head_dim,
+        )? {
             Some(partitions) => Routes::new(partitions, gpu.gpu(), session.breadth())?,
             None => None,
         },
@@ -629,11 +692,16 @@ impl GpuSession<'_, '_> {
                     // programmatic dependent launch), so no event may sit between them. The
                     // attention counts the visited ids outside the corpus runs: those in the
                     // policy's candidates, since every corpus id precedes `position`.
+                    let step = RouteStep {
+                        position,
+                        candidates: policy.candidates(position),
+                    };
                     let workspace = &mut self.workspace;
                     StageTimer::time(&mut self.timer, gpu, "routing and attention", || {
                         partition.route_and_attend(
                             gpu,
                             &raw,
+                            &step,
                             visits,
                             workspace,
                             query,

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 
 use kvdb::{train_head, TrainOptions, TrainingData};
 use kvdb_index::saap::SaapHead;
-use kvdb_index::{BuildContext, GroupQuery, IndexSpec, SearchParams};
+use kvdb_index::{BucketScores, BuildContext, GroupQuery, IndexSpec, SearchParams};
 use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
 use kvdb_tests::{attention_weights, candidates, last_quarter, mass_recall, random_vec, seeded};
 use rand::rngs::StdRng;
@@ -259,11 +259,10 @@ fn saap_spends_its_visits_on_buckets_with_eligible_keys() -> anyhow::Result<()> 
     Ok(())
 }
 
-/// `ivf…,norope,all` says how it searches (`linear_routing`), and that description selects
-/// exactly what its search selects: the GPU routes with it. Other ivf specs and saap give
-/// none.
+/// `ivf…,norope,all` says how it searches (`gpu_routing`), and that description selects
+/// exactly what its search selects: the GPU routes with it. Other ivf specs give none.
 #[test]
-fn linear_routing_is_the_search() -> anyhow::Result<()> {
+fn centroid_routing_is_the_search() -> anyhow::Result<()> {
     let (seed, mut rng) = seeded();
     let data = clustered(&mut rng);
     let context = BuildContext {
@@ -275,7 +274,7 @@ fn linear_routing_is_the_search() -> anyhow::Result<()> {
     for spec in ["ivf64,np2,norope", "ivf64,np2,all"] {
         let index = kvdb_index::build(&spec.parse::<IndexSpec>()?, &context, &data.keys)?;
         let buckets = index.as_buckets().expect("ivf is a bucket index");
-        assert!(buckets.linear_routing().is_none(), "{spec} routes linearly");
+        assert!(buckets.gpu_routing().is_none(), "{spec} routes on the GPU");
     }
     let index = kvdb_index::build(
         &"ivf64,np3,norope,all".parse::<IndexSpec>()?,
@@ -284,9 +283,12 @@ fn linear_routing_is_the_search() -> anyhow::Result<()> {
     )?;
     let routing = index
         .as_buckets()
-        .and_then(|b| b.linear_routing())
-        .expect("ivf…,norope,all routes linearly");
+        .and_then(|b| b.gpu_routing())
+        .expect("ivf…,norope,all routes on the GPU");
     assert_eq!(routing.probes, 3);
+    let BucketScores::Centroids(centroids) = routing.scores else {
+        panic!("ivf routes by centroids");
+    };
     for position in last_quarter(N) {
         let eligible = candidates(position);
         let queries = &data.queries[position * GROUP * D..(position + 1) * GROUP * D];
@@ -296,12 +298,7 @@ fn linear_routing_is_the_search() -> anyhow::Result<()> {
                 .map(|q| q.iter().zip(c).map(|(a, b)| a * b).sum::<f32>())
                 .fold(f32::NEG_INFINITY, f32::max)
         };
-        let mut order: Vec<(f32, usize)> = routing
-            .centroids
-            .chunks_exact(D)
-            .map(score)
-            .zip(0..)
-            .collect();
+        let mut order: Vec<(f32, usize)> = centroids.chunks_exact(D).map(score).zip(0..).collect();
         order.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         let mut want: Vec<u32> = order[..routing.probes]
             .iter()
@@ -317,6 +314,56 @@ fn linear_routing_is_the_search() -> anyhow::Result<()> {
             .to_vec();
         got.sort_unstable();
         assert_eq!(got, want, "seed {seed}, position {position}");
+    }
+    Ok(())
+}
+
+/// saap describes its search for the GPU (`gpu_routing`, which the GPU's classifier routing
+/// repeats: the kernels' tests check that against a reference): its own trained head and
+/// probes, the geometric expert's share, each bucket's ids, and as the expert's means the
+/// mean of each bucket's keys rotated at their positions.
+#[test]
+fn saap_describes_its_routing() -> anyhow::Result<()> {
+    let (seed, mut rng) = seeded();
+    let data = clustered(&mut rng);
+    let head = quick_head(&data, seed)?;
+    let context = build_context(&data, seed, &head);
+    let index = kvdb_index::build(&"saap64,l5".parse::<IndexSpec>()?, &context, &data.keys)?;
+    let buckets = index.as_buckets().expect("saap is a bucket index");
+    let routing = buckets.gpu_routing().expect("saap routes on the GPU");
+    assert_eq!(routing.probes, 5);
+    let BucketScores::Classifier {
+        head: described,
+        mean_keys,
+        share,
+    } = routing.scores
+    else {
+        panic!("saap routes by its classifier");
+    };
+    assert_eq!(described, &head);
+    assert_eq!(share, kvdb_index::saap::GEOMETRY_SHARE);
+    let assigned = buckets.assignments();
+    let c = buckets.buckets();
+    assert_eq!(routing.lists.len(), c);
+    let mut rotated = data.keys.clone();
+    data.rope.rotate_rows(&mut rotated, 0);
+    for (b, list) in routing.lists.iter().enumerate() {
+        let want: Vec<u32> = (0..N as u32)
+            .filter(|&id| assigned[id as usize] == b as u32)
+            .collect();
+        assert_eq!(list, &want, "bucket {b}'s ids");
+        for i in 0..D {
+            let mean = list
+                .iter()
+                .map(|&id| f64::from(rotated[id as usize * D + i]))
+                .sum::<f64>()
+                / list.len().max(1) as f64;
+            let got = f64::from(mean_keys[b * D + i]);
+            assert!(
+                (got - mean).abs() <= 1e-4 * (1.0 + mean.abs()),
+                "bucket {b} dim {i}: mean {got}, want {mean} (seed {seed})"
+            );
+        }
     }
     Ok(())
 }

@@ -426,6 +426,14 @@ fn converted<T: Float>(t: &Tensor) -> Result<Vec<T>> {
     Ok(out)
 }
 
+/// The kernels' name for which dimensions a RoPE style pairs.
+pub fn rope_pairs(style: RopeStyle) -> RopePairs {
+    match style {
+        RopeStyle::Halves => RopePairs::Halves,
+        RopeStyle::Interleaved => RopePairs::Interleaved,
+    }
+}
+
 fn upload_norm(gpu: &Gpu, norm: &RmsNorm) -> Result<GpuNorm> {
     Ok(GpuNorm {
         weight: gpu.upload(&host_f32(&norm.weight)?)?,
@@ -492,10 +500,7 @@ impl<T: Float, A: AttentionType> Inner<T, A> {
                 down: g.upload(&down)?,
                 post_ffn_norm: optional(&layer.post_ffn_norm)?,
                 inv_freq: g.upload(&inv_freq)?,
-                pairs: match spec.rope.style {
-                    RopeStyle::Halves => RopePairs::Halves,
-                    RopeStyle::Interleaved => RopePairs::Interleaved,
-                },
+                pairs: rope_pairs(spec.rope.style),
                 window: match spec.kind {
                     LayerKind::Global => None,
                     LayerKind::SlidingWindow { window } => Some(window),
