@@ -99,7 +99,7 @@ enum Router {
 
 /// A classifier partition's every KV head, stacked as `route.cu` reads them.
 struct Classifier {
-    /// The GQA group it routes (its shared memory holds the group's hidden units).
+    /// The GQA group it routes (its scratch holds the group's hidden units and logits).
     group: usize,
     hidden: usize,
     w1: CudaSlice<f32>,
@@ -124,11 +124,11 @@ impl Classifier {
     }
 }
 
-/// One layer's bucket partition, every KV head's: the centroids that route a query
-/// (`[kv_heads, buckets, head_dim]`, f32; a bucket's score is its inner product with the
-/// query, the best over a GQA group's heads) and each bucket's token ids, ascending, as the
-/// CSR [`crate::Buckets::ids`] takes (KV head `h`'s bucket `b` is list `h * buckets + b`,
-/// and one empty list follows them).
+/// One layer's bucket partition, every KV head's: what routes a query (the centroids,
+/// `[kv_heads, buckets, head_dim]` f32, a bucket's score their inner product with the query,
+/// the best over a GQA group's heads; or a trained classifier, [`Partition::classifier`]) and
+/// each bucket's token ids, ascending, as the CSR [`crate::Buckets::ids`] takes (KV head `h`'s
+/// bucket `b` is list `h * buckets + b`, and one empty list follows them).
 pub struct Partition {
     router: Router,
     ids: Csr,
@@ -509,6 +509,17 @@ impl Partition {
             value: 0,
             supported: "visits made by this partition's `visits`",
         })?;
+        // Visits of another classifier partition would have scratch of its sizes.
+        length(
+            "classifier scratch (hidden units and logits)",
+            self.kv_heads * c.group * (c.hidden + 2 * self.buckets),
+            scratch.len(),
+        )?;
+        length(
+            "classifier counters and flags",
+            self.kv_heads * (1 + self.buckets),
+            counters.len(),
+        )?;
         let heads = self.kv_heads as u32;
         let q = queries.device_ptr(gpu.stream()).0;
         let hidden_units = gpu.address(scratch);

@@ -1556,6 +1556,52 @@ mod on_gpu {
             &anywhere(),
             &mut visits
         )));
+        // Classifier partitions: a first layer of the wrong shape, a group past 16, more
+        // buckets than a ranking block holds, the queries of another group, and visits of a
+        // centroid partition or of another classifier's shape.
+        let head = Head::random(&mut rng, 2, 16, 8);
+        let rope = RouteRope {
+            inv_freq: &[1.0; 4],
+            pairs: RopePairs::Halves,
+        };
+        let lists = [vec![0u32], vec![1]];
+        let short = ClassifierHead {
+            w1: &head.w1[1..],
+            ..head.view()
+        };
+        let wrong = Partition::classifier(&gpu, &[short], &lists, 8, 4, rope);
+        ensure!(
+            matches!(wrong, Err(KernelError::Length { .. })),
+            "{wrong:?}"
+        );
+        let wide = Partition::classifier(&gpu, &[head.view()], &lists, 8, 17, rope);
+        ensure!(unsupported(wide.map(|_| ())));
+        let many = 2000;
+        let big = Head::random(&mut rng, many, 16, 8);
+        let lists_many: Vec<Vec<u32>> = (0..many as u32).map(|id| vec![id]).collect();
+        let big = Partition::classifier(&gpu, &[big.view()], &lists_many, 8, 4, rope);
+        ensure!(unsupported(big.map(|_| ())));
+        let classifier = Partition::classifier(&gpu, &[head.view()], &lists, 8, 4, rope)?;
+        let (four, two) = (gpu.upload(&[0.5f32; 4 * 8])?, gpu.upload(&[0.5f32; 2 * 8])?);
+        let mut own = classifier.visits(&gpu, 1)?;
+        ensure!(matches!(
+            classifier.route(&gpu, &two.as_view(), &anywhere(), &mut own),
+            Err(KernelError::Length { .. })
+        ));
+        let mut centroid_visits = partition.visits(&gpu, 1)?;
+        ensure!(unsupported(classifier.route(
+            &gpu,
+            &four.as_view(),
+            &anywhere(),
+            &mut centroid_visits
+        )));
+        let other = Partition::classifier(&gpu, &[head.view()], &lists, 8, 2, rope)?;
+        let mut others = other.visits(&gpu, 1)?;
+        ensure!(matches!(
+            classifier.route(&gpu, &four.as_view(), &anywhere(), &mut others),
+            Err(KernelError::Length { .. })
+        ));
+        classifier.route(&gpu, &four.as_view(), &anywhere(), &mut own)?;
         // Head dims whose rows are not 8 dimensions for each of a power of two of threads.
         for head_dim in [40, 512] {
             let odd = Partition::new(&gpu, &vec![0.0; head_dim], &[vec![0u32]], 1, head_dim);
