@@ -1,7 +1,8 @@
 // One decode step of attention for every KV head of a layer, split into work items and
 // merged by log-sum-exp in the same launch.
 //
-// Compiled by NVRTC (no headers: f16/bf16 are converted by hand) with these defines:
+// Compiled by NVRTC (no headers but blocks.cuh, which comes before this file: f16/bf16 are
+// converted by hand) with these defines:
 //   KV_BF16   1 for bfloat16 keys, values and queries, 0 for float16
 //   HEAD_DIM  row length, HEAD_DIM / 8 a power of two <= 32
 //   GROUP     query heads per KV head (GQA group), 1..8
@@ -560,38 +561,6 @@ struct AttendVisitMma {
 // Partials one merge reads at most: the launcher keeps groups and group sizes within it.
 #define MAX_MERGE 128
 
-// Whether this block is the last of `expected` to arrive at `counter` (which it then resets
-// for the next launch). Every thread of the block calls it. The barrier orders the block's
-// writes before thread 0's release; its acquire and the second barrier order the winner's
-// reads after every other block's release (CUTLASS's semaphore does the same): one fence for
-// the block instead of one per thread.
-__device__ __forceinline__ bool last_to_finish(u32* counter, u32 expected) {
-    __shared__ bool last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 before;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-                     : "=r"(before)
-                     : "l"(counter)
-                     : "memory");
-        last = before == expected - 1;
-        if (last) *counter = 0;
-    }
-    __syncthreads();
-    return last;
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-    return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-    return x;
-}
 
 // Issues the loads of partials j0 .. j0 + MERGE_BATCH (those below `count`): this thread's
 // float4s of their outputs.

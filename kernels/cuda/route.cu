@@ -4,7 +4,7 @@
 // over the group's heads (as `IvfIndex` does on the CPU), ties to the lower bucket.
 //
 // Compiled by NVRTC with GROUP, the query heads per KV head (1..16), and HEAD_DIM defined;
-// HEAD_DIM / 8 is a power of two up to 32.
+// HEAD_DIM / 8 is a power of two up to 32. blocks.cuh comes before this file.
 //
 // Layouts: queries [kv_heads, GROUP, head_dim] f32; centroids [kv_heads, buckets, head_dim]
 // f32; `visited` [kv_heads, probes] gets list numbers of the partition's CSR of ids, in
@@ -166,18 +166,6 @@ route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, 
 // about 40 registers).
 #define W2_BATCH (GROUP <= 4 ? 8 : GROUP <= 8 ? 4 : 2)
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-    return x;
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-    return x;
-}
-
 // Lane's elements lane, lane + 32, ... of a head vector (zeros past HEAD_DIM).
 __device__ __forceinline__ void lane_part(const float* v, float (&x)[PER_LANE]) {
     const u32 lane = threadIdx.x % 32;
@@ -251,24 +239,6 @@ saap_hidden(const float* __restrict__ q, const float* __restrict__ w1, const flo
     }
 }
 
-// Whether this block is the last of `expected` to arrive at `counter` (which it then resets
-// for the next launch); every thread of the block calls it (as attend.cu's, which explains
-// the fences).
-__device__ __forceinline__ bool last_to_finish(u32* counter, u32 expected) {
-    __shared__ bool last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 before;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-                     : "=r"(before)
-                     : "l"(counter)
-                     : "memory");
-        last = before == expected - 1;
-        if (last) *counter = 0;
-    }
-    __syncthreads();
-    return last;
-}
 
 // dst[0..n) (shared) = src[0..n) (global, through L2 when `fresh`: another block wrote it),
 // BATCH loads a thread in flight at a time: a plain copy loop waits for each load before the

@@ -14,7 +14,11 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 
 use crate::error::{driver, KernelError, Result};
 
-const ATTEND_SOURCE: &str = include_str!("../cuda/attend.cu");
+/// `attend.cu` after the block-level helpers it shares with `route.cu`.
+const ATTEND_SOURCE: &str = concat!(
+    include_str!("../cuda/blocks.cuh"),
+    include_str!("../cuda/attend.cu")
+);
 const FILL_SOURCE: &str = include_str!("../cuda/fill.cu");
 
 /// Threads per block of the attention kernel.

@@ -15,7 +15,11 @@ use crate::error::{driver, length, KernelError, Result};
 use crate::gpu::{param, Gpu, KvElement};
 use crate::ops::RopePairs;
 
-const SOURCE: &str = include_str!("../cuda/route.cu");
+/// `route.cu` after the block-level helpers it shares with `attend.cu`.
+const SOURCE: &str = concat!(
+    include_str!("../cuda/blocks.cuh"),
+    include_str!("../cuda/route.cu")
+);
 
 /// Threads of a routing block (`ROUTE_THREADS` in `route.cu`): several per bucket, so that a
 /// head's centroid loads are in flight together.
@@ -88,6 +92,19 @@ pub struct RouteStep {
     pub position: usize,
     /// The ids a search may select.
     pub candidates: Range<u32>,
+}
+
+/// Checks a GQA group's size against what the routing kernels take (`GROUP` running sums a
+/// thread).
+fn routed_group(group: usize) -> Result<()> {
+    if group == 0 || group > MAX_ROUTED_GROUP {
+        return Err(KernelError::Unsupported {
+            what: "query heads per KV head routed on the GPU",
+            value: group,
+            supported: "1 to 16",
+        });
+    }
+    Ok(())
 }
 
 /// How a [`Partition`] scores buckets.
@@ -225,13 +242,7 @@ impl Partition {
         let kv_heads = heads.len();
         let buckets = lists.len() / kv_heads.max(1);
         let hidden = heads.first().map_or(0, |h| h.b1.len());
-        if group == 0 || group > MAX_ROUTED_GROUP {
-            return Err(KernelError::Unsupported {
-                what: "query heads per KV head routed on the GPU",
-                value: group,
-                supported: "1 to 16",
-            });
-        }
+        routed_group(group)?;
         if hidden == 0 {
             return Err(KernelError::Unsupported {
                 what: "hidden units of a routing classifier",
@@ -421,13 +432,7 @@ impl Partition {
             });
         }
         let group = queries.len() / per_group;
-        if group > MAX_ROUTED_GROUP {
-            return Err(KernelError::Unsupported {
-                what: "query heads per KV head routed on the GPU",
-                value: group,
-                supported: "1 to 16",
-            });
-        }
+        routed_group(group)?;
         length(
             "visited lists (one per KV head)",
             self.kv_heads,

@@ -774,6 +774,27 @@ mod on_gpu {
         )
     }
 
+    /// Checks that the buckets `mine` visited are the best of `all` by `score`: none left out
+    /// scores more than `tolerance` above the worst visited (float ties may go either way).
+    fn visits_are_best(
+        mine: &[usize],
+        all: impl Iterator<Item = usize>,
+        score: impl Fn(usize) -> f64,
+        tolerance: f64,
+        what: &str,
+    ) -> Result<()> {
+        let worst_in = mine.iter().map(|&b| score(b)).fold(f64::INFINITY, f64::min);
+        let best_out = all
+            .filter(|b| !mine.contains(b))
+            .map(&score)
+            .fold(f64::NEG_INFINITY, f64::max);
+        ensure!(
+            worst_in >= best_out - tolerance,
+            "{what}: visited down to {worst_in}, left {best_out}"
+        );
+        Ok(())
+    }
+
     /// GPU routing visits the buckets of best group score (the CPU's choice, up to float
     /// ties), and the bucket attention over its visits counts the visited ids outside its
     /// runs (those of an eligible range) across steps.
@@ -847,15 +868,7 @@ mod on_gpu {
                     seen.len() == probes && seen.iter().all(|&b| b < buckets),
                     "head {h}: {mine:?}"
                 );
-                let worst_in = mine.iter().map(|&b| score(b)).fold(f64::INFINITY, f64::min);
-                let best_out = (0..buckets)
-                    .filter(|b| !mine.contains(b))
-                    .map(score)
-                    .fold(f64::NEG_INFINITY, f64::max);
-                ensure!(
-                    worst_in >= best_out - 1e-4,
-                    "head {h}: visited down to {worst_in}, left {best_out}"
-                );
+                visits_are_best(&mine, 0..buckets, score, 1e-4, &format!("head {h}"))?;
                 selected += mine
                     .iter()
                     .flat_map(|&b| &lists[h * buckets + b])
@@ -1131,15 +1144,8 @@ mod on_gpu {
                         seen.len() == count && seen.iter().all(|&b| b < buckets && eligible(b)),
                         "{what}: visited {mine:?}"
                     );
-                    let worst_in = mine.iter().map(|&b| score[b]).fold(f64::INFINITY, f64::min);
-                    let best_out = (0..buckets)
-                        .filter(|&b| eligible(b) && !mine.contains(&b))
-                        .map(|b| score[b])
-                        .fold(f64::NEG_INFINITY, f64::max);
-                    ensure!(
-                        worst_in >= best_out - 1e-5,
-                        "{what}: visited down to {worst_in}, left {best_out}"
-                    );
+                    let eligible_buckets = (0..buckets).filter(|&b| eligible(b));
+                    visits_are_best(&mine, eligible_buckets, |b| score[b], 1e-5, &what)?;
                     selected += mine
                         .iter()
                         .flat_map(|&b| list(b))
