@@ -70,7 +70,7 @@ pub(crate) struct BenchArgs {
     /// Every answer step also attends the token after each of the N retrieved tokens the
     /// step before attended most (`kvdb ask --follow`); it acts across decode steps, so on
     /// the needles' answers, not on the per-query retrieval measures.
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    #[arg(long, default_value_t = 0, value_name = "N", value_parser = crate::retrieval_follow)]
     follow: usize,
 }
 

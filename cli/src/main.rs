@@ -173,6 +173,12 @@ pub(crate) fn retrieval_k(s: &str) -> Result<usize, String> {
     kvdb::checked_k(k).map_err(|e| e.to_string())
 }
 
+/// `--follow` for clap.
+pub(crate) fn retrieval_follow(s: &str) -> Result<usize, String> {
+    let follow: usize = s.parse().map_err(|e| format!("{e}"))?;
+    kvdb::checked_follow(follow).map_err(|e| e.to_string())
+}
+
 /// `--ram` and the like for clap: a byte size such as `512M`, `2G`, `1.5GiB` or `1000000`.
 pub(crate) fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
     let t = s.trim();

@@ -93,6 +93,21 @@ pub fn checked_k(k: usize) -> std::result::Result<usize, OptionError> {
     }
 }
 
+/// `follow` ([`Retrieval::follow`](crate::Retrieval::follow), 0: off) if it is in
+/// `0..=MAX_K`, `k`'s bound: a step follows only tokens it retrieved, so no useful value is
+/// larger.
+pub fn checked_follow(follow: usize) -> std::result::Result<usize, OptionError> {
+    if follow <= MAX_K {
+        Ok(follow)
+    } else {
+        Err(OptionError {
+            name: "follow",
+            expected: format!("in 0..={MAX_K}"),
+            given: follow.to_string(),
+        })
+    }
+}
+
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

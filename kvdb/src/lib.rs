@@ -83,6 +83,6 @@ pub use session::{
 
 // Generation, and the limits the CLI and the server check options against.
 pub use generate::{
-    checked_k, checked_temperature, checked_top_p, generate, GenerateOptions, Generation,
-    OptionError, StopReason, MAX_K, MAX_TEMPERATURE,
+    checked_follow, checked_k, checked_temperature, checked_top_p, generate, GenerateOptions,
+    Generation, OptionError, StopReason, MAX_K, MAX_TEMPERATURE,
 };

@@ -224,6 +224,11 @@ impl From<kvdb::Error> for ApiError {
             E::Document { path, reason } => {
                 Self::invalid(format!("{}: {reason}", echo(&path.display().to_string())))
             }
+            // The engine's text points at the CLI's `--device cpu`; a client can only ask
+            // without the option.
+            E::NotOnGpu { what } => Self::invalid(format!(
+                "{what} is not available on this server's GPU yet: ask without it"
+            )),
             E::NotBucketIndex { spec } => {
                 Self::invalid(E::NotBucketIndex { spec: echo(spec) }.to_string())
             }
@@ -238,7 +243,6 @@ impl From<kvdb::Error> for ApiError {
             | E::TooManyDrills { .. }
             | E::SaapTraining(_)
             | E::NoRetrievalLayers
-            | E::NotOnGpu { .. }
             | E::CorpusEmpty { .. }
             | E::IndexNotSaved { .. } => Self::invalid(e.to_string()),
             // Nobody is listening any more; said as nginx says it, for the log.
@@ -319,6 +323,14 @@ fn timed_out(error: &(dyn StdError + 'static)) -> bool {
         next = e.source();
     }
     false
+}
+
+impl From<kvdb::OptionError> for ApiError {
+    /// An option outside what generation accepts (its text names the option, the range and
+    /// the number given, all short).
+    fn from(e: kvdb::OptionError) -> Self {
+        Self::invalid(e.to_string())
+    }
 }
 
 impl From<JsonRejection> for ApiError {
@@ -417,7 +429,15 @@ mod tests {
             assert_eq!(status(e), 422);
         }
         assert_eq!(status(E::Abandoned), 499);
-        assert_eq!(status(E::NotOnGpu { what: "estimate" }), 422);
+        let gpu = ApiError::from(E::NotOnGpu {
+            what: "following the most attended tokens (`follow`)",
+        });
+        assert_eq!(gpu.status.as_u16(), 422);
+        assert!(
+            gpu.message.contains("`follow`") && gpu.message.contains("ask without it"),
+            "{}",
+            gpu.message
+        );
         let too_big = E::GpuMemory {
             corpus: "c".into(),
             needed: 2 << 30,

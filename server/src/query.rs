@@ -18,8 +18,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::{self, Stream, StreamExt};
 use kvdb::LoadedModel;
-use kvdb::{checked_k, checked_temperature, checked_top_p, GenerateOptions, StopReason};
+use kvdb::{checked_follow, checked_k, checked_temperature, checked_top_p};
 use kvdb::{Answer, AskOptions, AttentionMode, Retrieval};
+use kvdb::{GenerateOptions, StopReason};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -45,6 +46,13 @@ pub struct QueryRequest {
     /// and ihip, else 64).
     #[serde(default)]
     pub k: Option<usize>,
+    /// At every step, each KV head also attends the token after each of the `follow`
+    /// retrieved tokens it attended most at the step before (helps an answer that copies a
+    /// number or a name from the corpus); 0 (the default) is off. CPU sessions only for now:
+    /// a server on a GPU refuses it (422, or an `error` event when streamed).
+    #[serde(default)]
+    #[schema(maximum = 65536)] // kvdb::MAX_K, which the HTTP tests check it against.
+    pub follow: usize,
     /// Attend to every corpus token exactly instead of retrieving (no provenance).
     #[serde(default)]
     pub full_attention: bool,
@@ -165,8 +173,7 @@ impl Ask {
         }
         let index = index.map(parse_spec).transpose()?;
         // The same checks as the CLI's, so both refuse the same values.
-        let invalid = |e: kvdb::OptionError| ApiError::invalid(e.to_string());
-        let k = k.map(checked_k).transpose().map_err(invalid)?;
+        let k = k.map(checked_k).transpose()?;
         let defaults = GenerateOptions::default();
         let max_tokens = sampling.max_tokens.unwrap_or(defaults.max_tokens);
         if max_tokens == 0 || max_tokens > limits.max_tokens {
@@ -175,9 +182,9 @@ impl Ask {
                 limits.max_tokens
             )));
         }
-        let temperature = checked_temperature(sampling.temperature.unwrap_or(defaults.temperature))
-            .map_err(invalid)?;
-        let top_p = checked_top_p(sampling.top_p.unwrap_or(defaults.top_p)).map_err(invalid)?;
+        let temperature =
+            checked_temperature(sampling.temperature.unwrap_or(defaults.temperature))?;
+        let top_p = checked_top_p(sampling.top_p.unwrap_or(defaults.top_p))?;
         let stop = match sampling.stop {
             None => Vec::new(),
             Some(StopStrings::One(s)) => vec![s],
@@ -411,6 +418,10 @@ pub(crate) async fn query(
         body.k,
         body.sampling,
     )?;
+    let follow = checked_follow(body.follow)?;
+    if let AttentionMode::Retrieval(retrieval) = &mut ask.options.mode {
+        retrieval.follow = follow;
+    }
     if body.full_attention {
         ask.options.mode = AttentionMode::Full;
     }

@@ -490,6 +490,79 @@ async fn queries_answer_as_json_and_as_events() -> Result<()> {
     Ok(())
 }
 
+/// Keys a search of flat's selected on average, following `follow` tokens (greedy, so the
+/// same question answers the same with the same `follow`).
+async fn selected_per_search(s: &TestServer, follow: Value) -> Result<f64> {
+    let answer = ask(
+        s,
+        json!({"question": "What colour is the river?", "max_tokens": 8, "index": "flat",
+               "k": 16, "follow": follow}),
+    )
+    .await?;
+    let retrieval = &answer["retrieval"];
+    let (selected, searches) = (
+        retrieval["selected"].as_f64(),
+        retrieval["searches"].as_f64(),
+    );
+    let (Some(selected), Some(searches)) = (selected, searches) else {
+        anyhow::bail!("no retrieval statistics: {answer}");
+    };
+    Ok(selected / searches.max(1.0))
+}
+
+/// `follow` reaches the session: each decode step's searches also select the successors of
+/// the tokens the step before attended most, so the same question selects more keys a
+/// search, at most `follow` more (the field is not refused when unknown, so only its effect
+/// shows it arrived). The largest value answers, larger ones are refused naming the field,
+/// and the OpenAPI schema states the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn follow_adds_the_most_attended_tokens_successors() -> Result<()> {
+    let s = with_corpus(|_| {}).await?;
+    let plain = selected_per_search(&s, json!(0)).await?;
+    let followed = selected_per_search(&s, json!(8)).await?;
+    assert!(
+        followed > plain && followed <= plain + 8.0,
+        "{followed} ids a search following 8, {plain} without"
+    );
+    // As many as a query may retrieve allocates no more than the selections hold.
+    selected_per_search(&s, json!(kvdb::MAX_K)).await?;
+
+    for follow in [
+        json!(kvdb::MAX_K + 1),
+        json!(u64::MAX),
+        json!(-1),
+        json!(1e30),
+    ] {
+        let m = s
+            .post_error(
+                "/v1/corpora/c/query",
+                &json!({"question": "q", "follow": follow}),
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request",
+            )
+            .await?;
+        assert!(m.contains("follow"), "{follow}: {m}");
+    }
+
+    let (_, api) = json_of(s.get("/openapi.json").send().await?).await?;
+    // The flattened sampling fields put the request's own in an `allOf`.
+    let request = &api["components"]["schemas"]["QueryRequest"];
+    let follow = request["allOf"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .chain([request])
+        .map(|part| &part["properties"]["follow"])
+        .find(|f| !f.is_null())
+        .context("no `follow` in QueryRequest's schema")?;
+    assert_eq!(
+        follow["maximum"].as_u64(),
+        Some(kvdb::MAX_K as u64),
+        "{follow}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn tokens_guard_writes_or_everything() -> Result<()> {
     let mut s = TestServer::start(|c| c.token = Some("s3cret".into())).await?;
