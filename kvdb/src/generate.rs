@@ -82,28 +82,29 @@ pub fn checked_top_p(top_p: f64) -> std::result::Result<f64, OptionError> {
 
 /// `k` if it is in `1..=MAX_K`.
 pub fn checked_k(k: usize) -> std::result::Result<usize, OptionError> {
-    if (1..=MAX_K).contains(&k) {
-        Ok(k)
-    } else {
-        Err(OptionError {
-            name: "k",
-            expected: format!("in 1..={MAX_K}"),
-            given: k.to_string(),
-        })
-    }
+    checked_count("k", k, 1..=MAX_K)
 }
 
 /// `follow` ([`Retrieval::follow`](crate::Retrieval::follow), 0: off) if it is in
 /// `0..=MAX_K`, `k`'s bound: a step follows only tokens it retrieved, so no useful value is
 /// larger.
 pub fn checked_follow(follow: usize) -> std::result::Result<usize, OptionError> {
-    if follow <= MAX_K {
-        Ok(follow)
+    checked_count("follow", follow, 0..=MAX_K)
+}
+
+/// The count option `name` if it is in `range`.
+fn checked_count(
+    name: &'static str,
+    value: usize,
+    range: std::ops::RangeInclusive<usize>,
+) -> std::result::Result<usize, OptionError> {
+    if range.contains(&value) {
+        Ok(value)
     } else {
         Err(OptionError {
-            name: "follow",
-            expected: format!("in 0..={MAX_K}"),
-            given: follow.to_string(),
+            name,
+            expected: format!("in {}..={}", range.start(), range.end()),
+            given: value.to_string(),
         })
     }
 }
