@@ -14,7 +14,8 @@
 # top-k, whose search on the CPU takes a fifth of a second a token there, and its index); K the
 # keys flat top-k retrieves (default: 1% of the corpus); GEMMA_DEVICES the devices Gemma is asked
 # on (default "cuda cpu"); REPEATS the measured answers per mode (default 2, after a warm-up);
-# WRAP a command that runs decode-bench (e.g. a profiler's).
+# WRAP a command that runs decode-bench (e.g. a profiler's); CONTEXT the context length the
+# random models declare (default 262,144: raise it for longer corpora).
 set -euo pipefail
 bundle=${1:?usage: gpu-query-bench.sh BUNDLE_DIR [WORK_DIR]}
 work=${2:-$(mktemp -d)}
@@ -31,7 +32,7 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
     [ "$copies" -gt 0 ] || continue
     model=$work/$preset.gguf
     [ -f "$model" ] || "$bundle/bin/random_model" --preset "$preset" --dtype bf16 \
-        --context 262144 --out "$model" 2>&1 | tail -1
+        --context "${CONTEXT:-262144}" --out "$model" 2>&1 | tail -1
     # A store left by an earlier run on this machine is asked again as it is.
     if [ ! -d "$work/store-$preset" ]; then
         mkdir -p "$work/docs-$preset"
