@@ -26,7 +26,8 @@ pub(crate) struct BenchArgs {
     /// A local GGUF file (default: the default model).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Real text (.txt, .md, .html files or folders) for the haystacks and the eval text.
+    /// Real text (.txt, .md, .html files, files without an extension, or folders) for the
+    /// haystacks and the eval text.
     #[arg(long = "corpus-text", required_unless_present = "rerender", num_args = 1..)]
     corpus_text: Vec<PathBuf>,
     /// Index specs to compare (`flat`, the exact control, is always added).

@@ -64,7 +64,8 @@ pub(crate) struct IngestArgs {
     /// with feature `gpu`).
     #[arg(long, default_value = "cpu")]
     device: ComputeDevice,
-    /// Files (.txt, .md, .html) or folders of them, appended in this order.
+    /// Files (.txt, .md, .html, or without an extension: text) or folders of them, appended in
+    /// this order.
     #[arg(required = true)]
     paths: Vec<PathBuf>,
 }

@@ -100,7 +100,7 @@ pub(crate) struct SaapTrainArgs {
     /// logits; its indexes route by the classifier alone, without the geometric expert.
     #[arg(long)]
     no_prior: bool,
-    /// Text files (.txt, .md, .html) or folders of them.
+    /// Text files (.txt, .md, .html, or without an extension) or folders of them.
     #[arg(required = true)]
     text: Vec<PathBuf>,
 }

@@ -47,8 +47,8 @@ enum Command {
     },
     /// Generate text from a prompt with full attention, streaming tokens to stdout.
     Generate(GenerateArgs),
-    /// Append documents (.txt, .md, .html files or folders of them) to a corpus, prefilling
-    /// them once and storing every layer's keys and values.
+    /// Append documents (.txt, .md, .html files, files without an extension, or folders of
+    /// them) to a corpus, prefilling them once and storing every layer's keys and values.
     Ingest(corpus_cli::IngestArgs),
     /// Ask a question about a corpus: decode with retrieval attention over its stored KV
     /// cache, then show which passages the answer attended to.

@@ -1,5 +1,6 @@
 //! Reading the documents an ingest is given: files and folders of `.txt`, `.md` and `.html`
-//! (markup stripped), each identified by the sha256 of its bytes.
+//! (markup stripped), and files named on their own without an extension (`LICENSE`,
+//! `README`: read as text), each identified by the sha256 of its bytes.
 
 use std::path::{Path, PathBuf};
 
@@ -27,8 +28,9 @@ pub struct SourceDocument {
 }
 
 /// Reads every document named by `paths` (files, or folders searched recursively in name
-/// order), in the order given. Any unreadable, empty or non-UTF-8 document is an error, so
-/// that nothing is ingested from a set with a bad member.
+/// order, where only `.txt`, `.md` and `.html` files count), in the order given. A file named
+/// on its own without an extension is read as text. Any unreadable, empty or non-UTF-8
+/// document is an error, so that nothing is ingested from a set with a bad member.
 pub fn read_documents(paths: &[PathBuf]) -> Result<Vec<SourceDocument>> {
     let mut files = Vec::new();
     for path in paths {
@@ -46,10 +48,14 @@ pub fn read_documents(paths: &[PathBuf]) -> Result<Vec<SourceDocument>> {
                 });
             }
         } else {
-            if kind(path).is_none() {
+            // A file the user names has no extension for a reason (LICENSE, README): text,
+            // checked as UTF-8 like any other. Another extension is a format kvdb cannot read.
+            if kind(path).is_none() && path.extension().is_some() {
                 return Err(Error::Document {
                     path: path.clone(),
-                    reason: "unsupported file type: kvdb reads .txt, .md and .html".into(),
+                    reason: "unsupported file type: kvdb reads .txt, .md and .html, and files \
+                             without an extension as text"
+                        .into(),
                 });
             }
             files.push(path.clone());
@@ -155,4 +161,41 @@ pub(crate) fn html_text(html: &str) -> std::result::Result<String, String> {
         .allow_width_overflow()
         .string_from_read(html.as_bytes(), 100_000)
         .map_err(|e| format!("cannot read the HTML: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file named on its own without an extension is text; one with an unknown extension
+    /// is refused; a folder's files without an extension are not picked up.
+    #[test]
+    fn a_named_file_without_an_extension_is_text() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let licence = dir.path().join("LICENSE");
+        std::fs::write(&licence, "Permission is granted.\n")?;
+        let pdf = dir.path().join("paper.pdf");
+        std::fs::write(&pdf, "%PDF-1.7")?;
+        let notes = dir.path().join("notes.md");
+        std::fs::write(&notes, "# Notes\n")?;
+
+        let read = read_documents(std::slice::from_ref(&licence))?;
+        assert_eq!(read.len(), 1);
+        assert_eq!(read[0].title, "LICENSE");
+        assert_eq!(read[0].text, "Permission is granted.\n");
+
+        let refused = read_documents(&[pdf]).unwrap_err().to_string();
+        assert!(refused.contains("unsupported file type"), "{refused}");
+
+        let folder = read_documents(&[dir.path().to_path_buf()])?;
+        let titles: Vec<&str> = folder.iter().map(|d| d.title.as_str()).collect();
+        assert_eq!(titles, ["notes.md"]);
+
+        // Binary bytes without an extension are refused as text that is not UTF-8.
+        let blob = dir.path().join("blob");
+        std::fs::write(&blob, [0xff, 0xfe, 0x00])?;
+        let refused = read_documents(&[blob]).unwrap_err().to_string();
+        assert!(refused.contains("not UTF-8"), "{refused}");
+        Ok(())
+    }
 }
