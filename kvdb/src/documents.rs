@@ -48,9 +48,7 @@ pub fn read_documents(paths: &[PathBuf]) -> Result<Vec<SourceDocument>> {
                 });
             }
         } else {
-            // A file the user names has no extension for a reason (LICENSE, README): text,
-            // checked as UTF-8 like any other. Another extension is a format kvdb cannot read.
-            if kind(path).is_none() && path.extension().is_some() {
+            if !is_supported_document(path) {
                 return Err(Error::Document {
                     path: path.clone(),
                     reason: "unsupported file type: kvdb reads .txt, .md and .html, and files \
@@ -105,9 +103,12 @@ fn collect_folder(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     Ok(())
 }
 
-/// Whether `path`'s extension is one kvdb reads (.txt, .md, .html and their variants).
+/// Whether a document named `path` on its own (a file on the command line, an upload) is one
+/// kvdb reads: .txt, .md, .html and their variants, or no extension at all. A name without one
+/// is text for a reason (LICENSE, README), checked as UTF-8 like any other; another extension
+/// is a format kvdb cannot read. A folder's files need one of the extensions.
 pub fn is_supported_document(path: &Path) -> bool {
-    kind(path).is_some()
+    kind(path).is_some() || path.extension().is_none()
 }
 
 /// Reads one file: UTF-8 required, HTML reduced to its text, empty text refused.

@@ -331,8 +331,8 @@ pub(crate) async fn delete(
     .await
 }
 
-/// Append documents (JSON, or files named .txt, .md or .html as `multipart/form-data`, any
-/// field name) in a background ingest job.
+/// Append documents (JSON, or files named .txt, .md or .html, or without an extension, as
+/// `multipart/form-data`, any field name) in a background ingest job.
 #[utoipa::path(post, path = "/v1/corpora/{name}/documents", tag = "corpora",
     params(("name" = String, Path, description = "The corpus")),
     request_body(content(
@@ -360,13 +360,13 @@ pub(crate) async fn add_documents(
             let Some(title) = field.file_name().map(str::to_string) else {
                 return Err(ApiError::invalid(format!(
                     "part `{}` is not a file: each part must be a file with a filename \
-                     (named .txt, .md or .html)",
+                     (named .txt, .md or .html, or without an extension)",
                     echo(field.name().unwrap_or_default())
                 )));
             };
             if !is_supported_document(&PathBuf::from(&title)) {
                 return Err(ApiError::invalid(format!(
-                    "`{}`: upload files named .txt, .md or .html",
+                    "`{}`: upload files named .txt, .md or .html, or without an extension (text)",
                     echo(&title)
                 )));
             }

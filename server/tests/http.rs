@@ -117,6 +117,23 @@ async fn corpora_documents_indexes_and_jobs() -> Result<()> {
         s.wait_job(job["id"].as_str().context("id")?).await?["status"],
         "succeeded"
     );
+    // A file without an extension is text, as on the command line.
+    let licence = reqwest::multipart::Form::new().part(
+        "a",
+        reqwest::multipart::Part::text("Permission is granted to copy it.").file_name("LICENSE"),
+    );
+    let (status, job) = json_of(
+        s.request(Method::POST, "/v1/corpora/c/documents")
+            .multipart(licence)
+            .send()
+            .await?,
+    )
+    .await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{job}");
+    assert_eq!(
+        s.wait_job(job["id"].as_str().context("id")?).await?["status"],
+        "succeeded"
+    );
     let pdf = reqwest::multipart::Form::new().part(
         "a",
         reqwest::multipart::Part::bytes(b"%PDF".to_vec()).file_name("a.pdf"),
@@ -156,14 +173,17 @@ async fn corpora_documents_indexes_and_jobs() -> Result<()> {
     // Describing.
     let (status, info) = json_of(s.get("/v1/corpora/c").send().await?).await?;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(info["document_count"].as_u64(), Some(4), "{info}");
+    assert_eq!(info["document_count"].as_u64(), Some(5), "{info}");
     let titles: Vec<&str> = info["documents"]
         .as_array()
         .context("documents")?
         .iter()
         .filter_map(|d| d["title"].as_str())
         .collect();
-    assert_eq!(titles, ["doc0.txt", "doc1.txt", "a.txt", "b.html"]);
+    assert_eq!(
+        titles,
+        ["doc0.txt", "doc1.txt", "a.txt", "b.html", "LICENSE"]
+    );
     assert!(info["stored_bytes"].as_u64() > Some(0));
     let (_, list) = json_of(s.get("/v1/corpora").send().await?).await?;
     assert_eq!(list["corpora"][0]["name"], "c");
