@@ -14,7 +14,7 @@ use crate::config::{Activation, ModelConfig, RopeScaling};
 use crate::error::{ModelError, Result};
 use crate::forward::{check_call, CpuSequence, SequenceOptions};
 use crate::gguf::GgufFile;
-use crate::ops::{gated_activation, matmul, small_matmul, Rhs};
+use crate::ops::{gated_activation, matmul, q8_0_small_matmul, small_matmul, Rhs};
 use crate::rope::Rope;
 
 /// How projection weights are held and multiplied.
@@ -105,6 +105,14 @@ impl Linear {
         let small = rows < DENSE_MIN_ROWS;
         let y = match (&self.dense, &self.quantized) {
             (Some(w), _) if !small => matmul(x, w, Rhs::Transposed)?,
+            (_, Some(QMatMul::QTensor(q)))
+                if small && q.dtype() == GgmlDType::Q8_0 && x.device().is_cpu() =>
+            {
+                match q8_0_small_matmul(x, q)? {
+                    Some(y) => y,
+                    None => QMatMul::QTensor(q.clone()).forward(x)?,
+                }
+            }
             (_, Some(q)) => q.forward(x)?,
             (Some(w), None) if w.device().is_cpu() => small_matmul(x, w)?,
             (Some(w), None) => matmul(x, w, Rhs::Transposed)?,

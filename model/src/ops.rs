@@ -2,6 +2,7 @@
 //! element-wise ops, and GELU in its exact sigmoid form `x·σ(2u)` (= `½x(1 + tanh u)`), whose
 //! `exp` is several times cheaper than libm's `tanh`.
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -250,6 +251,78 @@ pub(crate) fn small_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, (n, m), x.device())?
         .t()?
         .contiguous()?)
+}
+
+/// `x` (`[m, k]` f32 rows) quantized to Q8_0 block by block as candle quantizes a product's
+/// input (scale `max|x| / 127` rounded to f16, values `round(x / scale)`): the scales widened
+/// to f32 and the values, each `[m, k / 32]` and `[m, k]`.
+fn quantize_q8_0(xs: &[f32]) -> (Vec<f32>, Vec<i8>) {
+    let blocks = xs.len() / kvdb_simd::Q8_0_VALUES;
+    let mut scales = Vec::with_capacity(blocks);
+    let mut values = vec![0i8; blocks * kvdb_simd::Q8_0_VALUES];
+    for (block, out) in xs
+        .chunks_exact(kvdb_simd::Q8_0_VALUES)
+        .zip(values.chunks_exact_mut(kvdb_simd::Q8_0_VALUES))
+    {
+        let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = amax / 127.0;
+        let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
+        scales.push(half::f16::from_f32(d).to_f32());
+        for (q, &x) in out.iter_mut().zip(block) {
+            *q = (x * inverse).round() as i8;
+        }
+    }
+    (scales, values)
+}
+
+/// `x Wᵀ` for a few rows of `x` (`[m, k]` f32) and a Q8_0 weight (`[n, k]`): candle's quantized
+/// product, bit for bit (the input quantized as candle quantizes it, then
+/// [`kvdb_simd::q8_0_dot`] per row and weight row), without its per-row calls into a kernel
+/// the baseline build cannot inline. `None` where `q8_0_dot` is (a CPU without AVX2): the
+/// caller runs candle's product.
+pub(crate) fn q8_0_small_matmul(x: &Tensor, w: &QTensor) -> Result<Option<Tensor>> {
+    let (m, k) = x.dims2()?;
+    let (n, k2) = w.shape().dims2()?;
+    if k != k2 || w.dtype() != GgmlDType::Q8_0 || !k.is_multiple_of(kvdb_simd::Q8_0_VALUES) {
+        return Err(ModelError::Internal(format!(
+            "q8_0_small_matmul: [{m}, {k}] x {:?} [{n}, {k2}]ᵀ",
+            w.dtype()
+        )));
+    }
+    let row_blocks = k / kvdb_simd::Q8_0_VALUES;
+    // Whether the CPU has the kernel at all (its answer for no blocks).
+    if kvdb_simd::q8_0_dot(&[], &[], &[]).is_none() {
+        return Ok(None);
+    }
+    let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+    let (scales, values) = quantize_q8_0(&xs);
+    let data = w.data()?;
+    let row_bytes = row_blocks * kvdb_simd::Q8_0_BYTES;
+    if data.len() != n * row_bytes {
+        return Err(ModelError::Internal(format!(
+            "q8_0_small_matmul: {} bytes of weights for [{n}, {k}]",
+            data.len()
+        )));
+    }
+    // Output laid out [n, m] while computing (weight-row major), transposed at the end.
+    let mut out = vec![0f32; n * m];
+    out.par_chunks_mut(GEMV_ROWS * m)
+        .zip(data.par_chunks(GEMV_ROWS * row_bytes))
+        .for_each(|(o, wblock)| {
+            for (orow, wrow) in o.chunks_mut(m).zip(wblock.chunks(row_bytes)) {
+                for (i, oj) in orow.iter_mut().enumerate() {
+                    let x_scales = &scales[i * row_blocks..(i + 1) * row_blocks];
+                    let x_values = &values[i * k..(i + 1) * k];
+                    // Some: checked above, and the level does not change.
+                    *oj = kvdb_simd::q8_0_dot(wrow, x_scales, x_values).unwrap_or(f32::NAN);
+                }
+            }
+        });
+    Ok(Some(
+        Tensor::from_vec(out, (n, m), x.device())?
+            .t()?
+            .contiguous()?,
+    ))
 }
 
 /// Makes OpenBLAS (feature `openblas`) run every product on the thread that calls it, the
@@ -558,6 +631,49 @@ mod tests {
                 .to_scalar::<f32>()?;
             assert!(d < 1e-3, "({m},{k},{n}): max |Δ| {d}");
         }
+        Ok(())
+    }
+
+    /// Bit for bit candle's quantized product where the CPU has AVX2 (the kernel it mirrors),
+    /// and `None` elsewhere; inputs with a zero block (scale 0) and blocks of large values
+    /// (values near ±127) included.
+    #[test]
+    fn q8_0_small_matmul_is_candles_product() -> Result<()> {
+        use candle_core::quantized::QMatMul;
+        use candle_core::Module;
+        let dev = Device::Cpu;
+        for (m, k, n) in [(1, 640, 1024), (3, 64, 7), (2, 2048, 130), (1, 32, 65)] {
+            let mut x = Tensor::randn(0f32, 1., (m, k), &dev)?;
+            if k >= 64 {
+                // One zero block and one block of large values in the first row.
+                let mut row: Vec<f32> = x.flatten_all()?.to_vec1()?;
+                row[..32].fill(0.0);
+                row[32..64].iter_mut().for_each(|v| *v *= 1e4);
+                x = Tensor::from_vec(row, (m, k), &dev)?;
+            }
+            let w = Tensor::randn(0f32, 1., (n, k), &dev)?;
+            let q = std::sync::Arc::new(QTensor::quantize(&w, GgmlDType::Q8_0)?);
+            let reference: Vec<Vec<f32>> = QMatMul::QTensor(q.clone()).forward(&x)?.to_vec2()?;
+            match q8_0_small_matmul(&x, &q)? {
+                Some(ours) => {
+                    assert_eq!(ours.dims(), [m, n]);
+                    let ours: Vec<Vec<f32>> = ours.to_vec2()?;
+                    for (i, (a, b)) in ours.iter().zip(&reference).enumerate() {
+                        for (j, (a, b)) in a.iter().zip(b).enumerate() {
+                            assert_eq!(a.to_bits(), b.to_bits(), "({m},{k},{n}) [{i},{j}]");
+                        }
+                    }
+                }
+                None => assert!(kvdb_simd::level() != kvdb_simd::Level::Avx2),
+            }
+        }
+        // Shapes it cannot multiply are errors, not panics.
+        let x = Tensor::zeros((1, 64), candle_core::DType::F32, &dev)?;
+        let q = QTensor::quantize(
+            &Tensor::zeros((4, 96), candle_core::DType::F32, &dev)?,
+            GgmlDType::Q8_0,
+        )?;
+        assert!(q8_0_small_matmul(&x, &q).is_err());
         Ok(())
     }
 

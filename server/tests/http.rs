@@ -105,35 +105,13 @@ async fn corpora_documents_indexes_and_jobs() -> Result<()> {
             reqwest::multipart::Part::text("<html><body><p>An HTML <b>page</b>.</p></body></html>")
                 .file_name("b.html"),
         );
-    let (status, job) = json_of(
-        s.request(Method::POST, "/v1/corpora/c/documents")
-            .multipart(form)
-            .send()
-            .await?,
-    )
-    .await?;
-    assert_eq!(status, StatusCode::ACCEPTED, "{job}");
-    assert_eq!(
-        s.wait_job(job["id"].as_str().context("id")?).await?["status"],
-        "succeeded"
-    );
+    upload_succeeds(&s, form).await?;
     // A file without an extension is text, as on the command line.
     let licence = reqwest::multipart::Form::new().part(
         "a",
         reqwest::multipart::Part::text("Permission is granted to copy it.").file_name("LICENSE"),
     );
-    let (status, job) = json_of(
-        s.request(Method::POST, "/v1/corpora/c/documents")
-            .multipart(licence)
-            .send()
-            .await?,
-    )
-    .await?;
-    assert_eq!(status, StatusCode::ACCEPTED, "{job}");
-    assert_eq!(
-        s.wait_job(job["id"].as_str().context("id")?).await?["status"],
-        "succeeded"
-    );
+    upload_succeeds(&s, licence).await?;
     let pdf = reqwest::multipart::Form::new().part(
         "a",
         reqwest::multipart::Part::bytes(b"%PDF".to_vec()).file_name("a.pdf"),
@@ -310,6 +288,23 @@ async fn corpora_documents_indexes_and_jobs() -> Result<()> {
         (s.get("/v2/nothing"), StatusCode::NOT_FOUND, "not_found"),
     ])
     .await?;
+    Ok(())
+}
+
+/// Posts `form` as documents of corpus `c` and waits for the ingest job to succeed.
+async fn upload_succeeds(s: &TestServer, form: reqwest::multipart::Form) -> Result<()> {
+    let (status, job) = json_of(
+        s.request(Method::POST, "/v1/corpora/c/documents")
+            .multipart(form)
+            .send()
+            .await?,
+    )
+    .await?;
+    assert_eq!(status, StatusCode::ACCEPTED, "{job}");
+    assert_eq!(
+        s.wait_job(job["id"].as_str().context("id")?).await?["status"],
+        "succeeded"
+    );
     Ok(())
 }
 

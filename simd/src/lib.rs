@@ -9,6 +9,9 @@
 //! `mul_add`: a fused product is exact in one copy and a libm call in the other), so results
 //! are bit-identical on every CPU: the tests compare the two copies directly.
 //!
+//! [`q8_0_dot`] is the exception: one AVX2 copy, bit for bit candle's kernel for the same
+//! product, and `None` on other CPUs, where the caller runs candle's own.
+//!
 //! `KVDB_CPU=baseline` forces the baseline copies (to compare speed, or to rule them out);
 //! candle's quantized kernels and its matrix products choose their own instructions at run
 //! time the same way.
@@ -162,6 +165,76 @@ multiversion! {
             *y += a * x;
         }
     }
+}
+
+/// Values in one block of GGML's Q8_0 format.
+pub const Q8_0_VALUES: usize = 32;
+/// Bytes of one Q8_0 block: the scale (f16, little-endian), then the 32 values (i8).
+pub const Q8_0_BYTES: usize = 34;
+
+/// The dot product of a Q8_0 row `w` (whole blocks) with a vector quantized to Q8_0 the same
+/// way (`x_scales`, one f32 per block, each an f16 widened; `x_values`, 32 per block), in the
+/// order of candle's AVX2 kernel for the pair, so bit for bit its result: in each block, lane
+/// j of 8 sums the products of values 4j..4j+3 (an exact integer), and adds it times the
+/// product of the two scales with a fused multiply-add; the lanes are summed pairwise at the
+/// end. `None` where [`level`] is not AVX2: candle then runs its scalar kernel, which sums in
+/// another order, and the caller calls that instead, so that a product is candle's on every
+/// CPU. Why at all: a binary built for the x86-64 baseline gets candle's AVX2 kernel as a
+/// call per row that widens each block's scale through a run-time dispatch (docs/
+/// benchmarks.md, "Model forward pass"), 13% of a decode step on the default model.
+pub fn q8_0_dot(w: &[u8], x_scales: &[f32], x_values: &[i8]) -> Option<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if has_q8_0_kernel() {
+        // SAFETY: the CPU has AVX2, FMA and F16C.
+        return Some(unsafe { q8_0_dot_avx2(w, x_scales, x_values) });
+    }
+    let _ = (w, x_scales, x_values);
+    None
+}
+
+/// Whether [`q8_0_dot`]'s kernel runs here: [`level`] AVX2, and F16C (every AVX2 CPU has it)
+/// to widen the scales.
+#[cfg(target_arch = "x86_64")]
+fn has_q8_0_kernel() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| level() == Level::Avx2 && std::arch::is_x86_feature_detected!("f16c"))
+}
+
+/// [`q8_0_dot`]'s kernel: blocks past the shortest of the three inputs are ignored. The
+/// products of a block's 32 value pairs are summed in 16-bit pairs (`|w| · sign(x, w)`:
+/// at most 2 · 128 · 127, no saturation) and then in 32-bit lanes of 4.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_dot_avx2(w: &[u8], x_scales: &[f32], x_values: &[i8]) -> f32 {
+    use std::arch::x86_64::*;
+    let blocks = w
+        .chunks_exact(Q8_0_BYTES)
+        .zip(x_scales)
+        .zip(x_values.chunks_exact(Q8_0_VALUES));
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    for ((block, &x_scale), xs) in blocks {
+        let bits = u16::from_le_bytes([block[0], block[1]]);
+        let w_scale = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))));
+        let d = _mm256_set1_ps(w_scale * x_scale);
+        // SAFETY: both slices hold 32 bytes past these pointers (whole blocks).
+        let (wv, xv) = unsafe {
+            (
+                _mm256_loadu_si256(block.as_ptr().add(2).cast()),
+                _mm256_loadu_si256(xs.as_ptr().cast()),
+            )
+        };
+        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+        let lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, pairs));
+        acc = _mm256_fmadd_ps(d, lanes, acc);
+    }
+    // ((4 + 0) + (6 + 2)) + ((5 + 1) + (7 + 3)).
+    let quad = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
+    let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+    _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)))
 }
 
 #[cfg(test)]
