@@ -101,6 +101,9 @@ pub enum ModelError {
         /// The vocabulary size.
         vocab: usize,
     },
+    /// A batched decode step named a sequence the batch does not have, or one twice.
+    #[error("batched step: {0}")]
+    BatchStep(String),
     /// The tokenizer metadata is inconsistent or of an unsupported kind.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

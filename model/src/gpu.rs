@@ -13,7 +13,7 @@ use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use kvdb_kernels::ops::{self, GateActivation, Norm, QkvShape, RopePairs, Rotary, StoreRows};
@@ -143,6 +143,28 @@ impl GpuModel {
             Weights::F32(_) => Err(refuse(
                 "external attention needs bf16 precision (the retrieval kernels take f16 keys)",
             )),
+        }
+    }
+
+    /// Sequences decoded together: one per entry of `externals`, each continuing its own
+    /// context as [`GpuModel::sequence_with`] makes it (`Some`) or fresh (`None`).
+    /// [`Batch::step`] runs one token of several of them through the weights at once.
+    pub fn batch_with<'s>(
+        &'s self,
+        externals: Vec<Option<ExternalAttention<'s>>>,
+    ) -> Result<Box<dyn Batch + 's>> {
+        let options = SequenceOptions::default();
+        match &self.weights {
+            Weights::Bf16(m) => Ok(Box::new(SequenceBatch::new(m, &options, externals)?)),
+            Weights::F32(m) => match externals.iter().flatten().next() {
+                Some(external) => Err(ModelError::Backend {
+                    layer: external.layers.first().copied().unwrap_or(0),
+                    reason: "external attention needs bf16 precision (the retrieval kernels \
+                             take f16 keys)"
+                        .into(),
+                }),
+                None => Ok(Box::new(SequenceBatch::new(m, &options, externals)?)),
+            },
         }
     }
 
@@ -353,6 +375,132 @@ impl AttentionType for f32 {
     }
 }
 
+/// Sequences decoded together ([`GpuModel::batch_with`]): a step runs one token of each of
+/// several sequences through every layer's weights once, as the rows of one product, and
+/// attends each row in its own sequence (its own positions, rows and external attention).
+/// At batch 1 a decode step reads all of the weights for one token; here for all of them.
+/// Prompts and preloads go through each sequence's own [`Forward`].
+pub trait Batch {
+    /// Sequences in the batch.
+    fn sequences(&self) -> usize;
+
+    /// Sequence `b`, for what runs it alone (its prompt, its preloaded rows).
+    fn sequence(&mut self, b: usize) -> Result<&mut dyn Forward>;
+
+    /// One decode step: each `(b, id)` runs token `id` at sequence `b`'s next position
+    /// (a sequence at most once per step). Returns the logits `[tokens, vocab]` (f32, on
+    /// the host) in the order given.
+    fn step(&mut self, tokens: &[(usize, u32)]) -> Result<Tensor>;
+}
+
+/// The GPU's [`Batch`].
+struct SequenceBatch<'m, T, A> {
+    model: &'m Inner<T, A>,
+    sequences: Vec<Sequence<'m, T, A>>,
+    /// The step's activations, a row per token.
+    scratch: Option<Scratch<T, A>>,
+    logits: CudaSlice<f32>,
+}
+
+impl<'m, T: Float, A: AttentionType> SequenceBatch<'m, T, A> {
+    fn new(
+        model: &'m Inner<T, A>,
+        options: &SequenceOptions,
+        externals: Vec<Option<ExternalAttention<'m>>>,
+    ) -> Result<Self> {
+        Ok(Self {
+            model,
+            sequences: externals
+                .into_iter()
+                .map(|external| Sequence::new(model, options, external))
+                .collect::<Result<_>>()?,
+            scratch: None,
+            logits: model.gpu.zeros(1)?,
+        })
+    }
+}
+
+impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
+    fn sequences(&self) -> usize {
+        self.sequences.len()
+    }
+
+    fn sequence(&mut self, b: usize) -> Result<&mut dyn Forward> {
+        let n = self.sequences.len();
+        match self.sequences.get_mut(b) {
+            Some(sequence) => Ok(sequence),
+            None => Err(ModelError::BatchStep(format!(
+                "sequence {b} of a batch of {n}"
+            ))),
+        }
+    }
+
+    fn step(&mut self, tokens: &[(usize, u32)]) -> Result<Tensor> {
+        let model = self.model;
+        let (gpu, c) = (&*model.gpu, &model.config);
+        let rows = tokens.len();
+        if rows > MAX_CHUNK {
+            return Err(ModelError::BatchStep(format!(
+                "{rows} tokens in one step, at most {MAX_CHUNK}"
+            )));
+        }
+        let mut seen = vec![false; self.sequences.len()];
+        for &(b, id) in tokens {
+            let Some(sequence) = self.sequences.get(b) else {
+                return Err(ModelError::BatchStep(format!(
+                    "sequence {b} of a batch of {}",
+                    self.sequences.len()
+                )));
+            };
+            if std::mem::replace(&mut seen[b], true) {
+                return Err(ModelError::BatchStep(format!(
+                    "sequence {b} given twice in one step"
+                )));
+            }
+            check_call(c, &[id], sequence.position, &Logits::Last)?;
+        }
+        let shape = (rows, c.vocab_size);
+        if rows == 0 {
+            return Ok(Tensor::zeros(shape, DType::F32, &Device::Cpu)?);
+        }
+        for &(b, _) in tokens {
+            self.sequences[b].prepare(1)?;
+        }
+        let mut s = match self.scratch.take() {
+            Some(s) if s.rows >= rows => s,
+            _ => Scratch::new(gpu, c, rows.next_power_of_two().min(MAX_CHUNK))?,
+        };
+        let ids: Vec<u32> = tokens.iter().map(|&(_, id)| id).collect();
+        let (q_dim, qkv_dim) = attention_dims(c);
+        let sequences = &mut self.sequences;
+        let ran = run_layers(model, &mut s, &ids, &mut |i, s| {
+            for (row, &(b, _)) in tokens.iter().enumerate() {
+                let (q, qkv) = (
+                    row * q_dim..(row + 1) * q_dim,
+                    row * qkv_dim..(row + 1) * qkv_dim,
+                );
+                sequences[b].attend_layer(
+                    i,
+                    1,
+                    &s.qkv.slice(qkv),
+                    &mut s.queries.slice_mut(q.clone()),
+                    &mut s.attention.slice_mut(q),
+                )?;
+            }
+            Ok(())
+        });
+        let logits = ran.and_then(|()| {
+            for &(b, _) in tokens {
+                self.sequences[b].position += 1;
+            }
+            let all: Vec<usize> = (0..rows).collect();
+            logits_of(model, &mut s, &all, &mut self.logits)
+        });
+        self.scratch = Some(s);
+        Ok(Tensor::from_vec(logits?, shape, &Device::Cpu)?)
+    }
+}
+
 /// An RMS norm's scale on the GPU.
 struct GpuNorm {
     weight: CudaSlice<f32>,
@@ -556,8 +704,7 @@ struct Scratch<T, A> {
 
 impl<T: Float, A: Float> Scratch<T, A> {
     fn new(gpu: &Gpu, c: &ModelConfig, rows: usize) -> Result<Self> {
-        let q_dim = c.n_heads * c.head_dim;
-        let qkv_dim = q_dim + 2 * c.n_kv_heads * c.head_dim;
+        let (q_dim, qkv_dim) = attention_dims(c);
         Ok(Self {
             rows,
             ids: gpu.zeros(rows)?,
@@ -743,17 +890,14 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         Ok(())
     }
 
-    /// One chunk of at most [`MAX_CHUNK`] tokens; returns the logits of `rows` (chunk
-    /// indices), `[rows, vocab]` row-major.
-    fn chunk(&mut self, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>> {
+    /// Makes the sequence's buffers ready for a call of `t` tokens at its position: the
+    /// global layers' caches, the decode step's buffers, the external call's and the
+    /// store's copy.
+    fn prepare(&mut self, t: usize) -> Result<()> {
         let model = self.model;
         let (gpu, c) = (&*model.gpu, &model.config);
-        let t = tokens.len();
         let start = self.position;
         self.reserve(start + t)?;
-        if self.scratch.as_ref().is_none_or(|s| s.rows < t) {
-            self.scratch = Some(Scratch::new(gpu, c, t.next_power_of_two().min(MAX_CHUNK))?);
-        }
         if t == 1 && A::FLASH_DECODE && self.decode.is_none() {
             let q_dim = c.n_heads * c.head_dim;
             self.decode = Some(DecodeBuffers {
@@ -771,7 +915,6 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
             }
             external.reserve(gpu, c, t)?;
         }
-        let store = self.stored.is_some();
         if let Some(stored) = self.stored.as_mut() {
             let kv_rows = t * c.n_kv_heads * c.head_dim;
             for chunk in stored.iter_mut() {
@@ -783,253 +926,341 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                 chunk.taken = false;
             }
         }
-        let s = self.scratch.as_mut().expect("scratch was made above");
-        let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+        Ok(())
+    }
+
+    /// Layer `i`'s attention for the sequence's next `t` tokens (made ready by
+    /// [`Sequence::prepare`]): their projections `qkv` (`[t, (heads + 2 kv_heads) ·
+    /// head_dim]`) place the keys and values, `queries` holds their rotated queries, and
+    /// the attention goes to `attention` (`[t, heads · head_dim]`).
+    fn attend_layer(
+        &mut self,
+        i: usize,
+        t: usize,
+        qkv: &CudaView<'_, f32>,
+        queries: &mut CudaViewMut<'_, A>,
+        attention: &mut CudaViewMut<'_, T>,
+    ) -> Result<()> {
+        let model = self.model;
+        let (gpu, c) = (&*model.gpu, &model.config);
+        let layer = &model.layers[i];
+        let start = self.position;
         let (heads, kv_heads, d) = (c.n_heads, c.n_kv_heads, c.head_dim);
         let (q_dim, qkv_dim) = (heads * d, (heads + 2 * kv_heads) * d);
+        let shape = QkvShape {
+            tokens: t,
+            heads,
+            kv_heads,
+            head_dim: d,
+        };
+        let bias = layer.qkv_bias.as_ref().map(|b| b.as_view());
+        let (q_norm, k_norm) = (
+            layer.q_norm.as_ref().map(|n| (n.weight.as_view(), n.eps)),
+            layer.k_norm.as_ref().map(|n| (n.weight.as_view(), n.eps)),
+        );
+        let q_norm = q_norm.as_ref().map(|(w, eps)| Norm {
+            weight: w,
+            eps: *eps,
+            offset: 0.0,
+        });
+        let k_norm = k_norm.as_ref().map(|(w, eps)| Norm {
+            weight: w,
+            eps: *eps,
+            offset: 0.0,
+        });
+        let inv_freq = layer.inv_freq.as_view();
+        let rotary = Rotary {
+            inv_freq: &inv_freq,
+            pairs: layer.pairs,
+        };
+        let store = self.stored.is_some();
+        let decode = self.decode.as_mut().filter(|_| t == 1);
+        let mut store_views = self.stored.as_mut().map(|stored| {
+            let chunk = &mut stored[i];
+            let n = t * kv_heads * d;
+            (chunk.keys.slice_mut(..n), chunk.values.slice_mut(..n))
+        });
+        let store_rows = store_views.as_mut().map(|(k, v)| StoreRows {
+            keys: k,
+            values: v,
+            queries: None,
+        });
+        let kv = &mut self.kv[i];
+        // The call's first `rows` tokens' queries into `queries`, keys and values into
+        // `kv` (rounded to f16 first if `round`) and `store`.
+        let place = |rows: usize,
+                     round: bool,
+                     queries: &mut CudaViewMut<'_, A>,
+                     kv: &mut KvCache<A>,
+                     store: Option<StoreRows<'_, '_>>| {
+            ops::attention_inputs(
+                gpu,
+                &qkv.slice(..rows * qkv_dim),
+                &shape,
+                bias.as_ref(),
+                q_norm.as_ref(),
+                k_norm.as_ref(),
+                &rotary,
+                start,
+                round,
+                queries,
+                kv,
+                store,
+            )
+        };
+        let flash = decode.filter(|_| layer.window.is_none());
+        let external = self.external.as_mut().filter(|e| e.claimed[i]);
+        let n = t * q_dim;
+        match (external, flash) {
+            (Some(e), _) => {
+                let kv_n = t * kv_heads * d;
+                place(
+                    t,
+                    false,
+                    &mut queries.slice_mut(..n),
+                    kv,
+                    Some(StoreRows {
+                        keys: &mut e.raw_keys.slice_mut(..kv_n),
+                        values: &mut e.raw_values.slice_mut(..kv_n),
+                        queries: Some(&mut e.raw_queries.slice_mut(..n)),
+                    }),
+                )?;
+                A::external(
+                    &mut *e.attention,
+                    ExternalCall {
+                        gpu,
+                        layer: i,
+                        positions: start..start + t,
+                        scale: c.attention_scale,
+                        queries: queries.slice(..n),
+                        raw_queries: e.raw_queries.slice(..n),
+                        raw_keys: e.raw_keys.slice(..kv_n),
+                        raw_values: e.raw_values.slice(..kv_n),
+                        tail: kv,
+                        out: e.out.slice_mut(..n),
+                    },
+                )?;
+                ops::convert(gpu, &e.out.slice(..n), &mut attention.slice_mut(..n))?;
+            }
+            (None, Some(buffers)) => {
+                place(1, store, &mut buffers.queries.as_view_mut(), kv, store_rows)?;
+                A::flash_decode(
+                    gpu,
+                    &mut buffers.workspace,
+                    &buffers.queries,
+                    c.attention_scale,
+                    kv,
+                    start + 1,
+                    &mut buffers.out,
+                )?;
+                ops::convert(
+                    gpu,
+                    &buffers.out.as_view(),
+                    &mut attention.slice_mut(..q_dim),
+                )?;
+            }
+            (None, None) => {
+                place(t, store, &mut queries.slice_mut(..n), kv, store_rows)?;
+                prefill_attention(
+                    gpu,
+                    &queries.slice(..n),
+                    heads,
+                    kv,
+                    &Causal {
+                        first_position: start,
+                        window: layer.window,
+                    },
+                    c.attention_scale,
+                    &mut attention.slice_mut(..n),
+                )?;
+            }
+        }
+        Ok(())
+    }
 
+    /// One chunk of at most [`MAX_CHUNK`] tokens; returns the logits of `rows` (chunk
+    /// indices), `[rows, vocab]` row-major.
+    fn chunk(&mut self, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>> {
+        let model = self.model;
+        let t = tokens.len();
+        self.prepare(t)?;
+        let mut s = match self.scratch.take() {
+            Some(s) if s.rows >= t => s,
+            _ => Scratch::new(
+                &model.gpu,
+                &model.config,
+                t.next_power_of_two().min(MAX_CHUNK),
+            )?,
+        };
+        let (q_dim, qkv_dim) = attention_dims(&model.config);
+        let ran = run_layers(model, &mut s, tokens, &mut |i, s| {
+            self.attend_layer(
+                i,
+                t,
+                &s.qkv.slice(..t * qkv_dim),
+                &mut s.queries.slice_mut(..t * q_dim),
+                &mut s.attention.slice_mut(..t * q_dim),
+            )
+        });
+        let logits = ran.and_then(|()| {
+            self.position += t;
+            logits_of(model, &mut s, rows, &mut self.logits)
+        });
+        self.scratch = Some(s);
+        logits
+    }
+}
+
+/// Computes layer `i`'s attention of a scratch's rows ([`run_layers`]).
+type LayerAttend<'a, T, A> = dyn FnMut(usize, &mut Scratch<T, A>) -> Result<()> + 'a;
+
+/// The forward pass of `tokens` (one per row of `s`) through every layer into `s.x`, with
+/// `attend(i, s)` computing layer `i`'s attention from the rows' projections in `s.qkv` into
+/// `s.attention` (`s.queries` is its to use): a sequence's chunk, or one token of each
+/// sequence of a batch, whose weights are read once for all rows.
+fn run_layers<T: Float, A: AttentionType>(
+    model: &Inner<T, A>,
+    s: &mut Scratch<T, A>,
+    tokens: &[u32],
+    attend: &mut LayerAttend<'_, T, A>,
+) -> Result<()> {
+    let (gpu, c) = (&*model.gpu, &model.config);
+    let t = tokens.len();
+    let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+    let (q_dim, qkv_dim) = attention_dims(c);
+    gpu.stream()
+        .memcpy_htod(tokens, &mut s.ids.slice_mut(..t))
+        .map_err(|e| KernelError::Driver {
+            op: "copying token ids",
+            source: e,
+        })?;
+    ops::embed(
+        gpu,
+        &model.embedding.as_view(),
+        hidden,
+        &s.ids.slice(..t),
+        model.embedding_scale,
+        &mut s.x.slice_mut(..t * hidden),
+    )?;
+    for (i, layer) in model.layers.iter().enumerate() {
+        // Attention.
+        norm_into(gpu, &s.x, t, hidden, &layer.attn_norm, &mut s.h)?;
+        model.gemm.linear(
+            gpu,
+            &s.h.slice(..t * hidden),
+            &layer.qkv.as_view(),
+            hidden,
+            None,
+            false,
+            &mut s.qkv.slice_mut(..t * qkv_dim),
+        )?;
+        attend(i, s)?;
+        project_residual(
+            gpu,
+            &model.gemm,
+            &s.attention.slice(..t * q_dim),
+            &layer.wo,
+            q_dim,
+            layer.post_attn_norm.as_ref(),
+            &mut s.projected,
+            &mut s.x.slice_mut(..t * hidden),
+            hidden,
+        )?;
+        // MLP.
+        norm_into(gpu, &s.x, t, hidden, &layer.ffn_norm, &mut s.h)?;
+        model.gemm.linear(
+            gpu,
+            &s.h.slice(..t * hidden),
+            &layer.gate_up.as_view(),
+            hidden,
+            None,
+            false,
+            &mut s.gate_up.slice_mut(..t * 2 * inter),
+        )?;
+        ops::gated_activation(
+            gpu,
+            &s.gate_up.slice(..t * 2 * inter),
+            inter,
+            model.activation,
+            &mut s.gated.slice_mut(..t * inter),
+        )?;
+        project_residual(
+            gpu,
+            &model.gemm,
+            &s.gated.slice(..t * inter),
+            &layer.down,
+            inter,
+            layer.post_ffn_norm.as_ref(),
+            &mut s.projected,
+            &mut s.x.slice_mut(..t * hidden),
+            hidden,
+        )?;
+    }
+    Ok(())
+}
+
+/// The logits of `s`'s rows `rows` (after [`run_layers`]; `s.h` holds their norms), `[rows,
+/// vocab]` row-major on the host, one run of consecutive rows at a time through
+/// `device_logits`.
+fn logits_of<T: Float, A: Float>(
+    model: &Inner<T, A>,
+    s: &mut Scratch<T, A>,
+    rows: &[usize],
+    device_logits: &mut CudaSlice<f32>,
+) -> Result<Vec<f32>> {
+    let (gpu, c) = (&*model.gpu, &model.config);
+    let (hidden, vocab) = (c.hidden_size, c.vocab_size);
+    let output = model.output.as_ref().unwrap_or(&model.embedding);
+    let mut logits = Vec::with_capacity(rows.len() * vocab);
+    let mut i = 0;
+    while i < rows.len() {
+        let mut run = 1;
+        while i + run < rows.len() && rows[i + run] == rows[i] + run {
+            run += 1;
+        }
+        if device_logits.len() < run * vocab {
+            *device_logits = gpu.zeros(run * vocab)?;
+        }
+        let first = rows[i];
+        let norm_weight = model.output_norm.weight.as_view();
+        ops::rms_norm(
+            gpu,
+            &s.x.slice(first * hidden..(first + run) * hidden),
+            hidden,
+            &Norm {
+                weight: &norm_weight,
+                eps: model.output_norm.eps,
+                offset: 0.0,
+            },
+            &mut s.h.slice_mut(..run * hidden),
+        )?;
+        model.gemm.linear(
+            gpu,
+            &s.h.slice(..run * hidden),
+            &output.as_view(),
+            hidden,
+            None,
+            false,
+            &mut device_logits.slice_mut(..run * vocab),
+        )?;
+        let mut host = vec![0f32; run * vocab];
         gpu.stream()
-            .memcpy_htod(tokens, &mut s.ids.slice_mut(..t))
+            .memcpy_dtoh(&device_logits.slice(..run * vocab), &mut host)
             .map_err(|e| KernelError::Driver {
-                op: "copying token ids",
+                op: "copying logits",
                 source: e,
             })?;
-        ops::embed(
-            gpu,
-            &model.embedding.as_view(),
-            hidden,
-            &s.ids.slice(..t),
-            model.embedding_scale,
-            &mut s.x.slice_mut(..t * hidden),
-        )?;
-        for (i, layer) in model.layers.iter().enumerate() {
-            // Attention.
-            norm_into(gpu, &s.x, t, hidden, &layer.attn_norm, &mut s.h)?;
-            model.gemm.linear(
-                gpu,
-                &s.h.slice(..t * hidden),
-                &layer.qkv.as_view(),
-                hidden,
-                None,
-                false,
-                &mut s.qkv.slice_mut(..t * qkv_dim),
-            )?;
-            let shape = QkvShape {
-                tokens: t,
-                heads,
-                kv_heads,
-                head_dim: d,
-            };
-            let bias = layer.qkv_bias.as_ref().map(|b| b.as_view());
-            let (q_norm, k_norm) = (
-                layer.q_norm.as_ref().map(|n| (n.weight.as_view(), n.eps)),
-                layer.k_norm.as_ref().map(|n| (n.weight.as_view(), n.eps)),
-            );
-            let q_norm = q_norm.as_ref().map(|(w, eps)| Norm {
-                weight: w,
-                eps: *eps,
-                offset: 0.0,
-            });
-            let k_norm = k_norm.as_ref().map(|(w, eps)| Norm {
-                weight: w,
-                eps: *eps,
-                offset: 0.0,
-            });
-            let inv_freq = layer.inv_freq.as_view();
-            let rotary = Rotary {
-                inv_freq: &inv_freq,
-                pairs: layer.pairs,
-            };
-            let decode = self.decode.as_mut().filter(|_| t == 1);
-            let mut store_views = self.stored.as_mut().map(|stored| {
-                let chunk = &mut stored[i];
-                let n = t * kv_heads * d;
-                (chunk.keys.slice_mut(..n), chunk.values.slice_mut(..n))
-            });
-            let store_rows = store_views.as_mut().map(|(k, v)| StoreRows {
-                keys: k,
-                values: v,
-                queries: None,
-            });
-            let kv = &mut self.kv[i];
-            // The chunk's first `rows` tokens' queries into `queries`, keys and values into
-            // `kv` (rounded to f16 first if `round`) and `store`.
-            let qkv = &s.qkv;
-            let place = |rows: usize,
-                         round: bool,
-                         queries: &mut CudaViewMut<'_, A>,
-                         kv: &mut KvCache<A>,
-                         store: Option<StoreRows<'_, '_>>| {
-                ops::attention_inputs(
-                    gpu,
-                    &qkv.slice(..rows * qkv_dim),
-                    &shape,
-                    bias.as_ref(),
-                    q_norm.as_ref(),
-                    k_norm.as_ref(),
-                    &rotary,
-                    start,
-                    round,
-                    queries,
-                    kv,
-                    store,
-                )
-            };
-            let flash = decode.filter(|_| layer.window.is_none());
-            let external = self.external.as_mut().filter(|e| e.claimed[i]);
-            match (external, flash) {
-                (Some(e), _) => {
-                    let (n, kv_n) = (t * q_dim, t * kv_heads * d);
-                    place(
-                        t,
-                        false,
-                        &mut s.queries.slice_mut(..n),
-                        kv,
-                        Some(StoreRows {
-                            keys: &mut e.raw_keys.slice_mut(..kv_n),
-                            values: &mut e.raw_values.slice_mut(..kv_n),
-                            queries: Some(&mut e.raw_queries.slice_mut(..n)),
-                        }),
-                    )?;
-                    A::external(
-                        &mut *e.attention,
-                        ExternalCall {
-                            gpu,
-                            layer: i,
-                            positions: start..start + t,
-                            scale: c.attention_scale,
-                            queries: s.queries.slice(..n),
-                            raw_queries: e.raw_queries.slice(..n),
-                            raw_keys: e.raw_keys.slice(..kv_n),
-                            raw_values: e.raw_values.slice(..kv_n),
-                            tail: kv,
-                            out: e.out.slice_mut(..n),
-                        },
-                    )?;
-                    ops::convert(gpu, &e.out.slice(..n), &mut s.attention.slice_mut(..n))?;
-                }
-                (None, Some(buffers)) => {
-                    place(1, store, &mut buffers.queries.as_view_mut(), kv, store_rows)?;
-                    A::flash_decode(
-                        gpu,
-                        &mut buffers.workspace,
-                        &buffers.queries,
-                        c.attention_scale,
-                        kv,
-                        start + 1,
-                        &mut buffers.out,
-                    )?;
-                    ops::convert(
-                        gpu,
-                        &buffers.out.as_view(),
-                        &mut s.attention.slice_mut(..q_dim),
-                    )?;
-                }
-                (None, None) => {
-                    place(
-                        t,
-                        store,
-                        &mut s.queries.slice_mut(..t * q_dim),
-                        kv,
-                        store_rows,
-                    )?;
-                    prefill(gpu, s, kv, layer, start, t, heads, c.attention_scale)?;
-                }
-            }
-            project_residual(
-                gpu,
-                &model.gemm,
-                &s.attention.slice(..t * q_dim),
-                &layer.wo,
-                q_dim,
-                layer.post_attn_norm.as_ref(),
-                &mut s.projected,
-                &mut s.x.slice_mut(..t * hidden),
-                hidden,
-            )?;
-            // MLP.
-            norm_into(gpu, &s.x, t, hidden, &layer.ffn_norm, &mut s.h)?;
-            model.gemm.linear(
-                gpu,
-                &s.h.slice(..t * hidden),
-                &layer.gate_up.as_view(),
-                hidden,
-                None,
-                false,
-                &mut s.gate_up.slice_mut(..t * 2 * inter),
-            )?;
-            ops::gated_activation(
-                gpu,
-                &s.gate_up.slice(..t * 2 * inter),
-                inter,
-                model.activation,
-                &mut s.gated.slice_mut(..t * inter),
-            )?;
-            project_residual(
-                gpu,
-                &model.gemm,
-                &s.gated.slice(..t * inter),
-                &layer.down,
-                inter,
-                layer.post_ffn_norm.as_ref(),
-                &mut s.projected,
-                &mut s.x.slice_mut(..t * hidden),
-                hidden,
-            )?;
-        }
-        self.position += t;
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        // Logits of the rows asked for, one run of consecutive rows at a time.
-        let vocab = c.vocab_size;
-        let output = model.output.as_ref().unwrap_or(&model.embedding);
-        let mut logits = Vec::with_capacity(rows.len() * vocab);
-        let device_logits = &mut self.logits;
-        let mut i = 0;
-        while i < rows.len() {
-            let mut run = 1;
-            while i + run < rows.len() && rows[i + run] == rows[i] + run {
-                run += 1;
-            }
-            if device_logits.len() < run * vocab {
-                *device_logits = gpu.zeros(run * vocab)?;
-            }
-            let first = rows[i];
-            let norm_weight = model.output_norm.weight.as_view();
-            ops::rms_norm(
-                gpu,
-                &s.x.slice(first * hidden..(first + run) * hidden),
-                hidden,
-                &Norm {
-                    weight: &norm_weight,
-                    eps: model.output_norm.eps,
-                    offset: 0.0,
-                },
-                &mut s.h.slice_mut(..run * hidden),
-            )?;
-            model.gemm.linear(
-                gpu,
-                &s.h.slice(..run * hidden),
-                &output.as_view(),
-                hidden,
-                None,
-                false,
-                &mut device_logits.slice_mut(..run * vocab),
-            )?;
-            let mut host = vec![0f32; run * vocab];
-            gpu.stream()
-                .memcpy_dtoh(&device_logits.slice(..run * vocab), &mut host)
-                .map_err(|e| KernelError::Driver {
-                    op: "copying logits",
-                    source: e,
-                })?;
-            gpu.synchronize()?;
-            logits.extend(host);
-            i += run;
-        }
-        Ok(logits)
+        gpu.synchronize()?;
+        logits.extend(host);
+        i += run;
     }
+    Ok(logits)
+}
+
+/// Widths of a token's queries and of its stacked query, key and value projections.
+fn attention_dims(c: &ModelConfig) -> (usize, usize) {
+    let q_dim = c.n_heads * c.head_dim;
+    (q_dim, q_dim + 2 * c.n_kv_heads * c.head_dim)
 }
 
 /// Places pre-RoPE keys and values (`[tokens, n_kv_heads, head_dim]` f32 each) at
@@ -1132,34 +1363,6 @@ fn norm_into<T: Float>(
             offset: 0.0,
         },
         &mut out.slice_mut(..rows * width),
-    )?;
-    Ok(())
-}
-
-/// The chunk's attention by the prefill kernel, queries from `s.queries`, into `s.attention`.
-#[allow(clippy::too_many_arguments)]
-fn prefill<T: Float, A: Float>(
-    gpu: &Gpu,
-    s: &mut Scratch<T, A>,
-    kv: &KvCache<A>,
-    layer: &GpuLayer<T>,
-    start: usize,
-    t: usize,
-    heads: usize,
-    scale: f32,
-) -> Result<()> {
-    let n = t * heads * kv.head_dim();
-    prefill_attention(
-        gpu,
-        &s.queries.slice(..n),
-        heads,
-        kv,
-        &Causal {
-            first_position: start,
-            window: layer.window,
-        },
-        scale,
-        &mut s.attention.slice_mut(..n),
     )?;
     Ok(())
 }

@@ -50,7 +50,7 @@ pub use forward::{
 pub use gguf::GgufFile;
 #[cfg(feature = "gpu")]
 pub use gpu::{
-    rope_pairs, ExternalAttention, GpuModel, LayerAttention, LayerCall, Precision,
+    rope_pairs, Batch, ExternalAttention, GpuModel, LayerAttention, LayerCall, Precision,
     MAX_CHUNK as GPU_MAX_CHUNK,
 };
 #[cfg(feature = "gpu")]

@@ -143,6 +143,75 @@ mod on_gpu {
         Ok(out)
     }
 
+    /// Sequences decoded as a batch (`GpuModel::batch_with`) give each sequence's logits as
+    /// when it runs alone: three prompts of different lengths, prefilled alone, then fed the
+    /// same tokens step by step, the batch with one sequence sitting out some steps (its
+    /// position stays). Both precisions; bad steps are refused.
+    #[test]
+    fn batched_steps_match_sequences_alone() -> Result<()> {
+        let Some(gpu) = gpu("batched_steps_match_sequences_alone") else {
+            return Ok(());
+        };
+        for (name, spec) in tiny_models() {
+            let (_file, model) = cpu_model(&spec)?;
+            let prompts: Vec<Vec<u32>> = [5usize, 23, 40]
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| random_tokens(n, spec.vocab, 3 + i as u64))
+                .collect();
+            let steps = random_tokens(3 * 12, spec.vocab, 17);
+            for (precision, tolerance) in [(Precision::F32, 1e-4), (Precision::Bf16, 1e-2)] {
+                let gpu_model = GpuModel::new(&model, gpu.clone(), precision)?;
+                let mut batch = gpu_model.batch_with(vec![None, None, None])?;
+                let mut worst = 0f32;
+                for (b, prompt) in prompts.iter().enumerate() {
+                    batch.sequence(b)?.forward(prompt, &Logits::None)?;
+                }
+                // Sequence 1 sits out every third step.
+                let mut fed: Vec<Vec<u32>> = prompts.clone();
+                let mut batched: Vec<Vec<Tensor>> = vec![Vec::new(); 3];
+                for (i, tokens) in steps.chunks(3).enumerate() {
+                    let step: Vec<(usize, u32)> = (0..3)
+                        .filter(|&b| b != 1 || i % 3 != 2)
+                        .map(|b| (b, tokens[b]))
+                        .collect();
+                    let logits = batch.step(&step)?;
+                    ensure!(
+                        logits.dims() == [step.len(), spec.vocab],
+                        "{:?}",
+                        logits.dims()
+                    );
+                    for (row, &(b, id)) in step.iter().enumerate() {
+                        fed[b].push(id);
+                        batched[b].push(logits.get(row)?.unsqueeze(0)?);
+                    }
+                }
+                for (b, tokens) in fed.iter().enumerate() {
+                    let mut alone = gpu_model.sequence(&SequenceOptions::default())?;
+                    let all = logits_all(&mut *alone, tokens, 1)?;
+                    let n = batched[b].len();
+                    let expected = all.narrow(0, tokens.len() - n, n)?;
+                    let e = relative_max_error(&Tensor::cat(&batched[b], 0)?, &expected)?;
+                    worst = worst.max(e);
+                    ensure!(
+                        batch.sequence(b)?.position() == tokens.len(),
+                        "{name}: sequence {b} at the wrong position"
+                    );
+                }
+                println!("{name} {precision:?}: batched steps against alone {worst:.3e}");
+                ensure!(worst < tolerance, "{name} {precision:?}: {worst}");
+                for bad in [
+                    vec![(3, 1)],
+                    vec![(0, 1), (0, 2)],
+                    vec![(0, spec.vocab as u32)],
+                ] {
+                    ensure!(batch.step(&bad).is_err(), "{name}: step {bad:?} was taken");
+                }
+            }
+        }
+        Ok(())
+    }
+
     #[test]
     fn greedy_generations_match_the_cpu() -> Result<()> {
         let Some(gpu) = gpu("greedy_generations_match_the_cpu") else {
