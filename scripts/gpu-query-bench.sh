@@ -15,7 +15,8 @@
 # keys flat top-k retrieves (default: 1% of the corpus); GEMMA_DEVICES the devices Gemma is asked
 # on (default "cuda cpu"); REPEATS the measured answers per mode (default 2, after a warm-up);
 # WRAP a command that runs decode-bench (e.g. a profiler's); CONTEXT the context length the
-# random models declare (default 262,144: raise it for longer corpora).
+# random models declare (default 262,144: raise it for longer corpora); CONCURRENT numbers of
+# questions to answer together besides (e.g. 1,4,16: decode-bench's `--concurrent`).
 set -euo pipefail
 bundle=${1:?usage: gpu-query-bench.sh BUNDLE_DIR [WORK_DIR]}
 work=${2:-$(mktemp -d)}
@@ -56,7 +57,7 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
     for device in $devices; do
         echo "$preset on $device:" | tee -a "$log"
         ${WRAP:-} "$kvdb" decode-bench --device "$device" --model "$model" --store "$work/store-$preset" \
-            --corpus c "${modes[@]}" ${K:+--k "$K"} --tokens 32 --repeats "${REPEATS:-2}" \
+            --corpus c "${modes[@]}" ${K:+--k "$K"} --tokens 32 --repeats "${REPEATS:-2}" ${CONCURRENT:+--concurrent "$CONCURRENT"} \
             --question "What does the license say about warranty?" \
             --json "$out/decode-$preset-$device.json" 2>>"$out/stderr.log" | tee -a "$log" ||
             echo "FAILED (stderr.log says why)" | tee -a "$log"

@@ -6,6 +6,11 @@
 //! The first answer of each mode warms it up (it loads the mode's indexes and compiles its
 //! kernels) and is reported apart from the measured ones; one more answer, profiled with
 //! CUDA events on a GPU, says where the attention layers' GPU time goes.
+//!
+//! `--concurrent 1,4,16` adds a second table: for each mode, that many questions answered
+//! together (`Corpus::ask_together`: on a GPU one batched step per answer token, the
+//! weights read once for all answers), with the decode's throughput in answer tokens per
+//! second against full attention's at the same concurrency.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -41,9 +46,40 @@ pub(crate) struct DecodeBenchArgs {
     /// The question.
     #[arg(long, default_value = "What does the text say about this?")]
     question: String,
-    /// Also write the rows as one JSON array here.
+    /// Also answer this many questions together per mode, for each number given (e.g.
+    /// `1,4,16`): the question numbered 1 to N, decoded as one batch on a GPU.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=256))]
+    concurrent: Vec<u32>,
+    /// Also write the rows as JSON here: `{"single": [...], "concurrent": [...]}`.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// Every table's rows, as `--json` writes them.
+#[derive(Debug, Serialize)]
+struct Report<'r> {
+    single: &'r [Row],
+    concurrent: &'r [ConcurrentRow],
+}
+
+/// One mode's questions answered together.
+#[derive(Debug, Serialize)]
+struct ConcurrentRow {
+    /// `full attention` or the index spec.
+    mode: String,
+    /// Questions answered together.
+    questions: usize,
+    /// Best answer tokens per second of the batched decode (after every question's first
+    /// token), over the measured runs.
+    tokens_per_second: f64,
+    /// Milliseconds per batched step in that run.
+    ms_per_step: f64,
+    /// Seconds the questions' prefills took in that run, one after another.
+    prefill_seconds: f64,
+    /// Answer tokens over all questions in that run.
+    tokens: usize,
+    /// Throughput over full attention's with as many questions.
+    speedup: f64,
 }
 
 /// One mode's measurements.
@@ -87,6 +123,7 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         })
     }));
     let mut rows: Vec<Row> = Vec::new();
+    let mut together: Vec<ConcurrentRow> = Vec::new();
     let mut reference: Option<Vec<u32>> = None;
     for mode in modes {
         let name = match &mode {
@@ -135,7 +172,7 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         let reference = reference.get_or_insert_with(|| last.tokens.clone());
         let full_ms = rows.first().map_or(ms_per_token, |full| full.ms_per_token);
         rows.push(Row {
-            mode: name,
+            mode: name.clone(),
             warmup_first_token_seconds: warmup.timings.first_token_seconds,
             first_token_seconds: best(|a| a.timings.first_token_seconds),
             ms_per_token,
@@ -146,6 +183,46 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
             same_answer: last.tokens == *reference,
             gpu_ms_per_position,
         });
+        for &count in &args.concurrent {
+            let questions: Vec<String> = (1..=count)
+                .map(|i| format!("{} (question {i})", args.question))
+                .collect();
+            let questions: Vec<&str> = questions.iter().map(String::as_str).collect();
+            let mut best: Option<ConcurrentRow> = None;
+            for i in 0..args.repeats {
+                eprintln!(
+                    "kvdb: {name}: {count} questions together, run {} of {}",
+                    i + 1,
+                    args.repeats
+                );
+                let run = corpus
+                    .ask_together(model, &questions, &options, &mut |_, _| Ok(()))
+                    .with_context(|| format!("answering {count} questions under {name}"))?;
+                let steps = run.steps;
+                let row = ConcurrentRow {
+                    mode: name.clone(),
+                    questions: questions.len(),
+                    tokens_per_second: steps.tokens as f64 / steps.decode_seconds.max(1e-9),
+                    ms_per_step: 1000.0 * steps.decode_seconds / steps.steps.max(1) as f64,
+                    prefill_seconds: steps.prefill_seconds,
+                    tokens: run.answers.iter().map(|a| a.tokens.len()).sum(),
+                    speedup: 1.0,
+                };
+                if best
+                    .as_ref()
+                    .is_none_or(|b| row.tokens_per_second > b.tokens_per_second)
+                {
+                    best = Some(row);
+                }
+            }
+            let mut row = best.context("no concurrent run")?;
+            let full = together
+                .iter()
+                .find(|r| r.questions == row.questions)
+                .map_or(row.tokens_per_second, |full| full.tokens_per_second);
+            row.speedup = row.tokens_per_second / full.max(1e-9);
+            together.push(row);
+        }
     }
     let mut out = std::io::stdout().lock();
     writeln!(
@@ -175,8 +252,37 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
             stages(&r.gpu_ms_per_position)
         )?;
     }
+    if !together.is_empty() {
+        writeln!(
+            out,
+            "\nquestions answered together (numbered copies of the question; on a GPU one \
+             batched step per answer token):"
+        )?;
+        writeln!(
+            out,
+            "| mode | questions | answer tokens/s | vs full | ms/step | tokens | prefills (s) |"
+        )?;
+        writeln!(out, "|---|---:|---:|---:|---:|---:|---:|")?;
+        for r in &together {
+            writeln!(
+                out,
+                "| {} | {} | {:.1} | {:.2}x | {:.2} | {} | {:.3} |",
+                r.mode,
+                r.questions,
+                r.tokens_per_second,
+                r.speedup,
+                r.ms_per_step,
+                r.tokens,
+                r.prefill_seconds
+            )?;
+        }
+    }
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_vec_pretty(&rows)?)
+        let report = Report {
+            single: &rows,
+            concurrent: &together,
+        };
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())

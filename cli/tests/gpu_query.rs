@@ -5,7 +5,8 @@
 //! flat, ivf (searched on the CPU, and `norope,all` routed on the GPU) and saap (routed on
 //! the GPU by its classifier) equal the CPU's (bf16 weights against f32, so greedy answers
 //! are compared, with the ranking of provenance and the search statistics); every other
-//! index type answers on the GPU.
+//! index type answers on the GPU. Questions answered together (one batched step per answer
+//! token) answer as each does alone.
 //!
 //! Needs a GPU: on a machine without one (CI) each test prints `SKIPPED` and passes.
 
@@ -71,8 +72,15 @@ mod on_gpu {
         "ihip:1k",
     ];
 
-    fn ask(model: &LoadedModel, corpus: &Corpus, mode: AttentionMode) -> Result<Answer> {
-        let options = AskOptions {
+    /// The questions asked; the first is the one every device compares on.
+    const QUESTIONS: [&str; 3] = [
+        "the river and the stone of the old town are",
+        "where the bridge",
+        "and then the water of the long quiet river by the old stone town was",
+    ];
+
+    fn options(mode: AttentionMode) -> AskOptions {
+        AskOptions {
             profile: false,
             mode,
             generate: GenerateOptions {
@@ -80,9 +88,60 @@ mod on_gpu {
                 ..Default::default()
             },
             template: None,
-        };
-        let question = "the river and the stone of the old town are";
-        Ok(corpus.ask(model.as_ref(), question, &options, &mut |_| Ok(()))?)
+        }
+    }
+
+    fn ask(model: &LoadedModel, corpus: &Corpus, mode: AttentionMode) -> Result<Answer> {
+        let options = options(mode);
+        Ok(corpus.ask(model.as_ref(), QUESTIONS[0], &options, &mut |_| Ok(()))?)
+    }
+
+    /// Questions answered together on the GPU (one batched step per answer token) answer as
+    /// each does alone: the same tokens, streamed as they come, the same searches and
+    /// provenance; the steps ran every answer token but each answer's last.
+    fn together_as_alone(gpu: &LoadedModel, corpus: &Corpus, mode: AttentionMode) -> Result<()> {
+        let options = options(mode);
+        let mut streamed = vec![String::new(); QUESTIONS.len()];
+        let together = corpus.ask_together(gpu.as_ref(), &QUESTIONS, &options, &mut |i, p| {
+            streamed[i].push_str(p);
+            Ok(())
+        })?;
+        ensure!(together.answers.len() == QUESTIONS.len(), "answers missing");
+        let mut ran = 0;
+        for ((question, answer), streamed) in QUESTIONS.iter().zip(&together.answers).zip(&streamed)
+        {
+            let alone = corpus.ask(gpu.as_ref(), question, &options, &mut |_| Ok(()))?;
+            println!("together {:?}, alone {:?}", answer.answer, alone.answer);
+            ensure!(
+                answer.tokens == alone.tokens,
+                "{question:?}: answered differently"
+            );
+            ensure!(
+                answer.answer == *streamed,
+                "{question:?}: streamed {streamed:?}"
+            );
+            let (t, a) = (
+                answer.retrieval.clone().unwrap_or_default(),
+                alone.retrieval.clone().unwrap_or_default(),
+            );
+            ensure!(
+                (t.searches, t.eligible) == (a.searches, a.eligible)
+                    && t.selected.abs_diff(a.selected) <= a.selected / 20,
+                "{question:?}: together {t:?}, alone {a:?}"
+            );
+            ensure!(
+                answer.provenance.documents.first().map(|d| d.number)
+                    == alone.provenance.documents.first().map(|d| d.number),
+                "{question:?}: provenance ranks another document first"
+            );
+            ran += answer.tokens.len() - usize::from(answer.stop != kvdb::StopReason::EndOfText);
+        }
+        ensure!(
+            together.steps.tokens == ran && together.steps.steps <= TOKENS,
+            "steps {:?}, {ran} tokens to run",
+            together.steps
+        );
+        Ok(())
     }
 
     fn retrieval(spec: &str, k: Option<usize>) -> Result<AttentionMode> {
@@ -262,6 +321,10 @@ mod on_gpu {
                         == c.provenance.documents.first().map(|d| d.number),
                 "{spec}: provenance ranks another document first"
             );
+        }
+        together_as_alone(&gpu, &on_gpu, AttentionMode::Full)?;
+        for spec in SAME_ANSWER {
+            together_as_alone(&gpu, &on_gpu, retrieval(spec, None)?)?;
         }
         for spec in ANSWERS {
             let g = ask(&gpu, &on_gpu, retrieval(spec, None)?)?;

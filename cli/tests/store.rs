@@ -273,6 +273,30 @@ fn concurrent_queries_answer_as_sequential_ones_do() -> Result<()> {
     );
     assert_eq!(sequential, concurrent);
     assert!(sequential.iter().all(|t| !t.is_empty()));
+
+    // Asked together (on the CPU, one after another): the same answers, streamed by index,
+    // with a step counted per token after each one's first.
+    let mut streamed = vec![String::new(); questions.len()];
+    let together = corpus.ask_together(loaded.as_ref(), &questions, &options, &mut |i, p| {
+        streamed[i].push_str(p);
+        Ok(())
+    })?;
+    let tokens: Vec<Vec<u32>> = together.answers.iter().map(|a| a.tokens.clone()).collect();
+    assert_eq!(tokens, sequential);
+    let texts: Vec<&str> = together.answers.iter().map(|a| a.answer.as_str()).collect();
+    assert_eq!(texts, streamed);
+    assert_eq!(
+        together.steps.steps,
+        sequential.iter().map(|t| t.len() - 1).sum::<usize>()
+    );
+    // A bad question among them fails the call before anything is answered.
+    let refused = corpus.ask_together(loaded.as_ref(), &["fine", ""], &options, &mut |_, _| {
+        panic!("answered before the empty question was refused")
+    });
+    assert!(
+        matches!(refused, Err(kvdb::Error::EmptyInput { .. })),
+        "{refused:?}"
+    );
     Ok(())
 }
 
@@ -746,6 +770,69 @@ fn index_commands_build_list_and_query() -> Result<()> {
         !out.status.success() && err.contains("np9") && err.contains("hnsw<M>,ef<E>"),
         "{err}"
     );
+    Ok(())
+}
+
+/// `kvdb decode-bench` answers under full attention and each index, alone and `--concurrent`
+/// questions together, and writes both tables as JSON.
+#[test]
+fn decode_bench_reports_single_and_concurrent_questions() -> Result<()> {
+    let cli = CliCorpus::new(2, 900, 8)?;
+    let (s, m) = (path_str(&cli.store), path_str(cli.model.path()));
+    let out = ingest_cli(s, m, &cli.docs[0], &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let json = cli.store.with_extension("json");
+    let out = run(&[
+        "decode-bench",
+        "--store",
+        s,
+        "--corpus",
+        "c",
+        "--model",
+        m,
+        "--index",
+        "flat",
+        "--tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--concurrent",
+        "1,3",
+        "--json",
+        path_str(&json),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert!(table.contains("questions answered together"), "{table}");
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json)?)?;
+    let modes = |rows: &serde_json::Value| -> Vec<String> {
+        let rows = rows.as_array().cloned().unwrap_or_default();
+        rows.iter().map(|r| r["mode"].to_string()).collect()
+    };
+    assert_eq!(
+        modes(&report["single"]),
+        ["\"full attention\"", "\"flat\""],
+        "{report}"
+    );
+    let together = report["concurrent"].as_array().cloned().unwrap_or_default();
+    let shape: Vec<(String, u64)> = together
+        .iter()
+        .map(|r| (r["mode"].to_string(), r["questions"].as_u64().unwrap_or(0)))
+        .collect();
+    let expected: Vec<(String, u64)> = [("full attention", 1), ("full attention", 3)]
+        .into_iter()
+        .chain([("flat", 1), ("flat", 3)])
+        .map(|(mode, n)| (format!("{mode:?}"), n))
+        .collect();
+    assert_eq!(shape, expected, "{report}");
+    for row in &together {
+        let questions = row["questions"].as_u64().unwrap_or(0);
+        assert!(
+            row["tokens"].as_u64().unwrap_or(0) >= questions
+                && row["tokens_per_second"].as_f64().unwrap_or(0.0) > 0.0,
+            "{row}"
+        );
+    }
     Ok(())
 }
 

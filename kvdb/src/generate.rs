@@ -2,8 +2,11 @@
 //! token. Plain generation runs it over full attention from position 0; a corpus query runs
 //! it after the corpus, over retrieval attention.
 
+use candle_core::Tensor;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
-use kvdb_model::{Forward, Logits, Tokenizer};
+#[cfg(feature = "gpu")]
+use kvdb_model::Batch;
+use kvdb_model::{Forward, Logits, StreamDecoder, Tokenizer};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -168,6 +171,27 @@ pub(crate) fn continue_generation(
     options: &GenerateOptions,
     on_text: &mut dyn FnMut(&str) -> Result<()>,
 ) -> Result<Generation> {
+    let started = std::time::Instant::now();
+    let (mut logits, mut decoding) = prefill(sequence, tokenizer, prompt_ids, options)?;
+    let prefill_seconds = started.elapsed().as_secs_f64();
+    let started = std::time::Instant::now();
+    while let Some(next) = decoding.next(&logits, on_text)? {
+        logits = sequence
+            .forward(&[next], &Logits::Last)?
+            .ok_or_else(|| Error::Internal("the model returned no logits".into()))?
+            .squeeze(0)?;
+    }
+    decoding.finish(prefill_seconds, started.elapsed().as_secs_f64(), on_text)
+}
+
+/// Runs `prompt_ids` through `sequence` after what it holds (checked against the model's
+/// context): the last position's logits `[vocab]`, and the decoding that samples from them.
+pub(crate) fn prefill<'t>(
+    sequence: &mut dyn Forward,
+    tokenizer: &'t Tokenizer,
+    prompt_ids: &[u32],
+    options: &'t GenerateOptions,
+) -> Result<(Tensor, Decoding<'t>)> {
     let context = sequence.config().context_length;
     let start = sequence.position();
     if prompt_ids.is_empty() {
@@ -183,21 +207,6 @@ pub(crate) fn continue_generation(
         }
         .into());
     }
-    let sampling = if options.temperature <= 0.0 {
-        Sampling::ArgMax
-    } else if options.top_p < 1.0 {
-        Sampling::TopP {
-            p: options.top_p,
-            temperature: options.temperature,
-        }
-    } else {
-        Sampling::All {
-            temperature: options.temperature,
-        }
-    };
-    let mut sampler = LogitsProcessor::from_sampling(options.seed, sampling);
-
-    let started = std::time::Instant::now();
     let mut logits = None;
     let per_call = sequence.prefill_chunk().max(1);
     for (i, chunk) in prompt_ids.chunks(per_call).enumerate() {
@@ -205,55 +214,219 @@ pub(crate) fn continue_generation(
         let want = if last { Logits::Last } else { Logits::None };
         logits = sequence.forward(chunk, &want)?;
     }
-    let prefill_seconds = started.elapsed().as_secs_f64();
+    let logits = logits
+        .ok_or_else(|| Error::Internal("the model returned no logits".into()))?
+        .squeeze(0)?;
+    let decoding = Decoding::new(
+        tokenizer,
+        options,
+        prompt_ids.len(),
+        start + prompt_ids.len(),
+        context,
+    );
+    Ok((logits, decoding))
+}
 
-    let started = std::time::Instant::now();
-    let mut decoder = tokenizer.stream_decoder();
-    let mut stops = StopMatcher::new(&options.stop);
-    let mut tokens = Vec::new();
-    let mut text = String::new();
-    let mut position = start + prompt_ids.len();
-    let stop = loop {
-        if tokens.len() >= options.max_tokens {
-            break StopReason::MaxTokens;
-        }
-        let Some(row) = logits.take() else {
-            return Err(Error::Internal("the model returned no logits".into()));
+/// One generation's sampling, token by token, from the logits of its last position: the
+/// sampler, the streamed text and stop strings, and when to stop. One sequence's loop and a
+/// batch's each drive one per answer.
+pub(crate) struct Decoding<'t> {
+    tokenizer: &'t Tokenizer,
+    sampler: LogitsProcessor,
+    decoder: StreamDecoder<'t>,
+    stops: StopMatcher<'t>,
+    max_tokens: usize,
+    prompt_tokens: usize,
+    /// The position of the next token the model runs.
+    position: usize,
+    context: usize,
+    tokens: Vec<u32>,
+    text: String,
+    stop: Option<StopReason>,
+}
+
+impl<'t> Decoding<'t> {
+    fn new(
+        tokenizer: &'t Tokenizer,
+        options: &'t GenerateOptions,
+        prompt_tokens: usize,
+        position: usize,
+        context: usize,
+    ) -> Self {
+        let sampling = if options.temperature <= 0.0 {
+            Sampling::ArgMax
+        } else if options.top_p < 1.0 {
+            Sampling::TopP {
+                p: options.top_p,
+                temperature: options.temperature,
+            }
+        } else {
+            Sampling::All {
+                temperature: options.temperature,
+            }
         };
-        let next = sampler.sample(&row.squeeze(0)?)?;
-        if tokenizer.is_end_of_generation(next) {
-            break StopReason::EndOfText;
+        Self {
+            tokenizer,
+            sampler: LogitsProcessor::from_sampling(options.seed, sampling),
+            decoder: tokenizer.stream_decoder(),
+            stops: StopMatcher::new(&options.stop),
+            max_tokens: options.max_tokens,
+            prompt_tokens,
+            position,
+            context,
+            tokens: Vec::new(),
+            text: String::new(),
+            stop: None,
         }
-        tokens.push(next);
-        let piece = decoder.push(next)?;
-        let (emit, stopped) = stops.push(&piece);
-        text.push_str(&emit);
-        on_text(&emit)?;
-        if stopped {
-            break StopReason::StopString;
-        }
-        if tokens.len() >= options.max_tokens {
-            break StopReason::MaxTokens;
-        }
-        if position >= context {
-            break StopReason::ContextFull;
-        }
-        logits = sequence.forward(&[next], &Logits::Last)?;
-        position += 1;
-    };
-    if stop != StopReason::StopString {
-        let rest = stops.finish(&decoder.finish());
-        text.push_str(&rest);
-        on_text(&rest)?;
     }
-    Ok(Generation {
-        prompt_tokens: prompt_ids.len(),
-        tokens,
-        text,
-        stop,
-        prefill_seconds,
-        decode_seconds: started.elapsed().as_secs_f64(),
-    })
+
+    /// Samples a token from `logits` (`[vocab]`, the last position's) and streams its text to
+    /// `on_text`; returns the token for the model to run next, or `None` once the
+    /// generation has ended (end of text, a stop string, `max_tokens`, the context full).
+    pub(crate) fn next(
+        &mut self,
+        logits: &Tensor,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Option<u32>> {
+        if self.stop.is_some() {
+            return Ok(None);
+        }
+        if self.tokens.len() >= self.max_tokens {
+            self.stop = Some(StopReason::MaxTokens);
+            return Ok(None);
+        }
+        let next = self.sampler.sample(logits)?;
+        if self.tokenizer.is_end_of_generation(next) {
+            self.stop = Some(StopReason::EndOfText);
+            return Ok(None);
+        }
+        self.tokens.push(next);
+        let piece = self.decoder.push(next)?;
+        let (emit, stopped) = self.stops.push(&piece);
+        self.text.push_str(&emit);
+        on_text(&emit)?;
+        self.stop = if stopped {
+            Some(StopReason::StopString)
+        } else if self.tokens.len() >= self.max_tokens {
+            Some(StopReason::MaxTokens)
+        } else if self.position >= self.context {
+            Some(StopReason::ContextFull)
+        } else {
+            None
+        };
+        if self.stop.is_some() {
+            return Ok(None);
+        }
+        self.position += 1;
+        Ok(Some(next))
+    }
+
+    /// The generation, once [`Decoding::next`] has returned `None`: the text held back for
+    /// stop strings goes to `on_text`.
+    pub(crate) fn finish(
+        self,
+        prefill_seconds: f64,
+        decode_seconds: f64,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Generation> {
+        let Self {
+            decoder,
+            mut stops,
+            tokens,
+            mut text,
+            stop,
+            prompt_tokens,
+            ..
+        } = self;
+        let stop = stop.ok_or_else(|| Error::Internal("a generation finished early".into()))?;
+        if stop != StopReason::StopString {
+            let rest = stops.finish(&decoder.finish());
+            text.push_str(&rest);
+            on_text(&rest)?;
+        }
+        Ok(Generation {
+            prompt_tokens,
+            tokens,
+            text,
+            stop,
+            prefill_seconds,
+            decode_seconds,
+        })
+    }
+}
+
+/// Prefills each prompt in its own sequence of `batch`, one after another, then decodes the
+/// answers together: each step runs one token of every unfinished answer in one
+/// [`Batch::step`]. `on_text(i, piece)` streams answer `i`'s text. Returns the generations in
+/// the order of `prompts` (prefill seconds its own prompt's; decode seconds from its first
+/// token to its last) and how the steps went.
+#[cfg(feature = "gpu")]
+pub(crate) fn generate_batch(
+    batch: &mut dyn Batch,
+    tokenizer: &Tokenizer,
+    prompts: &[Vec<u32>],
+    options: &GenerateOptions,
+    on_text: &mut dyn FnMut(usize, &str) -> Result<()>,
+) -> Result<(Vec<Generation>, BatchSteps)> {
+    let origin = std::time::Instant::now();
+    let since = || origin.elapsed().as_secs_f64();
+    let mut decodings = Vec::with_capacity(prompts.len());
+    // Per answer: its prefill's seconds, when its first token came and when it ended.
+    let (mut prefills, mut firsts, mut ended) = (Vec::new(), Vec::new(), Vec::new());
+    let mut step: Vec<(usize, u32)> = Vec::new();
+    for (b, prompt) in prompts.iter().enumerate() {
+        let begun = since();
+        let (logits, mut decoding) = prefill(batch.sequence(b)?, tokenizer, prompt, options)?;
+        prefills.push(since() - begun);
+        if let Some(next) = decoding.next(&logits, &mut |piece| on_text(b, piece))? {
+            step.push((b, next));
+        }
+        firsts.push(since());
+        ended.push(since());
+        decodings.push(decoding);
+    }
+    let mut steps = BatchSteps {
+        prefill_seconds: since(),
+        ..BatchSteps::default()
+    };
+    while !step.is_empty() {
+        let logits = batch.step(&step)?;
+        steps.steps += 1;
+        steps.tokens += step.len();
+        let mut following = Vec::with_capacity(step.len());
+        for (row, &(b, _)) in step.iter().enumerate() {
+            match decodings[b].next(&logits.get(row)?, &mut |piece| on_text(b, piece))? {
+                Some(next) => following.push((b, next)),
+                None => ended[b] = since(),
+            }
+        }
+        step = following;
+    }
+    steps.decode_seconds = since() - steps.prefill_seconds;
+    let generations = decodings
+        .into_iter()
+        .enumerate()
+        .map(|(b, decoding)| {
+            decoding.finish(prefills[b], ended[b] - firsts[b], &mut |piece| {
+                on_text(b, piece)
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((generations, steps))
+}
+
+/// How a batch's decode went ([`generate_batch`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct BatchSteps {
+    /// Seconds prefilling the prompts, one after another (each answer's first token
+    /// included): until the first batched step.
+    pub prefill_seconds: f64,
+    /// Seconds of the batched steps.
+    pub decode_seconds: f64,
+    /// Batched steps run.
+    pub steps: usize,
+    /// Tokens they ran (a token of each unfinished answer per step).
+    pub tokens: usize,
 }
 
 /// Holds back streamed text that could still turn into a stop string.

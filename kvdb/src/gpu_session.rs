@@ -45,7 +45,9 @@ use kvdb_model::{
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::generate::{continue_generation, GenerateOptions, Generation};
+use crate::generate::{
+    continue_generation, generate_batch, BatchSteps, GenerateOptions, Generation,
+};
 use crate::indexes::IndexSet;
 use crate::ingest::ModelRef;
 use crate::session::{backend_failed, Corpus, QueryState, Step, StepPlace};
@@ -334,93 +336,69 @@ fn with_sequence<'c, R>(
     tail: usize,
     work: &mut dyn FnMut(&mut dyn Forward) -> Result<R>,
 ) -> Result<(R, QueryState<'c>)> {
-    if session.estimates() {
-        return Err(Error::NotOnGpu {
-            what: "estimating unvisited buckets (`estimate`)",
-        });
-    }
-    if session.follows() {
-        return Err(Error::NotOnGpu {
-            what: "following the most attended tokens (`follow`)",
-        });
-    }
-    let kv = corpus.gpu_kv(model, gpu)?;
-    let config = model.model.config();
-    let n = corpus.manifest().tokens;
-    let ropes = (0..config.n_layers())
-        .map(|l| model.model.rope(l))
-        .collect::<Option<Vec<&Rope>>>()
-        .ok_or_else(|| Error::Internal("a layer of the model has no RoPE".into()))?;
-    let routes = match session.index_set() {
-        Some(set) => match kv.partitions(
-            set,
-            &ropes,
-            config.n_heads / config.n_kv_heads.max(1),
-            config.head_dim,
-        )? {
-            Some(partitions) => Routes::new(partitions, gpu.gpu(), session.breadth())?,
-            None => None,
-        },
-        None => None,
-    };
-    let profile = session.profile;
-    let mut attention = GpuSession {
-        session,
-        kv,
-        routes,
-        ropes,
-        workspace: Workspace::new(gpu.gpu()).map_err(ModelError::from)?,
-        lists: Csr::from_lists::<&[u32]>(gpu.gpu(), &[]).map_err(ModelError::from)?,
-        n,
-        heads: (config.n_heads, config.n_kv_heads, config.head_dim),
-        provenance: None,
-        timer: profile.then(StageTimer::default),
-    };
+    let mut attention = GpuSession::open(corpus, model, gpu, session)?;
     let result = {
         let mut sequence = gpu.sequence_with(
             &SequenceOptions::default(),
-            ExternalAttention {
-                layers: corpus.retrieval_layers().to_vec(),
-                tail_capacity: tail.min(config.context_length.saturating_sub(n)).max(1),
-                first_position: n,
-                attention: &mut attention,
-            },
+            attention.external(corpus, model, tail),
         )?;
-        for window in corpus.windows() {
-            let host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1()?) };
-            sequence.preload(
-                window.layer,
-                &host(&window.keys)?,
-                &host(&window.values)?,
-                window.positions.clone(),
-            )?;
-        }
+        preload_windows(corpus, &mut *sequence)?;
         work(&mut *sequence)?
     };
-    let GpuSession {
-        mut session,
-        provenance,
-        routes,
-        timer,
-        ..
-    } = attention;
-    if let Some(timer) = timer {
-        session.gpu_stages = timer.seconds()?;
+    Ok((result, attention.close(gpu)?))
+}
+
+/// Answers several questions (`ids`, each after `corpus`) together on the GPU, each with its
+/// own state (`sessions`): the prompts one after another, then one batched step per answer
+/// token, every unfinished answer's token in it (the weights read once for all of them), each
+/// attending through its own [`GpuSession`]. `on_text(i, piece)` streams answer `i`.
+pub(crate) fn generate_together<'c>(
+    corpus: &'c Corpus,
+    model: ModelRef<'_>,
+    gpu: &GpuModel,
+    sessions: Vec<QueryState<'c>>,
+    ids: &[Vec<u32>],
+    options: &GenerateOptions,
+    on_text: &mut dyn FnMut(usize, &str) -> Result<()>,
+) -> Result<(Vec<(Generation, QueryState<'c>)>, BatchSteps)> {
+    let mut attention = sessions
+        .into_iter()
+        .map(|session| GpuSession::open(corpus, model, gpu, session))
+        .collect::<Result<Vec<_>>>()?;
+    let (generations, steps) = {
+        let externals = attention
+            .iter_mut()
+            .zip(ids)
+            .map(|(session, ids)| {
+                Some(session.external(corpus, model, ids.len() + options.max_tokens))
+            })
+            .collect();
+        let mut batch = gpu.batch_with(externals)?;
+        for b in 0..ids.len() {
+            preload_windows(corpus, batch.sequence(b)?)?;
+        }
+        generate_batch(&mut *batch, model.tokenizer, ids, options, on_text)?
+    };
+    let answers = generations
+        .into_iter()
+        .zip(attention)
+        .map(|(generation, session)| Ok((generation, session.close(gpu)?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((answers, steps))
+}
+
+/// Loads the corpus's stored sliding windows into `sequence`.
+fn preload_windows(corpus: &Corpus, sequence: &mut dyn Forward) -> Result<()> {
+    for window in corpus.windows() {
+        let host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1()?) };
+        sequence.preload(
+            window.layer,
+            &host(&window.keys)?,
+            &host(&window.values)?,
+            window.positions.clone(),
+        )?;
     }
-    let device = gpu.gpu();
-    if let Some(mut provenance) = provenance {
-        provenance.join(device)?;
-        session.add_mass(
-            &device
-                .download(&provenance.mass)
-                .map_err(ModelError::from)?,
-        );
-    }
-    for visits in routes.iter().flat_map(|r| r.visits.iter().flatten()) {
-        let selected = visits.selected(device).map_err(ModelError::from)?;
-        session.add_selected(selected as usize);
-    }
-    Ok((result, session))
+    Ok(())
 }
 
 /// A query's routing on the GPU: the index set's partitions and the query's visits of each.
@@ -603,7 +581,106 @@ impl LayerAttention for GpuSession<'_, '_> {
     }
 }
 
-impl GpuSession<'_, '_> {
+impl<'c, 'm> GpuSession<'c, 'm> {
+    /// A query's attention on the GPU after `corpus` with its state `session`: the corpus's
+    /// rows on the GPU (uploaded by the first query), and its index's routing there when
+    /// the index allows it.
+    fn open(
+        corpus: &'c Corpus,
+        model: ModelRef<'m>,
+        gpu: &GpuModel,
+        session: QueryState<'c>,
+    ) -> Result<Self> {
+        if session.estimates() {
+            return Err(Error::NotOnGpu {
+                what: "estimating unvisited buckets (`estimate`)",
+            });
+        }
+        if session.follows() {
+            return Err(Error::NotOnGpu {
+                what: "following the most attended tokens (`follow`)",
+            });
+        }
+        let kv = corpus.gpu_kv(model, gpu)?;
+        let config = model.model.config();
+        let n = corpus.manifest().tokens;
+        let ropes = (0..config.n_layers())
+            .map(|l| model.model.rope(l))
+            .collect::<Option<Vec<&Rope>>>()
+            .ok_or_else(|| Error::Internal("a layer of the model has no RoPE".into()))?;
+        let routes = match session.index_set() {
+            Some(set) => match kv.partitions(
+                set,
+                &ropes,
+                config.n_heads / config.n_kv_heads.max(1),
+                config.head_dim,
+            )? {
+                Some(partitions) => Routes::new(partitions, gpu.gpu(), session.breadth())?,
+                None => None,
+            },
+            None => None,
+        };
+        let profile = session.profile;
+        Ok(Self {
+            session,
+            kv,
+            routes,
+            ropes,
+            workspace: Workspace::new(gpu.gpu()).map_err(ModelError::from)?,
+            lists: Csr::from_lists::<&[u32]>(gpu.gpu(), &[]).map_err(ModelError::from)?,
+            n,
+            heads: (config.n_heads, config.n_kv_heads, config.head_dim),
+            provenance: None,
+            timer: profile.then(StageTimer::default),
+        })
+    }
+
+    /// The retrieval layers of a sequence after `corpus`, attended by this session, with
+    /// room for `tail` tokens of its own (what the model's context leaves at most).
+    fn external<'s>(
+        &'s mut self,
+        corpus: &Corpus,
+        model: ModelRef<'_>,
+        tail: usize,
+    ) -> ExternalAttention<'s> {
+        let (n, context) = (self.n, model.model.config().context_length);
+        ExternalAttention {
+            layers: corpus.retrieval_layers().to_vec(),
+            tail_capacity: tail.min(context.saturating_sub(n)).max(1),
+            first_position: n,
+            attention: self,
+        }
+    }
+
+    /// The query's state once its sequence is done, with what the GPU counted: the stages'
+    /// times, the attention mass (provenance) and the keys routing selected.
+    fn close(self, gpu: &GpuModel) -> Result<QueryState<'c>> {
+        let GpuSession {
+            mut session,
+            provenance,
+            routes,
+            timer,
+            ..
+        } = self;
+        if let Some(timer) = timer {
+            session.gpu_stages = timer.seconds()?;
+        }
+        let device = gpu.gpu();
+        if let Some(mut provenance) = provenance {
+            provenance.join(device)?;
+            session.add_mass(
+                &device
+                    .download(&provenance.mass)
+                    .map_err(ModelError::from)?,
+            );
+        }
+        for visits in routes.iter().flat_map(|r| r.visits.iter().flatten()) {
+            let selected = visits.selected(device).map_err(ModelError::from)?;
+            session.add_selected(selected as usize);
+        }
+        Ok(session)
+    }
+
     fn attend_call(&mut self, mut call: LayerCall<'_>) -> Result<()> {
         let (h, kv_heads, d) = self.heads;
         let q = h * d;

@@ -78,11 +78,11 @@ pub use ram_tier::TierStats;
 pub use session::GpuUpload;
 pub use session::{
     Answer, AskOptions, AttentionMode, Corpus, DocumentShare, PassageShare, Provenance, Retrieval,
-    RetrievalStats, Session, Timings, DEFAULT_K, PASSAGE_TOKENS,
+    RetrievalStats, Session, Timings, Together, DEFAULT_K, PASSAGE_TOKENS,
 };
 
 // Generation, and the limits the CLI and the server check options against.
 pub use generate::{
-    checked_follow, checked_k, checked_temperature, checked_top_p, generate, GenerateOptions,
-    Generation, OptionError, StopReason, MAX_K, MAX_TEMPERATURE,
+    checked_follow, checked_k, checked_temperature, checked_top_p, generate, BatchSteps,
+    GenerateOptions, Generation, OptionError, StopReason, MAX_K, MAX_TEMPERATURE,
 };

@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::generate::{continue_generation, GenerateOptions, Generation, StopReason};
+use crate::generate::{continue_generation, BatchSteps, GenerateOptions, Generation, StopReason};
 #[cfg(feature = "gpu")]
 pub use crate::gpu_session::GpuUpload;
 use crate::indexes::{load_indexes, IndexSet, LayerIndexes};
@@ -918,22 +918,7 @@ impl Session<'_> {
     /// Decodes the answer on the model's device, streaming its text to `on_text`, and
     /// returns it with its provenance, retrieval statistics and timings.
     pub fn answer(self, on_text: &mut dyn FnMut(&str) -> Result<()>) -> Result<Answer> {
-        let Self {
-            corpus,
-            model,
-            options,
-            ids,
-            set,
-        } = self;
-        let n = corpus.manifest.tokens;
-        // The question's last token produces the first answer token: mass counts from there.
-        let answer_from = Some(n + ids.len() - 1);
-        #[allow(unused_mut)]
-        let mut state = corpus.query_state(model, &options.mode, set.as_deref(), answer_from)?;
-        #[cfg(feature = "gpu")]
-        {
-            state.profile = options.profile;
-        }
+        let state = self.state()?;
         let started = Instant::now();
         let mut first_token = None;
         let mut stream = |piece: &str| {
@@ -942,18 +927,132 @@ impl Session<'_> {
             }
             on_text(piece)
         };
-        let (generation, mut state) = corpus.generate(
-            model,
+        let (generation, state) = self.corpus.generate(
+            self.model,
             state,
-            &options.mode,
-            &ids,
-            &options.generate,
+            &self.options.mode,
+            &self.ids,
+            &self.options.generate,
             &mut stream,
         )?;
         let first = first_token.unwrap_or(generation.prefill_seconds);
-        let total = started.elapsed().as_secs_f64();
+        let decode = started.elapsed().as_secs_f64() - first;
+        let (model, options, question) = (self.model, self.options, self.ids.len());
+        (self.corpus).answer_of(model, options, question, generation, state, first, decode)
+    }
+
+    /// The question's fresh per-query state. Attention mass counts for provenance from its
+    /// last token on, which produces the first answer token.
+    fn state(&self) -> Result<QueryState<'_>> {
+        let answer_from = Some(self.corpus.manifest.tokens + self.ids.len() - 1);
+        let mode = &self.options.mode;
+        #[allow(unused_mut)]
+        let mut state =
+            (self.corpus).query_state(self.model, mode, self.set.as_deref(), answer_from)?;
+        #[cfg(feature = "gpu")]
+        {
+            state.profile = self.options.profile;
+        }
+        Ok(state)
+    }
+}
+
+/// Questions answered together ([`Corpus::ask_together`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct Together {
+    /// The answers, in the order of the questions. Each one's first-token time counts from
+    /// the start of the call; its decode seconds from its first token to its last.
+    pub answers: Vec<Answer>,
+    /// How the decode went: on a GPU the prompts' prefill, then the batched steps; on the
+    /// CPU the answers one after another, a step per token.
+    pub steps: BatchSteps,
+}
+
+impl Corpus {
+    /// Answers several questions on this corpus together, in the order given, streaming
+    /// answer `i`'s text as `on_text(i, piece)`. On a GPU the questions are prefilled one
+    /// after another and the answers then decode as one batch: every step runs a token of
+    /// each unfinished answer through the model at once, so the weights are read once for
+    /// all of them, and each attends through its own retrieval (its own routing or search,
+    /// its own provenance). On the CPU they are answered one after another.
+    pub fn ask_together(
+        &self,
+        model: ModelRef<'_>,
+        questions: &[&str],
+        options: &AskOptions,
+        on_text: &mut dyn FnMut(usize, &str) -> Result<()>,
+    ) -> Result<Together> {
+        let sessions = questions
+            .iter()
+            .map(|question| self.session(model, question, options))
+            .collect::<Result<Vec<_>>>()?;
+        #[cfg(feature = "gpu")]
+        if let Some(gpu) = model.gpu {
+            let states = sessions
+                .iter()
+                .map(Session::state)
+                .collect::<Result<Vec<_>>>()?;
+            let ids: Vec<Vec<u32>> = sessions.iter().map(|s| s.ids.clone()).collect();
+            let started = Instant::now();
+            let mut firsts = vec![None; ids.len()];
+            let mut stream = |i: usize, piece: &str| {
+                firsts[i].get_or_insert_with(|| started.elapsed().as_secs_f64());
+                on_text(i, piece)
+            };
+            let (results, steps) = crate::gpu_session::generate_together(
+                self,
+                model,
+                gpu,
+                states,
+                &ids,
+                &options.generate,
+                &mut stream,
+            )?;
+            let answers = results
+                .into_iter()
+                .zip(firsts)
+                .zip(&ids)
+                .map(|(((generation, state), first), ids)| {
+                    let first = first.unwrap_or(generation.prefill_seconds);
+                    let decode = generation.decode_seconds;
+                    self.answer_of(model, options, ids.len(), generation, state, first, decode)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Together { answers, steps });
+        }
+        let mut steps = BatchSteps::default();
+        let answers = sessions
+            .into_iter()
+            .enumerate()
+            .map(|(i, session)| {
+                let answer = session.answer(&mut |piece| on_text(i, piece))?;
+                steps.prefill_seconds += answer.timings.first_token_seconds;
+                steps.decode_seconds += answer.timings.decode_seconds;
+                let later = answer.tokens.len().saturating_sub(1);
+                steps.steps += later;
+                steps.tokens += later;
+                Ok(answer)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Together { answers, steps })
+    }
+
+    /// A question's answer from its generation and its state: provenance from the attention
+    /// mass under retrieval, the retrieval statistics, and the timings (`first` seconds to
+    /// the first token, `decode` from it to the last).
+    #[allow(clippy::too_many_arguments)]
+    fn answer_of(
+        &self,
+        model: ModelRef<'_>,
+        options: &AskOptions,
+        question_tokens: usize,
+        generation: Generation,
+        mut state: QueryState<'_>,
+        first: f64,
+        decode: f64,
+    ) -> Result<Answer> {
         let provenance = match &options.mode {
-            AttentionMode::Retrieval(r) => corpus.provenance(model, &state.mass, r.policy.sink)?,
+            AttentionMode::Retrieval(r) => self.provenance(model, &state.mass, r.policy.sink)?,
             AttentionMode::Full => Provenance::default(),
         };
         let retrieval = state.retriever.take().map(|r| r.stats);
@@ -962,14 +1061,14 @@ impl Session<'_> {
             answer: generation.text,
             tokens: generation.tokens,
             stop: generation.stop,
-            corpus_tokens: n,
-            question_tokens: ids.len(),
+            corpus_tokens: self.manifest.tokens,
+            question_tokens,
             provenance,
             retrieval,
             timings: Timings {
                 first_token_seconds: first,
-                decode_seconds: total - first,
-                tokens_per_second: later as f64 / (total - first).max(1e-9),
+                decode_seconds: decode,
+                tokens_per_second: later as f64 / decode.max(1e-9),
                 gpu_stage_seconds: std::mem::take(&mut state.gpu_stages),
             },
         })
