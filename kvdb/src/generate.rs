@@ -393,6 +393,7 @@ pub(crate) fn generate_batch(
         let logits = batch.step(&step)?;
         steps.steps += 1;
         steps.tokens += step.len();
+        let sampling = since();
         let mut following = Vec::with_capacity(step.len());
         for (row, &(b, _)) in step.iter().enumerate() {
             match decodings[b].next(&logits.get(row)?, &mut |piece| on_text(b, piece))? {
@@ -400,6 +401,7 @@ pub(crate) fn generate_batch(
                 None => ended[b] = since(),
             }
         }
+        steps.sample_seconds += since() - sampling;
         step = following;
     }
     steps.decode_seconds = since() - steps.prefill_seconds;
@@ -427,6 +429,9 @@ pub struct BatchSteps {
     pub steps: usize,
     /// Tokens they ran (a token of each unfinished answer per step).
     pub tokens: usize,
+    /// Seconds of the batched steps spent on the host sampling the next tokens from the
+    /// logits and streaming their text (on the CPU: 0, not told apart).
+    pub sample_seconds: f64,
 }
 
 /// Holds back streamed text that could still turn into a stop string.
