@@ -400,7 +400,7 @@ fn every_index_finds_the_needle_at_its_default_spec() -> Result<()> {
 /// artifact trained as `kvdb saap train` does by default (with retrieval drills,
 /// [`SaapTraining::drilled`], on the GPL text) for each seed in `KVDB_SAAP_SEEDS`. The
 /// default is seed 1 alone, one of the two whose classifier alone missed the needle (docs/benchmarks.md, "The geometric expert"):
-/// training takes about three minutes on two cores, and CI has room for one;
+/// training takes several minutes on two cores, and CI has room for one;
 /// `KVDB_SAAP_SEEDS=0,1,2,3` checks the four measured there (about 13 minutes; on 2026-11-25
 /// all four found it at 3.8–4.2% of the keys).
 #[test]
