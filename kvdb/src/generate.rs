@@ -288,6 +288,16 @@ impl<'t> Decoding<'t> {
         logits: &Tensor,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Option<u32>> {
+        match self.draw(logits)? {
+            Some(next) => self.accept(next, on_text),
+            None => Ok(None),
+        }
+    }
+
+    /// [`Decoding::next`]'s first half, which needs nothing but this generation (a batch
+    /// draws its answers' tokens in parallel): the token sampled from `logits`, or `None`
+    /// when the generation had already ended.
+    fn draw(&mut self, logits: &Tensor) -> Result<Option<u32>> {
         if self.stop.is_some() {
             return Ok(None);
         }
@@ -295,7 +305,15 @@ impl<'t> Decoding<'t> {
             self.stop = Some(StopReason::MaxTokens);
             return Ok(None);
         }
-        let next = self.sampler.sample(logits)?;
+        Ok(Some(self.sampler.sample(logits)?))
+    }
+
+    /// [`Decoding::next`]'s second half: takes the drawn token `next`, streams its text.
+    fn accept(
+        &mut self,
+        next: u32,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Option<u32>> {
         if self.tokenizer.is_end_of_generation(next) {
             self.stop = Some(StopReason::EndOfText);
             return Ok(None);
@@ -394,9 +412,29 @@ pub(crate) fn generate_batch(
         steps.steps += 1;
         steps.tokens += step.len();
         let sampling = since();
-        let mut following = Vec::with_capacity(step.len());
+        // Each answer's token drawn from its row on a thread of its own (the rows are
+        // vocabulary-long: 16 answers of Llama 3 took 3.6 ms one after another), then
+        // streamed in order.
+        let mut slots: Vec<Option<&mut Decoding>> = decodings.iter_mut().map(Some).collect();
+        let mut rows = Vec::with_capacity(step.len());
         for (row, &(b, _)) in step.iter().enumerate() {
-            match decodings[b].next(&logits.get(row)?, &mut |piece| on_text(b, piece))? {
+            let decoding = slots[b]
+                .take()
+                .ok_or_else(|| Error::Internal(format!("answer {b} twice in one step")))?;
+            rows.push((b, row, decoding));
+        }
+        use rayon::prelude::*;
+        let drawn = rows
+            .par_iter_mut()
+            .map(|(_, row, decoding)| decoding.draw(&logits.get(*row)?))
+            .collect::<Result<Vec<_>>>()?;
+        let mut following = Vec::with_capacity(step.len());
+        for ((b, _, decoding), next) in rows.into_iter().zip(drawn) {
+            let next = match next {
+                Some(next) => decoding.accept(next, &mut |piece| on_text(b, piece))?,
+                None => None,
+            };
+            match next {
                 Some(next) => following.push((b, next)),
                 None => ended[b] = since(),
             }

@@ -459,8 +459,9 @@ struct GpuSession<'c, 'm> {
     timer: Option<StageTimer>,
 }
 
-/// Provenance's stream: the attention mass each corpus token received, added up there by
-/// `attention_mass` after each attention launch, beside the layer's remaining work.
+/// Provenance: the attention mass each corpus token received, added up by `attention_mass`
+/// after each attention launch, on a stream of its own beside the layer's remaining work (or
+/// on the sequence's own stream in a batched step, [`LayerCall::own_stream`]).
 struct Provenance {
     /// A handle on the model's device with a stream of its own.
     gpu: kvdb_kernels::Gpu,
@@ -493,18 +494,28 @@ impl Provenance {
         Ok(())
     }
 
-    /// Adds the workspace's last launch's weights of `part`'s rows to the mass, on this
-    /// stream, once what `gpu` queued so far (that launch) has run.
+    /// Adds the workspace's last launch's weights of `part`'s rows to the mass, once what
+    /// `gpu` queued so far (that launch) has run: on `gpu`'s stream when it is the
+    /// sequence's own (`own_stream`: nothing else waits behind it but this sequence's next
+    /// launches, which would wait for the mass anyway), else on this stream, beside the
+    /// layer's remaining work.
     fn add<T: kvdb_kernels::KvElement>(
         &mut self,
         gpu: &kvdb_model::Gpu,
+        own_stream: bool,
         timer: &mut Option<StageTimer>,
         workspace: &Workspace,
         part: ListPart<'_, T>,
     ) -> Result<()> {
+        let mass = &mut self.mass;
+        if own_stream {
+            return StageTimer::time(timer, gpu, "provenance", || {
+                attention_mass(gpu, workspace, part, mass)
+            });
+        }
         gpu.record(&self.launched).map_err(ModelError::from)?;
         self.gpu.wait(&self.launched).map_err(ModelError::from)?;
-        let (side, mass) = (&self.gpu, &mut self.mass);
+        let side = &self.gpu;
         StageTimer::time(timer, side, "provenance", || {
             attention_mass(side, workspace, part, mass)
         })?;
@@ -821,7 +832,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                     Some(provenance) => provenance,
                     empty => empty.insert(Provenance::new(gpu, n)?),
                 };
-                provenance.add(gpu, &mut self.timer, &self.workspace, part)?;
+                provenance.add(gpu, call.own_stream, &mut self.timer, &self.workspace, part)?;
             }
         }
         Ok(())

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
-use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut};
 use kvdb_kernels::ops::{self, GateActivation, Norm, QkvShape, RopePairs, Rotary, StoreRows};
 use kvdb_kernels::{
     flash_decode, prefill_attention, Causal, Float, Gemm, Gpu, KernelError, KvCache, Query,
@@ -246,8 +246,12 @@ impl std::fmt::Debug for ExternalAttention<'_> {
 /// One forward call at a claimed layer: the call's tokens at `positions`.
 #[derive(Debug)]
 pub struct LayerCall<'a> {
-    /// The device.
+    /// The device, with the stream the call's work is queued on.
     pub gpu: &'a Gpu,
+    /// Whether that stream is the sequence's own (its lane in a batched step, which the
+    /// step waits for as a whole): work queued there after the attention delays no other
+    /// sequence's, so side work may go there rather than to a stream of its own.
+    pub own_stream: bool,
     /// The layer.
     pub layer: usize,
     /// The positions of the call's tokens.
@@ -295,6 +299,7 @@ trait AttentionType: Float {
 /// A claimed layer's call before it is typed as f16.
 struct ExternalCall<'a, A> {
     gpu: &'a Gpu,
+    own_stream: bool,
     layer: usize,
     positions: Range<usize>,
     scale: f32,
@@ -336,6 +341,7 @@ impl AttentionType for f16 {
     fn external(attention: &mut dyn LayerAttention, call: ExternalCall<'_, Self>) -> Result<()> {
         attention.attend(LayerCall {
             gpu: call.gpu,
+            own_stream: call.own_stream,
             layer: call.layer,
             positions: call.positions,
             scale: call.scale,
@@ -400,6 +406,22 @@ struct SequenceBatch<'m, T, A> {
     /// The step's activations, a row per token.
     scratch: Option<Scratch<T, A>>,
     logits: CudaSlice<f32>,
+    /// Per sequence, the stream its attention runs on in a step of several rows; made on
+    /// the first such step.
+    lanes: Vec<Option<Lane>>,
+    /// Recorded on the model's stream once a layer's projections are written, for the
+    /// lanes to wait for.
+    projected: CudaEvent,
+}
+
+/// A sequence's own stream in a batch. A decode step's attention of one row is a few small
+/// launches that fill a fraction of the GPU (one query group a KV head, a step's selection),
+/// one after another; on one stream the rows of a step queue behind each other, on lanes
+/// they run side by side, and the model's stream waits for each lane's `done` before the
+/// output projection reads the rows.
+struct Lane {
+    gpu: Gpu,
+    done: CudaEvent,
 }
 
 impl<'m, T: Float, A: AttentionType> SequenceBatch<'m, T, A> {
@@ -416,6 +438,8 @@ impl<'m, T: Float, A: AttentionType> SequenceBatch<'m, T, A> {
                 .collect::<Result<_>>()?,
             scratch: None,
             logits: model.gpu.zeros(1)?,
+            lanes: Vec::new(),
+            projected: model.gpu.event()?,
         })
     }
 }
@@ -470,22 +494,46 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
             Some(s) if s.rows >= rows => s,
             _ => Scratch::new(gpu, c, rows.next_power_of_two().min(MAX_CHUNK))?,
         };
+        if rows > 1 {
+            self.lanes.resize_with(self.sequences.len(), || None);
+            for &(b, _) in tokens {
+                if self.lanes[b].is_none() {
+                    self.lanes[b] = Some(Lane {
+                        gpu: gpu.fork()?,
+                        done: gpu.event()?,
+                    });
+                }
+            }
+        }
         let ids: Vec<u32> = tokens.iter().map(|&(_, id)| id).collect();
         let (q_dim, qkv_dim) = attention_dims(c);
-        let sequences = &mut self.sequences;
+        let (sequences, lanes, projected) = (&mut self.sequences, &self.lanes, &self.projected);
         let ran = run_layers(model, &mut s, &ids, &mut |i, s| {
+            if rows > 1 {
+                gpu.record(projected)?;
+            }
             for (row, &(b, _)) in tokens.iter().enumerate() {
                 let (q, qkv) = (
                     row * q_dim..(row + 1) * q_dim,
                     row * qkv_dim..(row + 1) * qkv_dim,
                 );
+                // Rows disjoint in the scratch: each lane writes its own.
+                let lane = lanes.get(b).and_then(Option::as_ref).filter(|_| rows > 1);
+                if let Some(lane) = lane {
+                    lane.gpu.wait(projected)?;
+                }
                 sequences[b].attend_layer(
+                    lane.map(|l| &l.gpu),
                     i,
                     1,
                     &s.qkv.slice(qkv),
                     &mut s.queries.slice_mut(q.clone()),
                     &mut s.attention.slice_mut(q),
                 )?;
+                if let Some(lane) = lane {
+                    lane.gpu.record(&lane.done)?;
+                    gpu.wait(&lane.done)?;
+                }
             }
             Ok(())
         });
@@ -932,9 +980,11 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
     /// Layer `i`'s attention for the sequence's next `t` tokens (made ready by
     /// [`Sequence::prepare`]): their projections `qkv` (`[t, (heads + 2 kv_heads) ·
     /// head_dim]`) place the keys and values, `queries` holds their rotated queries, and
-    /// the attention goes to `attention` (`[t, heads · head_dim]`).
+    /// the attention goes to `attention` (`[t, heads · head_dim]`). Queued on the model's
+    /// stream, or on `lane`'s (the sequence's own in a batched step).
     fn attend_layer(
         &mut self,
+        lane: Option<&Gpu>,
         i: usize,
         t: usize,
         qkv: &CudaView<'_, f32>,
@@ -942,7 +992,7 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         attention: &mut CudaViewMut<'_, T>,
     ) -> Result<()> {
         let model = self.model;
-        let (gpu, c) = (&*model.gpu, &model.config);
+        let (gpu, c) = (lane.unwrap_or(&model.gpu), &model.config);
         let layer = &model.layers[i];
         let start = self.position;
         let (heads, kv_heads, d) = (c.n_heads, c.n_kv_heads, c.head_dim);
@@ -1029,6 +1079,7 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                     &mut *e.attention,
                     ExternalCall {
                         gpu,
+                        own_stream: lane.is_some(),
                         layer: i,
                         positions: start..start + t,
                         scale: c.attention_scale,
@@ -1095,6 +1146,7 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         let (q_dim, qkv_dim) = attention_dims(&model.config);
         let ran = run_layers(model, &mut s, tokens, &mut |i, s| {
             self.attend_layer(
+                None,
                 i,
                 t,
                 &s.qkv.slice(..t * qkv_dim),

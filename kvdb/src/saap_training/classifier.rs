@@ -187,6 +187,9 @@ pub(crate) fn train_classifier(
 /// block's last position are read once for the block.
 const SAMPLE_BLOCK: usize = 64;
 
+/// A training sample: a de-roped query and its target bucket masses.
+type Sample = (Vec<f32>, Vec<f32>);
+
 /// De-roped queries and their target bucket masses `[m, C]`, drawn at random from every
 /// sequence's query heads (`assigned`: each sequence's key buckets).
 fn training_samples(
@@ -228,18 +231,23 @@ fn training_samples(
         .chunk_by(|&i, &j| samples[i].0 == samples[j].0)
         .flat_map(|same_sequence| same_sequence.chunks(SAMPLE_BLOCK))
         .collect();
-    let scored: Vec<Vec<(usize, Option<(Vec<f32>, Vec<f32>)>)>> = blocks
+    let scored: Vec<Vec<(usize, Option<Sample>)>> = blocks
         .par_iter()
         .map(|block| -> Result<_> {
             let s = samples[block[0]].0;
             let (data, assigned) = (&sequences[s], &assigned[s]);
             let d = data.rope.head_dim();
+            // Candidate `i`'s position and de-roped query.
+            let query_of = |i: usize| {
+                let (_, p, h) = samples[i];
+                let at = (p * data.group + h) * d;
+                (p, &data.queries[at..at + d])
+            };
             let last = block.iter().map(|&i| samples[i].1).max().unwrap_or(0);
             let mut queries = Vec::with_capacity(block.len() * d);
             for &i in block.iter() {
-                let (_, p, h) = samples[i];
-                let at = (p * data.group + h) * d;
-                let mut q = data.queries[at..at + d].to_vec();
+                let (p, raw) = query_of(i);
+                let mut q = raw.to_vec();
                 data.rope.rotate(&mut q, p);
                 queries.extend(q);
             }
@@ -253,9 +261,7 @@ fn training_samples(
                 .iter()
                 .zip(logits)
                 .map(|(&i, logits)| {
-                    let (_, p, h) = samples[i];
-                    let at = (p * data.group + h) * d;
-                    let raw = &data.queries[at..at + d];
+                    let (p, raw) = query_of(i);
                     (
                         i,
                         target(&logits[..=p], p, assigned, c).map(|t| (raw.to_vec(), t)),
@@ -264,7 +270,7 @@ fn training_samples(
                 .collect())
         })
         .collect::<Result<_>>()?;
-    let mut rows: Vec<Option<(Vec<f32>, Vec<f32>)>> = vec![None; samples.len()];
+    let mut rows: Vec<Option<Sample>> = vec![None; samples.len()];
     for (i, row) in scored.into_iter().flatten() {
         rows[i] = row;
     }
@@ -495,7 +501,7 @@ mod tests {
         };
         let (inputs, targets) = training_samples(
             std::slice::from_ref(&data),
-            &[assigned.clone()],
+            std::slice::from_ref(&assigned),
             c,
             &options,
         )?;
