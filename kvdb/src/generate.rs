@@ -386,6 +386,7 @@ pub(crate) fn generate_batch(
     options: &GenerateOptions,
     on_text: &mut dyn FnMut(usize, &str) -> Result<()>,
 ) -> Result<(Vec<Generation>, BatchSteps)> {
+    use rayon::prelude::*;
     let origin = std::time::Instant::now();
     let since = || origin.elapsed().as_secs_f64();
     let mut decodings = Vec::with_capacity(prompts.len());
@@ -423,7 +424,6 @@ pub(crate) fn generate_batch(
                 .ok_or_else(|| Error::Internal(format!("answer {b} twice in one step")))?;
             rows.push((b, row, decoding));
         }
-        use rayon::prelude::*;
         let drawn = rows
             .par_iter_mut()
             .map(|(_, row, decoding)| decoding.draw(&logits.get(*row)?))
