@@ -78,6 +78,8 @@ struct ConcurrentRow {
     prefill_seconds: f64,
     /// Milliseconds per batched step that the host spent sampling the next tokens.
     sample_ms_per_step: f64,
+    /// Milliseconds per batched step that the host spent queuing the layers' work.
+    queue_ms_per_step: f64,
     /// Answer tokens over all questions in that run.
     tokens: usize,
     /// Throughput over full attention's with as many questions.
@@ -208,6 +210,7 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
                     ms_per_step: 1000.0 * steps.decode_seconds / steps.steps.max(1) as f64,
                     prefill_seconds: steps.prefill_seconds,
                     sample_ms_per_step: 1000.0 * steps.sample_seconds / steps.steps.max(1) as f64,
+                    queue_ms_per_step: 1000.0 * steps.queue_seconds / steps.steps.max(1) as f64,
                     tokens: run.answers.iter().map(|a| a.tokens.len()).sum(),
                     speedup: 1.0,
                 };
@@ -263,18 +266,19 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         )?;
         writeln!(
             out,
-            "| mode | questions | answer tokens/s | vs full | ms/step | of it sampling | tokens | prefills (s) |"
+            "| mode | questions | answer tokens/s | vs full | ms/step | of it queuing layers | of it sampling | tokens | prefills (s) |"
         )?;
-        writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|")?;
+        writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|")?;
         for r in &together {
             writeln!(
                 out,
-                "| {} | {} | {:.1} | {:.2}x | {:.2} | {:.2} | {} | {:.3} |",
+                "| {} | {} | {:.1} | {:.2}x | {:.2} | {:.2} | {:.2} | {} | {:.3} |",
                 r.mode,
                 r.questions,
                 r.tokens_per_second,
                 r.speedup,
                 r.ms_per_step,
+                r.queue_ms_per_step,
                 r.sample_ms_per_step,
                 r.tokens,
                 r.prefill_seconds

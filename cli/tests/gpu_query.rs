@@ -73,10 +73,13 @@ mod on_gpu {
     ];
 
     /// The questions asked; the first is the one every device compares on.
-    const QUESTIONS: [&str; 3] = [
+    /// More questions than a batched step has lanes, so that lanes take several rows.
+    const QUESTIONS: [&str; 5] = [
         "the river and the stone of the old town are",
         "where the bridge",
         "and then the water of the long quiet river by the old stone town was",
+        "the stone",
+        "by the long quiet water the old bridge of the town",
     ];
 
     fn options(mode: AttentionMode) -> AskOptions {

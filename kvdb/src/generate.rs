@@ -409,7 +409,9 @@ pub(crate) fn generate_batch(
         ..BatchSteps::default()
     };
     while !step.is_empty() {
-        let logits = batch.step(&step)?;
+        let ran = batch.step(&step)?;
+        let logits = ran.logits;
+        steps.queue_seconds += ran.queued_seconds;
         steps.steps += 1;
         steps.tokens += step.len();
         let sampling = since();
@@ -470,6 +472,10 @@ pub struct BatchSteps {
     /// Seconds of the batched steps spent on the host sampling the next tokens from the
     /// logits and streaming their text (on the CPU: 0, not told apart).
     pub sample_seconds: f64,
+    /// Seconds of the batched steps the host spent queuing their layers' work
+    /// ([`kvdb_model::BatchStep::queued_seconds`]): near the steps' time (less sampling),
+    /// the steps wait on the host's launches, not on the GPU.
+    pub queue_seconds: f64,
 }
 
 /// Holds back streamed text that could still turn into a stop string.

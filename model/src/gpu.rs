@@ -248,9 +248,10 @@ impl std::fmt::Debug for ExternalAttention<'_> {
 pub struct LayerCall<'a> {
     /// The device, with the stream the call's work is queued on.
     pub gpu: &'a Gpu,
-    /// Whether that stream is the sequence's own (its lane in a batched step, which the
-    /// step waits for as a whole): work queued there after the attention delays no other
-    /// sequence's, so side work may go there rather than to a stream of its own.
+    /// Whether that stream is a lane of a batched step, which the step waits for as a
+    /// whole: work queued there after the attention delays only the rows queued after it
+    /// on the lane, so side work may go there rather than to a stream of its own (which
+    /// costs an event record and wait each way).
     pub own_stream: bool,
     /// The layer.
     pub layer: usize,
@@ -288,7 +289,7 @@ trait AttentionType: Float {
         scale: f32,
         kv: &KvCache<Self>,
         len: usize,
-        out: &mut CudaSlice<f32>,
+        out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()>;
 
     /// Hands a claimed layer's call to `attention` (f16 only; [`GpuModel::sequence_with`]
@@ -321,21 +322,14 @@ impl AttentionType for f16 {
         scale: f32,
         kv: &KvCache<Self>,
         len: usize,
-        out: &mut CudaSlice<f32>,
+        out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let heads = query.as_view();
         let query = Query {
             heads: &heads,
             scale,
         };
-        Ok(flash_decode(
-            gpu,
-            workspace,
-            query,
-            kv,
-            len,
-            &mut out.as_view_mut(),
-        )?)
+        Ok(flash_decode(gpu, workspace, query, kv, len, out)?)
     }
 
     fn external(attention: &mut dyn LayerAttention, call: ExternalCall<'_, Self>) -> Result<()> {
@@ -365,7 +359,7 @@ impl AttentionType for f32 {
         _: f32,
         _: &KvCache<Self>,
         _: usize,
-        _: &mut CudaSlice<f32>,
+        _: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         Err(ModelError::Backend {
             layer: 0,
@@ -396,7 +390,18 @@ pub trait Batch {
     /// One decode step: each `(b, id)` runs token `id` at sequence `b`'s next position
     /// (a sequence at most once per step). Returns the logits `[tokens, vocab]` (f32, on
     /// the host) in the order given.
-    fn step(&mut self, tokens: &[(usize, u32)]) -> Result<Tensor>;
+    fn step(&mut self, tokens: &[(usize, u32)]) -> Result<BatchStep>;
+}
+
+/// What a [`Batch::step`] gives back.
+#[derive(Debug)]
+pub struct BatchStep {
+    /// The logits `[tokens, vocab]` (f32, on the host), in the order of the step's tokens.
+    pub logits: Tensor,
+    /// Seconds the host spent queuing the layers' work; the rest of the step waited for the
+    /// GPU to run it and copied the logits. Where this is most of the step, the step is
+    /// bound by the host's launches, not by the GPU.
+    pub queued_seconds: f64,
 }
 
 /// The GPU's [`Batch`].
@@ -406,23 +411,30 @@ struct SequenceBatch<'m, T, A> {
     /// The step's activations, a row per token.
     scratch: Option<Scratch<T, A>>,
     logits: CudaSlice<f32>,
-    /// Per sequence, the stream its attention runs on in a step of several rows; made on
-    /// the first such step.
-    lanes: Vec<Option<Lane>>,
+    /// The streams the rows' attention runs on in a step of several rows, up to
+    /// [`LANES`]; made on the first such step.
+    lanes: Vec<Lane>,
     /// Recorded on the model's stream once a layer's projections are written, for the
     /// lanes to wait for.
     projected: CudaEvent,
 }
 
-/// A sequence's own stream in a batch. A decode step's attention of one row is a few small
-/// launches that fill a fraction of the GPU (one query group a KV head, a step's selection),
-/// one after another; on one stream the rows of a step queue behind each other, on lanes
-/// they run side by side, and the model's stream waits for each lane's `done` before the
-/// output projection reads the rows.
+/// A stream of a batched step's attention. A decode step's attention of one row is a few
+/// small launches that fill a fraction of the GPU (one query group a KV head, a step's
+/// selection), one after another; on one stream the rows of a step queue behind each
+/// other, on lanes they run side by side, and the model's stream waits for each lane's
+/// `done` before the output projection reads the rows.
 struct Lane {
     gpu: Gpu,
     done: CudaEvent,
 }
+
+/// Lanes of a batched step: row `r` goes to lane `r % LANES`. Each lane costs three driver
+/// calls a layer (its wait for the projections, its record, the model stream's wait), about
+/// 2.5 µs each on the H200 where the step is bound by the host issuing launches; four
+/// lanes already run the rows' launches faster than the host queues them (a row's are a
+/// few launches of 5 to 10 µs, queued in about as long).
+const LANES: usize = 4;
 
 impl<'m, T: Float, A: AttentionType> SequenceBatch<'m, T, A> {
     fn new(
@@ -459,7 +471,7 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
         }
     }
 
-    fn step(&mut self, tokens: &[(usize, u32)]) -> Result<Tensor> {
+    fn step(&mut self, tokens: &[(usize, u32)]) -> Result<BatchStep> {
         let model = self.model;
         let (gpu, c) = (&*model.gpu, &model.config);
         let rows = tokens.len();
@@ -485,7 +497,10 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
         }
         let shape = (rows, c.vocab_size);
         if rows == 0 {
-            return Ok(Tensor::zeros(shape, DType::F32, &Device::Cpu)?);
+            return Ok(BatchStep {
+                logits: Tensor::zeros(shape, DType::F32, &Device::Cpu)?,
+                queued_seconds: 0.0,
+            });
         }
         for &(b, _) in tokens {
             self.sequences[b].prepare(1)?;
@@ -494,49 +509,67 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
             Some(s) if s.rows >= rows => s,
             _ => Scratch::new(gpu, c, rows.next_power_of_two().min(MAX_CHUNK))?,
         };
-        if rows > 1 {
-            self.lanes.resize_with(self.sequences.len(), || None);
-            for &(b, _) in tokens {
-                if self.lanes[b].is_none() {
-                    self.lanes[b] = Some(Lane {
-                        gpu: gpu.fork()?,
-                        done: gpu.event()?,
-                    });
-                }
-            }
+        let lanes = match rows {
+            1 => 0,
+            _ => rows.min(LANES),
+        };
+        while self.lanes.len() < lanes {
+            self.lanes.push(Lane {
+                gpu: gpu.fork()?,
+                done: gpu.event()?,
+            });
         }
         let ids: Vec<u32> = tokens.iter().map(|&(_, id)| id).collect();
         let (q_dim, qkv_dim) = attention_dims(c);
-        let (sequences, lanes, projected) = (&mut self.sequences, &self.lanes, &self.projected);
+        let (sequences, projected) = (&mut self.sequences, &self.projected);
+        let lanes = &self.lanes[..lanes];
+        let started = std::time::Instant::now();
         let ran = run_layers(model, &mut s, &ids, &mut |i, s| {
-            if rows > 1 {
+            if !lanes.is_empty() {
                 gpu.record(projected)?;
             }
+            for lane in lanes {
+                lane.gpu.wait(projected)?;
+            }
+            // Rows whose attention came in f32, as runs of consecutive rows.
+            let mut staged: Vec<Range<usize>> = Vec::new();
             for (row, &(b, _)) in tokens.iter().enumerate() {
                 let (q, qkv) = (
                     row * q_dim..(row + 1) * q_dim,
                     row * qkv_dim..(row + 1) * qkv_dim,
                 );
                 // Rows disjoint in the scratch: each lane writes its own.
-                let lane = lanes.get(b).and_then(Option::as_ref).filter(|_| rows > 1);
-                if let Some(lane) = lane {
-                    lane.gpu.wait(projected)?;
-                }
-                sequences[b].attend_layer(
-                    lane.map(|l| &l.gpu),
+                let lane = lanes.get(row % LANES).map(|l| &l.gpu);
+                let f32_row = sequences[b].attend_layer(
+                    lane,
                     i,
                     1,
                     &s.qkv.slice(qkv),
                     &mut s.queries.slice_mut(q.clone()),
-                    &mut s.attention.slice_mut(q),
+                    &mut s.attention.slice_mut(q.clone()),
+                    &mut s.f32_out.slice_mut(q),
                 )?;
-                if let Some(lane) = lane {
-                    lane.gpu.record(&lane.done)?;
-                    gpu.wait(&lane.done)?;
+                match staged.last_mut() {
+                    Some(run) if f32_row && run.end == row => run.end += 1,
+                    _ if f32_row => staged.push(row..row + 1),
+                    _ => {}
                 }
+            }
+            for lane in lanes {
+                lane.gpu.record(&lane.done)?;
+                gpu.wait(&lane.done)?;
+            }
+            for run in staged {
+                let n = run.start * q_dim..run.end * q_dim;
+                ops::convert(
+                    gpu,
+                    &s.f32_out.slice(n.clone()),
+                    &mut s.attention.slice_mut(n),
+                )?;
             }
             Ok(())
         });
+        let queued_seconds = started.elapsed().as_secs_f64();
         let logits = ran.and_then(|()| {
             for &(b, _) in tokens {
                 self.sequences[b].position += 1;
@@ -545,7 +578,10 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
             logits_of(model, &mut s, &all, &mut self.logits)
         });
         self.scratch = Some(s);
-        Ok(Tensor::from_vec(logits?, shape, &Device::Cpu)?)
+        Ok(BatchStep {
+            logits: Tensor::from_vec(logits?, shape, &Device::Cpu)?,
+            queued_seconds,
+        })
     }
 }
 
@@ -744,6 +780,10 @@ struct Scratch<T, A> {
     qkv: CudaSlice<f32>,
     queries: CudaSlice<A>,
     attention: CudaSlice<T>,
+    /// Attention computed in f32 `[rows, heads · head_dim]` (see
+    /// [`Sequence::attend_layer`]), converted into `attention`: in a batched step, all
+    /// rows in one launch once the lanes are done.
+    f32_out: CudaSlice<f32>,
     /// A projection's output before its post-norm `[rows, hidden]`.
     projected: CudaSlice<f32>,
     gate_up: CudaSlice<f32>,
@@ -761,6 +801,7 @@ impl<T: Float, A: Float> Scratch<T, A> {
             qkv: gpu.zeros(rows * qkv_dim)?,
             queries: gpu.zeros(rows * q_dim)?,
             attention: gpu.zeros(rows * q_dim)?,
+            f32_out: gpu.zeros(rows * q_dim)?,
             projected: gpu.zeros(rows * c.hidden_size)?,
             gate_up: gpu.zeros(rows * 2 * c.intermediate_size)?,
             gated: gpu.zeros(rows * c.intermediate_size)?,
@@ -773,7 +814,6 @@ impl<T: Float, A: Float> Scratch<T, A> {
 struct DecodeBuffers<A> {
     workspace: Workspace,
     queries: CudaSlice<A>,
-    out: CudaSlice<f32>,
 }
 
 /// The store's copy of one layer's chunk: pre-RoPE keys and values in f16.
@@ -791,11 +831,10 @@ struct External<'h> {
     claimed: Vec<bool>,
     /// Positions past this one do not fit the claimed layers' rings.
     end: usize,
-    /// One call's pre-RoPE queries, keys and values, and its output, for `rows` tokens.
+    /// One call's pre-RoPE queries, keys and values, for `rows` tokens.
     raw_queries: CudaSlice<f32>,
     raw_keys: CudaSlice<f16>,
     raw_values: CudaSlice<f16>,
-    out: CudaSlice<f32>,
     rows: usize,
 }
 
@@ -836,7 +875,6 @@ impl<'h> External<'h> {
             raw_queries: gpu.zeros(1)?,
             raw_keys: gpu.zeros(1)?,
             raw_values: gpu.zeros(1)?,
-            out: gpu.zeros(1)?,
             rows: 0,
         })
     }
@@ -848,7 +886,6 @@ impl<'h> External<'h> {
             self.raw_queries = gpu.zeros(t * q)?;
             self.raw_keys = gpu.zeros(t * kv)?;
             self.raw_values = gpu.zeros(t * kv)?;
-            self.out = gpu.zeros(t * q)?;
             self.rows = t;
         }
         Ok(())
@@ -951,7 +988,6 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
             self.decode = Some(DecodeBuffers {
                 workspace: Workspace::new(gpu)?,
                 queries: gpu.zeros(q_dim)?,
-                out: gpu.zeros(q_dim)?,
             });
         }
         if let Some(external) = self.external.as_mut() {
@@ -980,8 +1016,11 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
     /// Layer `i`'s attention for the sequence's next `t` tokens (made ready by
     /// [`Sequence::prepare`]): their projections `qkv` (`[t, (heads + 2 kv_heads) ·
     /// head_dim]`) place the keys and values, `queries` holds their rotated queries, and
-    /// the attention goes to `attention` (`[t, heads · head_dim]`). Queued on the model's
-    /// stream, or on `lane`'s (the sequence's own in a batched step).
+    /// the attention goes to `attention` (`[t, heads · head_dim]`), or, where it is
+    /// computed in f32 (a claimed layer, a decode step of a global layer), to `f32_out`
+    /// (the same shape) for the caller to convert: returns whether it went there. Queued on the model's stream, or on `lane`'s (a lane of a
+    /// batched step).
+    #[allow(clippy::too_many_arguments)]
     fn attend_layer(
         &mut self,
         lane: Option<&Gpu>,
@@ -990,7 +1029,8 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         qkv: &CudaView<'_, f32>,
         queries: &mut CudaViewMut<'_, A>,
         attention: &mut CudaViewMut<'_, T>,
-    ) -> Result<()> {
+        f32_out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<bool> {
         let model = self.model;
         let (gpu, c) = (lane.unwrap_or(&model.gpu), &model.config);
         let layer = &model.layers[i];
@@ -1088,10 +1128,10 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                         raw_keys: e.raw_keys.slice(..kv_n),
                         raw_values: e.raw_values.slice(..kv_n),
                         tail: kv,
-                        out: e.out.slice_mut(..n),
+                        out: f32_out.slice_mut(..n),
                     },
                 )?;
-                ops::convert(gpu, &e.out.slice(..n), &mut attention.slice_mut(..n))?;
+                return Ok(true);
             }
             (None, Some(buffers)) => {
                 place(1, store, &mut buffers.queries.as_view_mut(), kv, store_rows)?;
@@ -1102,13 +1142,9 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                     c.attention_scale,
                     kv,
                     start + 1,
-                    &mut buffers.out,
+                    &mut f32_out.slice_mut(..q_dim),
                 )?;
-                ops::convert(
-                    gpu,
-                    &buffers.out.as_view(),
-                    &mut attention.slice_mut(..q_dim),
-                )?;
+                return Ok(true);
             }
             (None, None) => {
                 place(t, store, &mut queries.slice_mut(..n), kv, store_rows)?;
@@ -1126,7 +1162,7 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                 )?;
             }
         }
-        Ok(())
+        Ok(false)
     }
 
     /// One chunk of at most [`MAX_CHUNK`] tokens; returns the logits of `rows` (chunk
@@ -1144,15 +1180,22 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
             )?,
         };
         let (q_dim, qkv_dim) = attention_dims(&model.config);
+        let gpu = &*model.gpu;
         let ran = run_layers(model, &mut s, tokens, &mut |i, s| {
-            self.attend_layer(
+            let n = t * q_dim;
+            let staged = self.attend_layer(
                 None,
                 i,
                 t,
                 &s.qkv.slice(..t * qkv_dim),
-                &mut s.queries.slice_mut(..t * q_dim),
-                &mut s.attention.slice_mut(..t * q_dim),
-            )
+                &mut s.queries.slice_mut(..n),
+                &mut s.attention.slice_mut(..n),
+                &mut s.f32_out.slice_mut(..n),
+            )?;
+            if staged {
+                ops::convert(gpu, &s.f32_out.slice(..n), &mut s.attention.slice_mut(..n))?;
+            }
+            Ok(())
         });
         let logits = ran.and_then(|()| {
             self.position += t;
@@ -1263,7 +1306,7 @@ fn logits_of<T: Float, A: Float>(
     let (gpu, c) = (&*model.gpu, &model.config);
     let (hidden, vocab) = (c.hidden_size, c.vocab_size);
     let output = model.output.as_ref().unwrap_or(&model.embedding);
-    let mut logits = Vec::with_capacity(rows.len() * vocab);
+    let mut logits = vec![0f32; rows.len() * vocab];
     let mut i = 0;
     while i < rows.len() {
         let mut run = 1;
@@ -1295,15 +1338,16 @@ fn logits_of<T: Float, A: Float>(
             false,
             &mut device_logits.slice_mut(..run * vocab),
         )?;
-        let mut host = vec![0f32; run * vocab];
         gpu.stream()
-            .memcpy_dtoh(&device_logits.slice(..run * vocab), &mut host)
+            .memcpy_dtoh(
+                &device_logits.slice(..run * vocab),
+                &mut logits[i * vocab..(i + run) * vocab],
+            )
             .map_err(|e| KernelError::Driver {
                 op: "copying logits",
                 source: e,
             })?;
         gpu.synchronize()?;
-        logits.extend(host);
         i += run;
     }
     Ok(logits)

@@ -50,8 +50,8 @@ pub use forward::{
 pub use gguf::GgufFile;
 #[cfg(feature = "gpu")]
 pub use gpu::{
-    rope_pairs, Batch, ExternalAttention, GpuModel, LayerAttention, LayerCall, Precision,
-    MAX_CHUNK as GPU_MAX_CHUNK,
+    rope_pairs, Batch, BatchStep, ExternalAttention, GpuModel, LayerAttention, LayerCall,
+    Precision, MAX_CHUNK as GPU_MAX_CHUNK,
 };
 #[cfg(feature = "gpu")]
 pub use kvdb_kernels::{Gemm, Gpu, KernelError};

@@ -144,9 +144,10 @@ mod on_gpu {
     }
 
     /// Sequences decoded as a batch (`GpuModel::batch_with`) give each sequence's logits as
-    /// when it runs alone: three prompts of different lengths, prefilled alone, then fed the
-    /// same tokens step by step, the batch with one sequence sitting out some steps (its
-    /// position stays). Both precisions; bad steps are refused.
+    /// when it runs alone: six prompts of different lengths (more rows than a step has
+    /// lanes, so that lanes take several rows), prefilled alone, then fed the same tokens
+    /// step by step, the batch with one sequence sitting out some steps (its position
+    /// stays). Both precisions; bad steps are refused.
     #[test]
     fn batched_steps_match_sequences_alone() -> Result<()> {
         let Some(gpu) = gpu("batched_steps_match_sequences_alone") else {
@@ -154,28 +155,29 @@ mod on_gpu {
         };
         for (name, spec) in tiny_models() {
             let (_file, model) = cpu_model(&spec)?;
-            let prompts: Vec<Vec<u32>> = [5usize, 23, 40]
+            let prompts: Vec<Vec<u32>> = [5usize, 23, 40, 9, 31, 17]
                 .iter()
                 .enumerate()
                 .map(|(i, &n)| random_tokens(n, spec.vocab, 3 + i as u64))
                 .collect();
-            let steps = random_tokens(3 * 12, spec.vocab, 17);
+            let sequences = prompts.len();
+            let steps = random_tokens(sequences * 12, spec.vocab, 17);
             for (precision, tolerance) in [(Precision::F32, 1e-4), (Precision::Bf16, 1e-2)] {
                 let gpu_model = GpuModel::new(&model, gpu.clone(), precision)?;
-                let mut batch = gpu_model.batch_with(vec![None, None, None])?;
+                let mut batch = gpu_model.batch_with((0..sequences).map(|_| None).collect())?;
                 let mut worst = 0f32;
                 for (b, prompt) in prompts.iter().enumerate() {
                     batch.sequence(b)?.forward(prompt, &Logits::None)?;
                 }
                 // Sequence 1 sits out every third step.
                 let mut fed: Vec<Vec<u32>> = prompts.clone();
-                let mut batched: Vec<Vec<Tensor>> = vec![Vec::new(); 3];
-                for (i, tokens) in steps.chunks(3).enumerate() {
-                    let step: Vec<(usize, u32)> = (0..3)
+                let mut batched: Vec<Vec<Tensor>> = vec![Vec::new(); sequences];
+                for (i, tokens) in steps.chunks(sequences).enumerate() {
+                    let step: Vec<(usize, u32)> = (0..sequences)
                         .filter(|&b| b != 1 || i % 3 != 2)
                         .map(|b| (b, tokens[b]))
                         .collect();
-                    let logits = batch.step(&step)?;
+                    let logits = batch.step(&step)?.logits;
                     ensure!(
                         logits.dims() == [step.len(), spec.vocab],
                         "{:?}",
@@ -201,7 +203,7 @@ mod on_gpu {
                 println!("{name} {precision:?}: batched steps against alone {worst:.3e}");
                 ensure!(worst < tolerance, "{name} {precision:?}: {worst}");
                 for bad in [
-                    vec![(3, 1)],
+                    vec![(sequences, 1)],
                     vec![(0, 1), (0, 2)],
                     vec![(0, spec.vocab as u32)],
                 ] {
