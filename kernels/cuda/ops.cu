@@ -249,19 +249,19 @@ __device__ __forceinline__ void rope_table(u64 position, const double* __restric
 //   6. queries written to queries [tokens, heads, head_dim] (KV_T), keys and values to row
 //      kv_head * capacity + position % capacity of keys/values (KV_T).
 // Grid: tokens × (blocks per token), each warp one head at a time (heads strided over the
-// token's blocks' warps), the head in shared memory.
-extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs(
+// token's blocks' warps), the head in shared memory. The body below places token `token` at
+// `position` of keys/values; the two kernels after it say where those come from.
+__device__ __forceinline__ void attention_inputs(
     const float* __restrict__ qkv, const float* __restrict__ bias, u32 heads, u32 kv_heads,
     u32 head_dim, const float* __restrict__ q_weight, float q_eps, float q_offset,
     const float* __restrict__ k_weight, float k_eps, float k_offset,
-    const double* __restrict__ inv_freq, u32 interleaved, u64 first_position, u32 round_kv,
+    const double* __restrict__ inv_freq, u32 interleaved, u32 round_kv,
     __half* __restrict__ store_keys, __half* __restrict__ store_values,
-    float* __restrict__ store_queries, KV_T* __restrict__ queries,
+    float* __restrict__ store_queries, KV_T* __restrict__ queries, u32 token, u64 position,
     KV_T* __restrict__ keys, KV_T* __restrict__ values, u32 capacity) {
     __shared__ float cos_t[MAX_HEAD_DIM / 2], sin_t[MAX_HEAD_DIM / 2];
     __shared__ float buffer[WARPS][MAX_HEAD_DIM];
-    const u32 token = blockIdx.x, half_dim = head_dim / 2;
-    const u64 position = first_position + token;
+    const u32 half_dim = head_dim / 2;
     rope_table(position, inv_freq, half_dim, cos_t, sin_t);
 
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -317,6 +317,50 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs(
         // Before the next head overwrites x.
         __syncwarp();
     }
+}
+
+// One sequence's chunk: token t at position first_position + t of keys/values.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs(
+    const float* __restrict__ qkv, const float* __restrict__ bias, u32 heads, u32 kv_heads,
+    u32 head_dim, const float* __restrict__ q_weight, float q_eps, float q_offset,
+    const float* __restrict__ k_weight, float k_eps, float k_offset,
+    const double* __restrict__ inv_freq, u32 interleaved, u64 first_position, u32 round_kv,
+    __half* __restrict__ store_keys, __half* __restrict__ store_values,
+    float* __restrict__ store_queries, KV_T* __restrict__ queries,
+    KV_T* __restrict__ keys, KV_T* __restrict__ values, u32 capacity) {
+    attention_inputs(qkv, bias, heads, kv_heads, head_dim, q_weight, q_eps, q_offset, k_weight,
+                     k_eps, k_offset, inv_freq, interleaved, round_kv, store_keys, store_values,
+                     store_queries, queries, blockIdx.x, first_position + blockIdx.x, keys,
+                     values, capacity);
+}
+
+// Where each row of a batched decode step goes: one token of each of up to MAX_TARGET_ROWS
+// sequences, row t at position[t] of its own keys/values (addresses) of capacity[t] rows a
+// KV head. A launch parameter, so that a step's layer places all its rows in one launch
+// with nothing to upload first.
+#define MAX_TARGET_ROWS 32
+struct RowTargets {
+    u64 position[MAX_TARGET_ROWS];
+    u64 keys[MAX_TARGET_ROWS];
+    u64 values[MAX_TARGET_ROWS];
+    u64 capacity[MAX_TARGET_ROWS];
+};
+
+// A batched decode step's rows, token t (one row of qkv, queries and the store's rows) to
+// targets' row t.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs_rows(
+    const float* __restrict__ qkv, const float* __restrict__ bias, u32 heads, u32 kv_heads,
+    u32 head_dim, const float* __restrict__ q_weight, float q_eps, float q_offset,
+    const float* __restrict__ k_weight, float k_eps, float k_offset,
+    const double* __restrict__ inv_freq, u32 interleaved, u32 round_kv,
+    __half* __restrict__ store_keys, __half* __restrict__ store_values,
+    float* __restrict__ store_queries, KV_T* __restrict__ queries, const RowTargets targets) {
+    const u32 t = blockIdx.x;
+    attention_inputs(qkv, bias, heads, kv_heads, head_dim, q_weight, q_eps, q_offset, k_weight,
+                     k_eps, k_offset, inv_freq, interleaved, round_kv, store_keys, store_values,
+                     store_queries, queries, t, targets.position[t],
+                     reinterpret_cast<KV_T*>(targets.keys[t]),
+                     reinterpret_cast<KV_T*>(targets.values[t]), (u32)targets.capacity[t]);
 }
 
 // Rotates keys [kv_heads, tokens, head_dim] (KV_T, a KV buffer's layout) in place, row t at

@@ -16,7 +16,7 @@
 //! root, RoPE takes angles in f64 and rounds cos and sin to f32 as `kvdb_model::Rope` does.
 
 use cudarc::driver::{
-    CudaFunction, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
 use crate::buffers::KvCache;
@@ -222,9 +222,9 @@ pub fn add_rms_norm(
     Ok(())
 }
 
-/// Attention's inputs for one chunk of tokens, in one launch, from the fused projection's
-/// output `qkv` (`[tokens, (heads + 2 * kv_heads) * head_dim]`: per row all query heads, then
-/// all key heads, then all value heads). Per head:
+/// Attention's inputs for a chunk of tokens, from the fused projection's output `qkv`
+/// (`[tokens, (heads + 2 * kv_heads) * head_dim]`: per row all query heads, then all key
+/// heads, then all value heads). Per head:
 ///
 /// 1. `bias` (`[(heads + 2 * kv_heads) * head_dim]`, Qwen2) is added;
 /// 2. query heads are RMS-normed over `head_dim` by `q_norm`, key heads by `k_norm` (Gemma 3);
@@ -232,13 +232,15 @@ pub fn add_rms_norm(
 ///    GPU attends to exactly what the store keeps;
 /// 4. `store`, if given, receives those keys (before RoPE) and values as f16,
 ///    `[tokens, kv_heads, head_dim]`;
-/// 5. queries and keys of token `i` are rotated at position `p = first_position + i`;
-/// 6. queries go to `queries` (`[tokens, heads, head_dim]`), keys and values to `kv` at slot
-///    `p % kv.tokens()` (row `h * kv.tokens() + slot`: a buffer smaller than the sequence
-///    is a ring, as a sliding-window layer's).
+/// 5. queries and keys of token `i` are rotated at its position `p` (see [`KvPlacement`]);
+/// 6. queries go to `queries` (`[tokens, heads, head_dim]`), keys and values to their KV
+///    buffer at slot `p % kv.tokens()` (row `h * kv.tokens() + slot`: a buffer smaller than
+///    the sequence is a ring, as a sliding-window layer's).
 ///
-/// The chunk must fit in `kv` (`tokens <= kv.tokens()`), so that no two tokens of one launch
-/// share a slot.
+/// One launch for a [`KvPlacement::Chunk`], which must fit in its buffer (`tokens <=
+/// kv.tokens()`, so that no two tokens of one launch share a slot); one per
+/// [`MAX_TARGET_ROWS`] rows for [`KvPlacement::Rows`], where a launch per row would cost
+/// the host a driver call each.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_inputs<A: Float>(
     gpu: &Gpu,
@@ -248,105 +250,170 @@ pub fn attention_inputs<A: Float>(
     q_norm: Option<&Norm<'_>>,
     k_norm: Option<&Norm<'_>>,
     rotary: &Rotary<'_>,
-    first_position: usize,
     round_kv_to_f16: bool,
     queries: &mut CudaViewMut<'_, A>,
-    kv: &mut KvCache<A>,
+    placement: KvPlacement<'_, '_, A>,
     store: Option<StoreRows<'_, '_>>,
 ) -> Result<()> {
-    let QkvShape {
-        tokens,
-        heads,
-        kv_heads,
-        head_dim,
-    } = *shape;
-    check_attention_shape(shape, kv)?;
-    length(
-        "attention_inputs qkv [tokens, (heads + 2 kv_heads) head_dim]",
-        tokens * shape.row(),
-        qkv.len(),
-    )?;
-    if let Some(bias) = bias {
-        length(
-            "attention_inputs bias [(heads + 2 kv_heads) head_dim]",
-            shape.row(),
-            bias.len(),
-        )?;
-    }
-    for norm in [q_norm, k_norm].into_iter().flatten() {
-        length(
-            "attention_inputs q/k norm weight [head_dim]",
-            head_dim,
-            norm.weight.len(),
-        )?;
-    }
-    length(
-        "attention_inputs inv_freq [head_dim / 2]",
-        head_dim / 2,
-        rotary.inv_freq.len(),
-    )?;
-    length(
-        "attention_inputs queries [tokens, heads, head_dim]",
-        tokens * heads * head_dim,
-        queries.len(),
-    )?;
-    let store_len = tokens * kv_heads * head_dim;
-    let store = match store {
-        Some(rows) => {
-            length(
-                "attention_inputs store keys [tokens, kv_heads, head_dim]",
-                store_len,
-                rows.keys.len(),
-            )?;
-            length(
-                "attention_inputs store values [tokens, kv_heads, head_dim]",
-                store_len,
-                rows.values.len(),
-            )?;
-            if let Some(queries) = &rows.queries {
-                length(
-                    "attention_inputs store queries [tokens, heads, head_dim]",
-                    tokens * heads * head_dim,
-                    queries.len(),
-                )?;
+    let tokens = shape.tokens;
+    match &placement {
+        KvPlacement::Chunk { kv, first_position } => {
+            check_attention_shape(shape, kv)?;
+            if first_position.checked_add(tokens).is_none() {
+                return Err(KernelError::TooLarge {
+                    what: "attention_inputs first position",
+                    value: *first_position,
+                });
             }
-            let queries = rows.queries.map_or(0, |q| address_mut(gpu, q));
-            Some((
-                address_mut(gpu, rows.keys),
-                address_mut(gpu, rows.values),
-                queries,
-            ))
         }
-        None => None,
-    };
-    if first_position.checked_add(tokens).is_none() {
-        return Err(KernelError::TooLarge {
-            what: "attention_inputs first position",
-            value: first_position,
-        });
+        KvPlacement::Rows(targets) => {
+            length(
+                "attention_inputs rows (one target each)",
+                tokens,
+                targets.len(),
+            )?;
+            let one = QkvShape {
+                tokens: 1,
+                ..*shape
+            };
+            for target in targets.iter() {
+                check_attention_shape(&one, target.kv)?;
+                if target.position.checked_add(1).is_none() {
+                    return Err(KernelError::TooLarge {
+                        what: "attention_inputs position",
+                        value: target.position,
+                    });
+                }
+            }
+        }
     }
+    let inputs = Inputs {
+        qkv,
+        shape,
+        bias,
+        q_norm,
+        k_norm,
+        rotary,
+        round_kv_to_f16,
+    };
+    let args = inputs.args(gpu, queries, store)?;
     if tokens == 0 {
         return Ok(());
     }
-    let kernel = gpu.kernel(
-        SOURCE,
-        "ops_attention_inputs",
-        &[("KV_T", A::NAME.to_string())],
-    )?;
-    let args = AttentionArgs {
-        heads: heads as u32,
-        kv_heads: kv_heads as u32,
-        head_dim: head_dim as u32,
-        bias: bias.map_or(0, |b| address(gpu, b)),
-        q_norm: norm_args(gpu, q_norm),
-        k_norm: norm_args(gpu, k_norm),
-        interleaved: u32::from(rotary.pairs == RopePairs::Interleaved),
-        first_position: first_position as u64,
-        round_kv: u32::from(round_kv_to_f16),
-        store: store.unwrap_or((0, 0, 0)),
-        capacity: kv.tokens() as u32,
+    let entry = match placement {
+        KvPlacement::Chunk { .. } => "ops_attention_inputs",
+        KvPlacement::Rows(_) => "ops_attention_inputs_rows",
     };
-    launch_attention(gpu, &kernel, qkv, rotary, &args, queries, kv, tokens)
+    let kernel = gpu.kernel(SOURCE, entry, &[("KV_T", A::NAME.to_string())])?;
+    match placement {
+        KvPlacement::Chunk { kv, first_position } => {
+            let (first_position, capacity) = (first_position as u64, kv.tokens() as u32);
+            let mut builder = gpu.stream().launch_builder(&kernel);
+            args.push(&mut builder);
+            builder
+                .arg(&first_position)
+                .arg(&args.round_kv)
+                .arg(&args.store.0)
+                .arg(&args.store.1)
+                .arg(&args.store.2)
+                .arg(&args.queries)
+                .arg(&mut kv.keys)
+                .arg(&mut kv.values)
+                .arg(&capacity);
+            // Safety: the arguments match `ops_attention_inputs` in order and type; every
+            // buffer's length was checked against the shape (qkv, bias, norm weights,
+            // inv_freq, queries, store rows and queries), the KV buffer has `kv_heads` heads
+            // of `capacity >= tokens` rows of `head_dim`, and head_dim is even and at most
+            // MAX_HEAD_DIM.
+            unsafe { builder.launch(args.config(gpu, tokens)?) }
+                .map_err(driver("launching ops_attention_inputs"))?;
+        }
+        KvPlacement::Rows(targets) => {
+            for (c, chunk) in targets.chunks_mut(MAX_TARGET_ROWS).enumerate() {
+                let rows = RowTargets::of(gpu, chunk);
+                let chunk_args = args.at_row(c * MAX_TARGET_ROWS, shape, std::mem::size_of::<A>());
+                let mut builder = gpu.stream().launch_builder(&kernel);
+                chunk_args.push(&mut builder);
+                builder
+                    .arg(&chunk_args.round_kv)
+                    .arg(&chunk_args.store.0)
+                    .arg(&chunk_args.store.1)
+                    .arg(&chunk_args.store.2)
+                    .arg(&chunk_args.queries)
+                    .arg(&rows);
+                // Safety: the arguments match `ops_attention_inputs_rows` in order and type;
+                // the batch-wide buffers' lengths were checked against the shape (the
+                // chunk's rows are within them), each target's KV buffer against one token,
+                // and the targets are distinct buffers (mutable borrows), so no two rows
+                // write the same row.
+                unsafe { builder.launch(args.config(gpu, chunk.len())?) }
+                    .map_err(driver("launching ops_attention_inputs_rows"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where [`attention_inputs`] puts the tokens' keys and values.
+#[derive(Debug)]
+pub enum KvPlacement<'a, 'b, A> {
+    /// One sequence's chunk: token `i` at position `first_position + i` of `kv`.
+    Chunk {
+        /// The sequence's KV buffer.
+        kv: &'a mut KvCache<A>,
+        /// The chunk's first position.
+        first_position: usize,
+    },
+    /// One token of each of several sequences (a batched decode step): token `i` at
+    /// `targets[i]`.
+    Rows(&'a mut [RowTarget<'b, A>]),
+}
+
+/// One row of a batched decode step ([`KvPlacement::Rows`]): its sequence's keys and
+/// values, and its token's position.
+#[derive(Debug)]
+pub struct RowTarget<'a, A> {
+    /// The sequence's KV buffer (a ring when shorter than the sequence).
+    pub kv: &'a mut KvCache<A>,
+    /// The token's position.
+    pub position: usize,
+}
+
+/// Rows one launch of `ops_attention_inputs_rows` places (`MAX_TARGET_ROWS` in `ops.cu`):
+/// their targets travel as one of the launch's parameters (1 KiB).
+pub const MAX_TARGET_ROWS: usize = 32;
+
+/// `RowTargets` in `ops.cu`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RowTargets {
+    position: [u64; MAX_TARGET_ROWS],
+    keys: [u64; MAX_TARGET_ROWS],
+    values: [u64; MAX_TARGET_ROWS],
+    capacity: [u64; MAX_TARGET_ROWS],
+}
+
+// Safety: plain integers, laid out as the kernel's struct (four arrays of u64).
+unsafe impl DeviceRepr for RowTargets {}
+
+impl RowTargets {
+    /// The targets of up to [`MAX_TARGET_ROWS`] rows (their capacities checked to fit u32
+    /// by [`check_attention_shape`]).
+    fn of<A>(gpu: &Gpu, rows: &mut [RowTarget<'_, A>]) -> Self {
+        let mut targets = Self {
+            position: [0; MAX_TARGET_ROWS],
+            keys: [0; MAX_TARGET_ROWS],
+            values: [0; MAX_TARGET_ROWS],
+            capacity: [0; MAX_TARGET_ROWS],
+        };
+        for (i, target) in rows.iter_mut().enumerate() {
+            targets.position[i] = target.position as u64;
+            targets.keys[i] = target.kv.keys.device_ptr_mut(gpu.stream()).0;
+            targets.values[i] = target.kv.values.device_ptr_mut(gpu.stream()).0;
+            targets.capacity[i] = target.kv.tokens() as u64;
+        }
+        targets
+    }
 }
 
 /// Rotates the keys of `kv` in place: row `t` of every KV head at position
@@ -432,6 +499,7 @@ fn check_attention_shape<A>(shape: &QkvShape, kv: &KvCache<A>) -> Result<()> {
         });
     }
     to_u32("attention_inputs heads", heads + 2 * kv_heads)?;
+    to_u32("attention_inputs KV buffer capacity", kv.tokens())?;
     length("attention_inputs KV buffer heads", kv_heads, kv.kv_heads())?;
     length(
         "attention_inputs KV buffer head_dim",
@@ -448,72 +516,179 @@ fn check_attention_shape<A>(shape: &QkvShape, kv: &KvCache<A>) -> Result<()> {
     Ok(())
 }
 
-/// `ops_attention_inputs`' scalar arguments and optional pointers (0 for none).
-struct AttentionArgs {
+/// What both attention-input kernels take besides where the keys and values go.
+struct Inputs<'a, 'b> {
+    qkv: &'a CudaView<'b, f32>,
+    shape: &'a QkvShape,
+    bias: Option<&'a CudaView<'b, f32>>,
+    q_norm: Option<&'a Norm<'b>>,
+    k_norm: Option<&'a Norm<'b>>,
+    rotary: &'a Rotary<'b>,
+    round_kv_to_f16: bool,
+}
+
+impl Inputs<'_, '_> {
+    /// The kernels' common arguments, every length checked against the shape.
+    fn args<A: Float>(
+        &self,
+        gpu: &Gpu,
+        queries: &mut CudaViewMut<'_, A>,
+        store: Option<StoreRows<'_, '_>>,
+    ) -> Result<Args> {
+        let QkvShape {
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+        } = *self.shape;
+        length(
+            "attention_inputs qkv [tokens, (heads + 2 kv_heads) head_dim]",
+            tokens * self.shape.row(),
+            self.qkv.len(),
+        )?;
+        if let Some(bias) = self.bias {
+            length(
+                "attention_inputs bias [(heads + 2 kv_heads) head_dim]",
+                self.shape.row(),
+                bias.len(),
+            )?;
+        }
+        for norm in [self.q_norm, self.k_norm].into_iter().flatten() {
+            length(
+                "attention_inputs q/k norm weight [head_dim]",
+                head_dim,
+                norm.weight.len(),
+            )?;
+        }
+        length(
+            "attention_inputs inv_freq [head_dim / 2]",
+            head_dim / 2,
+            self.rotary.inv_freq.len(),
+        )?;
+        length(
+            "attention_inputs queries [tokens, heads, head_dim]",
+            tokens * heads * head_dim,
+            queries.len(),
+        )?;
+        let store_len = tokens * kv_heads * head_dim;
+        let store = match store {
+            Some(rows) => {
+                length(
+                    "attention_inputs store keys [tokens, kv_heads, head_dim]",
+                    store_len,
+                    rows.keys.len(),
+                )?;
+                length(
+                    "attention_inputs store values [tokens, kv_heads, head_dim]",
+                    store_len,
+                    rows.values.len(),
+                )?;
+                if let Some(queries) = &rows.queries {
+                    length(
+                        "attention_inputs store queries [tokens, heads, head_dim]",
+                        tokens * heads * head_dim,
+                        queries.len(),
+                    )?;
+                }
+                let queries = rows.queries.map_or(0, |q| address_mut(gpu, q));
+                (
+                    address_mut(gpu, rows.keys),
+                    address_mut(gpu, rows.values),
+                    queries,
+                )
+            }
+            None => (0, 0, 0),
+        };
+        Ok(Args {
+            qkv: address(gpu, self.qkv),
+            bias: self.bias.map_or(0, |b| address(gpu, b)),
+            heads: heads as u32,
+            kv_heads: kv_heads as u32,
+            head_dim: head_dim as u32,
+            q_norm: norm_args(gpu, self.q_norm),
+            k_norm: norm_args(gpu, self.k_norm),
+            inv_freq: address(gpu, self.rotary.inv_freq),
+            interleaved: u32::from(self.rotary.pairs == RopePairs::Interleaved),
+            round_kv: u32::from(self.round_kv_to_f16),
+            store,
+            queries: address_mut(gpu, queries),
+        })
+    }
+}
+
+/// The attention-input kernels' common arguments: addresses (0 for none) and scalars.
+#[derive(Clone, Copy)]
+struct Args {
+    qkv: u64,
+    bias: u64,
     heads: u32,
     kv_heads: u32,
     head_dim: u32,
-    bias: u64,
     q_norm: (u64, f32, f32),
     k_norm: (u64, f32, f32),
+    inv_freq: u64,
     interleaved: u32,
-    first_position: u64,
     round_kv: u32,
     store: (u64, u64, u64),
-    capacity: u32,
+    queries: u64,
+}
+
+impl Args {
+    /// The arguments of the rows from `first` on: the batch-wide buffers' addresses moved
+    /// on by `first` rows (`element` the queries' bytes; none stays none).
+    fn at_row(&self, first: usize, shape: &QkvShape, element: usize) -> Self {
+        let first = first as u64;
+        let (heads, kv_heads, d) = (
+            shape.heads as u64,
+            shape.kv_heads as u64,
+            shape.head_dim as u64,
+        );
+        let at = |base: u64, row_bytes: u64| match base {
+            0 => 0,
+            base => base + first * row_bytes,
+        };
+        Self {
+            qkv: at(self.qkv, (heads + 2 * kv_heads) * d * 4),
+            queries: at(self.queries, heads * d * element as u64),
+            store: (
+                at(self.store.0, kv_heads * d * 2),
+                at(self.store.1, kv_heads * d * 2),
+                at(self.store.2, heads * d * 4),
+            ),
+            ..*self
+        }
+    }
+
+    /// Pushes the kernels' first parameters, up to `inv_freq` and `interleaved`.
+    fn push<'b>(&'b self, builder: &mut cudarc::driver::LaunchArgs<'b>) {
+        builder
+            .arg(&self.qkv)
+            .arg(&self.bias)
+            .arg(&self.heads)
+            .arg(&self.kv_heads)
+            .arg(&self.head_dim)
+            .arg(&self.q_norm.0)
+            .arg(&self.q_norm.1)
+            .arg(&self.q_norm.2)
+            .arg(&self.k_norm.0)
+            .arg(&self.k_norm.1)
+            .arg(&self.k_norm.2)
+            .arg(&self.inv_freq)
+            .arg(&self.interleaved);
+    }
+
+    /// The grid of `tokens` rows: a decode step's tokens over a block per 8 heads (each
+    /// computing the token's RoPE table), a prefill's tokens a block each.
+    fn config(&self, gpu: &Gpu, tokens: usize) -> Result<LaunchConfig> {
+        let all_heads = (self.heads + 2 * self.kv_heads) as usize;
+        let per_row = few_rows(gpu, tokens).then(|| all_heads.div_ceil(HEADS_PER_BLOCK));
+        rows_config(tokens, per_row.unwrap_or(1), ROW_THREADS)
+    }
 }
 
 /// A norm's weight address (0 for none), eps and offset.
 fn norm_args(gpu: &Gpu, norm: Option<&Norm<'_>>) -> (u64, f32, f32) {
     norm.map_or((0, 0.0, 0.0), |n| (address(gpu, n.weight), n.eps, n.offset))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn launch_attention<A: Float>(
-    gpu: &Gpu,
-    kernel: &CudaFunction,
-    qkv: &CudaView<'_, f32>,
-    rotary: &Rotary<'_>,
-    args: &AttentionArgs,
-    queries: &mut CudaViewMut<'_, A>,
-    kv: &mut KvCache<A>,
-    tokens: usize,
-) -> Result<()> {
-    // A decode step's one token over a block per 8 heads (each computing the token's RoPE
-    // table), a prefill's tokens a block each.
-    let all_heads = (args.heads + 2 * args.kv_heads) as usize;
-    let per_row = few_rows(gpu, tokens).then(|| all_heads.div_ceil(HEADS_PER_BLOCK));
-    let config = rows_config(tokens, per_row.unwrap_or(1), ROW_THREADS)?;
-    let mut builder = gpu.stream().launch_builder(kernel);
-    builder
-        .arg(qkv)
-        .arg(&args.bias)
-        .arg(&args.heads)
-        .arg(&args.kv_heads)
-        .arg(&args.head_dim)
-        .arg(&args.q_norm.0)
-        .arg(&args.q_norm.1)
-        .arg(&args.q_norm.2)
-        .arg(&args.k_norm.0)
-        .arg(&args.k_norm.1)
-        .arg(&args.k_norm.2)
-        .arg(rotary.inv_freq)
-        .arg(&args.interleaved)
-        .arg(&args.first_position)
-        .arg(&args.round_kv)
-        .arg(&args.store.0)
-        .arg(&args.store.1)
-        .arg(&args.store.2)
-        .arg(queries)
-        .arg(&mut kv.keys)
-        .arg(&mut kv.values)
-        .arg(&args.capacity);
-    // Safety: the arguments match `ops_attention_inputs` in order and type; every buffer's
-    // length was checked against the shape (qkv, bias, norm weights, inv_freq, queries, store
-    // rows and queries), the KV buffer has `kv_heads` heads of `capacity >= tokens` rows of `head_dim`,
-    // and head_dim is even and at most MAX_HEAD_DIM.
-    unsafe { builder.launch(config) }.map_err(driver("launching ops_attention_inputs"))?;
-    Ok(())
 }
 
 /// `out = act(gate) * up` (rounded to `O`), each row of `gate_up` (`[rows, 2 * width]`) being

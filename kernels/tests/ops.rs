@@ -618,10 +618,12 @@ mod on_gpu {
             q_norm.as_ref(),
             k_norm.as_ref(),
             &rotary,
-            case.first_position,
             case.round,
             &mut queries.as_view_mut(),
-            &mut kv,
+            ops::KvPlacement::Chunk {
+                kv: &mut kv,
+                first_position: case.first_position,
+            },
             store,
         )?;
 
@@ -708,6 +710,219 @@ mod on_gpu {
         Ok(())
     }
 
+    /// A batched step's rows placed by one `attention_inputs` (`KvPlacement::Rows`) are bit
+    /// for bit what one call a row (`KvPlacement::Chunk`) writes: queries, the store's rows and each row's own KV
+    /// ring at its own position (more rows than one launch takes, so that the launches'
+    /// chunks are covered too).
+    #[test]
+    fn attention_inputs_rows_are_each_row_alone() -> Result<()> {
+        let Some((gpu, mut rng)) = start("attention_inputs_rows_are_each_row_alone") else {
+            return Ok(());
+        };
+        for (rows, heads, kv_heads, d) in [(1, 2, 1, 8), (5, 8, 2, 64), (37, 32, 8, 128)] {
+            rows_alone::<f16>(&gpu, &mut rng, rows, heads, kv_heads, d)?;
+            rows_alone::<f32>(&gpu, &mut rng, rows, heads, kv_heads, d)?;
+        }
+        // Each target is checked: a KV buffer of other heads is refused.
+        let shape = QkvShape {
+            tokens: 1,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 8,
+        };
+        let inv = gpu.upload(&[0.5f64; 4])?;
+        let inv_view = inv.as_view();
+        let rotary = Rotary {
+            inv_freq: &inv_view,
+            pairs: RopePairs::Halves,
+        };
+        let mut wrong = KvCache::<f16>::zeros(&gpu, 2, 4, 8)?;
+        let refused = ops::attention_inputs(
+            &gpu,
+            &gpu.zeros::<f32>(shape.row())?.as_view(),
+            &shape,
+            None,
+            None,
+            None,
+            &rotary,
+            false,
+            &mut gpu.zeros::<f16>(16)?.as_view_mut(),
+            ops::KvPlacement::Rows(&mut [ops::RowTarget {
+                kv: &mut wrong,
+                position: 3,
+            }]),
+            None,
+        );
+        ensure!(refused.is_err(), "a KV buffer of the wrong heads was taken");
+        Ok(())
+    }
+
+    fn rows_alone<A: Float>(
+        gpu: &Gpu,
+        rng: &mut StdRng,
+        rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        d: usize,
+    ) -> Result<()> {
+        let shape = QkvShape {
+            tokens: rows,
+            heads,
+            kv_heads,
+            head_dim: d,
+        };
+        let qkv = gpu.upload(&uniform(rng, rows * shape.row(), -2.0, 2.0))?;
+        let bias = gpu.upload(&uniform(rng, shape.row(), -0.5, 0.5))?;
+        let (q_weight, k_weight) = (
+            gpu.upload(&uniform(rng, d, 0.5, 1.5))?,
+            gpu.upload(&uniform(rng, d, 0.5, 1.5))?,
+        );
+        let inv_freq: Vec<f64> = (0..d / 2)
+            .map(|i| 1.0 / 10_000f64.powf(2.0 * i as f64 / d as f64))
+            .collect();
+        let inv = gpu.upload(&inv_freq)?;
+        let (inv_view, bias_view, qw, kw) = (
+            inv.as_view(),
+            bias.as_view(),
+            q_weight.as_view(),
+            k_weight.as_view(),
+        );
+        let rotary = Rotary {
+            inv_freq: &inv_view,
+            pairs: RopePairs::Interleaved,
+        };
+        let (q_norm, k_norm) = (
+            Norm {
+                weight: &qw,
+                eps: 1e-6,
+                offset: 0.0,
+            },
+            Norm {
+                weight: &kw,
+                eps: 1e-6,
+                offset: 0.0,
+            },
+        );
+        // Each row its own ring of another capacity, at its own position.
+        let targets: Vec<(usize, usize)> = (0..rows)
+            .map(|_| (rng.random_range(1..20), rng.random_range(0..100_000)))
+            .collect();
+        let (q_len, kv_len) = (rows * heads * d, rows * kv_heads * d);
+        // What each path writes: queries, the store's keys, values and queries, the rings.
+        struct Written<A> {
+            queries: CudaSlice<A>,
+            keys: CudaSlice<f16>,
+            values: CudaSlice<f16>,
+            raw_queries: CudaSlice<f32>,
+            rings: Vec<KvCache<A>>,
+        }
+        let fresh = || -> Result<Written<A>> {
+            Ok(Written {
+                queries: gpu.zeros(q_len)?,
+                keys: gpu.zeros(kv_len)?,
+                values: gpu.zeros(kv_len)?,
+                raw_queries: gpu.zeros(q_len)?,
+                rings: targets
+                    .iter()
+                    .map(|&(capacity, _)| KvCache::zeros(gpu, kv_heads, capacity, d))
+                    .collect::<kvdb_kernels::Result<_>>()?,
+            })
+        };
+        let (mut alone, mut together) = (fresh()?, fresh()?);
+        let row_shape = QkvShape { tokens: 1, ..shape };
+        for (r, &(_, position)) in targets.iter().enumerate() {
+            let (q, kv) = (
+                r * heads * d..(r + 1) * heads * d,
+                r * kv_heads * d..(r + 1) * kv_heads * d,
+            );
+            ops::attention_inputs(
+                gpu,
+                &qkv.slice(r * shape.row()..(r + 1) * shape.row()),
+                &row_shape,
+                Some(&bias_view),
+                Some(&q_norm),
+                Some(&k_norm),
+                &rotary,
+                false,
+                &mut alone.queries.slice_mut(q.clone()),
+                ops::KvPlacement::Chunk {
+                    kv: &mut alone.rings[r],
+                    first_position: position,
+                },
+                Some(StoreRows {
+                    keys: &mut alone.keys.slice_mut(kv.clone()),
+                    values: &mut alone.values.slice_mut(kv),
+                    queries: Some(&mut alone.raw_queries.slice_mut(q)),
+                }),
+            )?;
+        }
+        let mut row_targets: Vec<ops::RowTarget<'_, A>> = together
+            .rings
+            .iter_mut()
+            .zip(&targets)
+            .map(|(kv, &(_, position))| ops::RowTarget { kv, position })
+            .collect();
+        ops::attention_inputs(
+            gpu,
+            &qkv.as_view(),
+            &shape,
+            Some(&bias_view),
+            Some(&q_norm),
+            Some(&k_norm),
+            &rotary,
+            false,
+            &mut together.queries.as_view_mut(),
+            ops::KvPlacement::Rows(&mut row_targets),
+            Some(StoreRows {
+                keys: &mut together.keys.as_view_mut(),
+                values: &mut together.values.as_view_mut(),
+                queries: Some(&mut together.raw_queries.as_view_mut()),
+            }),
+        )?;
+        let label = format!(
+            "{rows} rows, {heads}/{kv_heads} heads of {d}, {}",
+            name::<A>()
+        );
+        let same = |what: &str, a: Vec<f64>, b: Vec<f64>| -> Result<()> {
+            let bits = |v: Vec<f64>| v.into_iter().map(f64::to_bits).collect::<Vec<_>>();
+            ensure!(bits(a) == bits(b), "{what} differ ({label})");
+            Ok(())
+        };
+        same(
+            "queries",
+            download(gpu, &alone.queries)?,
+            download(gpu, &together.queries)?,
+        )?;
+        same(
+            "store keys",
+            download(gpu, &alone.keys)?,
+            download(gpu, &together.keys)?,
+        )?;
+        same(
+            "store values",
+            download(gpu, &alone.values)?,
+            download(gpu, &together.values)?,
+        )?;
+        same(
+            "store queries",
+            download(gpu, &alone.raw_queries)?,
+            download(gpu, &together.raw_queries)?,
+        )?;
+        for (r, (a, t)) in alone.rings.iter().zip(&together.rings).enumerate() {
+            let ((ak, av), (tk, tv)) = (ops::kv_views(a), ops::kv_views(t));
+            let host = |view| -> Result<Vec<f64>> { Ok(wide(&download_view(gpu, &view)?)) };
+            same(&format!("row {r}'s keys"), host(ak)?, host(tk)?)?;
+            same(&format!("row {r}'s values"), host(av)?, host(tv)?)?;
+        }
+        let written = download(gpu, &together.queries)?
+            .iter()
+            .filter(|x| **x != 0.0)
+            .count();
+        ensure!(written > q_len / 2, "queries mostly unwritten ({label})");
+        println!("attention_inputs, rows together: {label}: bit for bit");
+        Ok(())
+    }
+
     /// A stored corpus's keys (f16, pre-RoPE) uploaded head-major and rotated in place are
     /// bit for bit the keys `attention_inputs` writes for the same rows (rounded to f16
     /// first, as the model rounds its own), and the values are the stored ones: both sides
@@ -767,10 +982,12 @@ mod on_gpu {
                     None,
                     None,
                     &rotary,
-                    first_position,
                     true,
                     &mut queries.as_view_mut(),
-                    &mut placed,
+                    ops::KvPlacement::Chunk {
+                        kv: &mut placed,
+                        first_position,
+                    },
                     None,
                 )?;
                 // The store's path: head-major halves as they are, rotated on the GPU.
@@ -1217,10 +1434,12 @@ mod on_gpu {
                 None,
                 None,
                 &rotary,
-                0,
                 false,
                 &mut queries.as_view_mut(),
-                kv,
+                ops::KvPlacement::Chunk {
+                    kv,
+                    first_position: 0,
+                },
                 store.map(|_| StoreRows {
                     keys: &mut sk,
                     values: &mut sv,
@@ -1266,10 +1485,12 @@ mod on_gpu {
                 inv_freq: &inv.as_view(),
                 pairs: RopePairs::Interleaved,
             },
-            0,
             false,
             &mut queries5.as_view_mut(),
-            &mut kv,
+            ops::KvPlacement::Chunk {
+                kv: &mut kv,
+                first_position: 0,
+            },
             None,
         );
         ensure!(

@@ -417,6 +417,8 @@ struct SequenceBatch<'m, T, A> {
     /// Recorded on the model's stream once a layer's projections are written, for the
     /// lanes to wait for.
     projected: CudaEvent,
+    /// The step's pre-RoPE rows at a layer that every row's sequence claims.
+    raw: Option<RawRows>,
 }
 
 /// A stream of a batched step's attention. A decode step's attention of one row is a few
@@ -430,10 +432,11 @@ struct Lane {
 }
 
 /// Lanes of a batched step: row `r` goes to lane `r % LANES`. Each lane costs three driver
-/// calls a layer (its wait for the projections, its record, the model stream's wait), about
-/// 2.5 µs each on the H200 where the step is bound by the host issuing launches; four
-/// lanes already run the rows' launches faster than the host queues them (a row's are a
-/// few launches of 5 to 10 µs, queued in about as long).
+/// calls a layer (its wait for the projections, its record, the model stream's wait; about
+/// 2.5 µs each measured on an H200), and the step is bound by the host queuing launches,
+/// not by the GPU running a lane's rows one after another: with four lanes instead of one
+/// a question (and one conversion for all rows), 16 questions of the Llama-3-8B shape took
+/// 17.9 ms a step instead of 22.6 (docs/benchmarks.md, "Fewer driver calls a question").
 const LANES: usize = 4;
 
 impl<'m, T: Float, A: AttentionType> SequenceBatch<'m, T, A> {
@@ -452,6 +455,7 @@ impl<'m, T: Float, A: AttentionType> SequenceBatch<'m, T, A> {
             logits: model.gpu.zeros(1)?,
             lanes: Vec::new(),
             projected: model.gpu.event()?,
+            raw: None,
         })
     }
 }
@@ -521,10 +525,18 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
         }
         let ids: Vec<u32> = tokens.iter().map(|&(_, id)| id).collect();
         let (q_dim, qkv_dim) = attention_dims(c);
+        let kv_dim = c.n_kv_heads * c.head_dim;
+        let mut raw = RawRows::at_least(self.raw.take(), gpu, c, rows)?;
         let (sequences, projected) = (&mut self.sequences, &self.projected);
         let lanes = &self.lanes[..lanes];
         let started = std::time::Instant::now();
         let ran = run_layers(model, &mut s, &ids, &mut |i, s| {
+            // Where every row's sequence claims the layer, one launch places all rows'
+            // inputs rather than one a row.
+            let placed = tokens.iter().all(|&(b, _)| sequences[b].claims(i));
+            if placed {
+                place_step_rows(model, i, sequences, tokens, s, &mut raw)?;
+            }
             if !lanes.is_empty() {
                 gpu.record(projected)?;
             }
@@ -540,15 +552,28 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
                 );
                 // Rows disjoint in the scratch: each lane writes its own.
                 let lane = lanes.get(row % LANES).map(|l| &l.gpu);
-                let f32_row = sequences[b].attend_layer(
-                    lane,
-                    i,
-                    1,
-                    &s.qkv.slice(qkv),
-                    &mut s.queries.slice_mut(q.clone()),
-                    &mut s.attention.slice_mut(q.clone()),
-                    &mut s.f32_out.slice_mut(q),
-                )?;
+                let f32_row = match placed {
+                    true => {
+                        sequences[b].attend_placed(
+                            lane,
+                            i,
+                            1,
+                            s.queries.slice(q.clone()),
+                            raw.views(row..row + 1, q_dim, kv_dim),
+                            s.f32_out.slice_mut(q),
+                        )?;
+                        true
+                    }
+                    false => sequences[b].attend_layer(
+                        lane,
+                        i,
+                        1,
+                        &s.qkv.slice(qkv),
+                        &mut s.queries.slice_mut(q.clone()),
+                        &mut s.attention.slice_mut(q.clone()),
+                        &mut s.f32_out.slice_mut(q),
+                    )?,
+                };
                 match staged.last_mut() {
                     Some(run) if f32_row && run.end == row => run.end += 1,
                     _ if f32_row => staged.push(row..row + 1),
@@ -570,6 +595,7 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
             Ok(())
         });
         let queued_seconds = started.elapsed().as_secs_f64();
+        self.raw = Some(raw);
         let logits = ran.and_then(|()| {
             for &(b, _) in tokens {
                 self.sequences[b].position += 1;
@@ -609,6 +635,58 @@ struct GpuLayer<T> {
     inv_freq: CudaSlice<f64>,
     pairs: RopePairs,
     window: Option<usize>,
+}
+
+/// Views of a layer's attention-input parameters, for [`ops::attention_inputs`] and
+/// batched steps' rows ([`InputViews::parts`]).
+struct InputViews<'a> {
+    bias: Option<CudaView<'a, f32>>,
+    q_norm: Option<(CudaView<'a, f32>, f32)>,
+    k_norm: Option<(CudaView<'a, f32>, f32)>,
+    inv_freq: CudaView<'a, f64>,
+    pairs: RopePairs,
+}
+
+impl<'a> InputViews<'a> {
+    fn of<T>(layer: &'a GpuLayer<T>) -> Self {
+        let norm = |n: &'a Option<GpuNorm>| n.as_ref().map(|n| (n.weight.as_view(), n.eps));
+        Self {
+            bias: layer.qkv_bias.as_ref().map(|b| b.as_view()),
+            q_norm: norm(&layer.q_norm),
+            k_norm: norm(&layer.k_norm),
+            inv_freq: layer.inv_freq.as_view(),
+            pairs: layer.pairs,
+        }
+    }
+
+    /// The bias, query and key norms and rotary embedding.
+    fn parts(
+        &self,
+    ) -> (
+        Option<&CudaView<'a, f32>>,
+        Option<Norm<'_>>,
+        Option<Norm<'_>>,
+        Rotary<'_>,
+    ) {
+        (
+            self.bias.as_ref(),
+            norm_of(&self.q_norm),
+            norm_of(&self.k_norm),
+            Rotary {
+                inv_freq: &self.inv_freq,
+                pairs: self.pairs,
+            },
+        )
+    }
+}
+
+/// A norm's weight and eps as [`Norm`] (the GGUF weights hold Gemma's `1 +` already).
+fn norm_of<'b>(norm: &'b Option<(CudaView<'_, f32>, f32)>) -> Option<Norm<'b>> {
+    norm.as_ref().map(|(weight, eps)| Norm {
+        weight,
+        eps: *eps,
+        offset: 0.0,
+    })
 }
 
 /// The weights of one precision: `T` the GEMM type, `A` the attention type.
@@ -831,16 +909,57 @@ struct External<'h> {
     claimed: Vec<bool>,
     /// Positions past this one do not fit the claimed layers' rings.
     end: usize,
-    /// One call's pre-RoPE queries, keys and values, for `rows` tokens.
-    raw_queries: CudaSlice<f32>,
-    raw_keys: CudaSlice<f16>,
-    raw_values: CudaSlice<f16>,
+    /// One call's pre-RoPE rows (taken while the call runs).
+    raw: Option<RawRows>,
+}
+
+/// Pre-RoPE queries, keys and values of `rows` tokens (`[rows, heads · head_dim]` f32,
+/// `[rows, kv_heads · head_dim]` f16 each), for what a claimed layer's attention searches
+/// and stores.
+struct RawRows {
+    queries: CudaSlice<f32>,
+    keys: CudaSlice<f16>,
+    values: CudaSlice<f16>,
     rows: usize,
+}
+
+impl RawRows {
+    /// `raw` if it holds `rows` rows, else new buffers that do.
+    fn at_least(raw: Option<Self>, gpu: &Gpu, c: &ModelConfig, rows: usize) -> Result<Self> {
+        match raw {
+            Some(raw) if raw.rows >= rows => Ok(raw),
+            _ => {
+                let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+                Ok(Self {
+                    queries: gpu.zeros(rows * q)?,
+                    keys: gpu.zeros(rows * kv)?,
+                    values: gpu.zeros(rows * kv)?,
+                    rows,
+                })
+            }
+        }
+    }
+
+    /// Views of rows `rows` (query rows `heads · head_dim` long, key and value rows
+    /// `kv_heads · head_dim`).
+    fn views(&self, rows: Range<usize>, q: usize, kv: usize) -> RawViews<'_> {
+        RawViews {
+            queries: self.queries.slice(rows.start * q..rows.end * q),
+            keys: self.keys.slice(rows.start * kv..rows.end * kv),
+            values: self.values.slice(rows.start * kv..rows.end * kv),
+        }
+    }
+}
+
+/// Rows of a [`RawRows`].
+struct RawViews<'a> {
+    queries: CudaView<'a, f32>,
+    keys: CudaView<'a, f16>,
+    values: CudaView<'a, f16>,
 }
 
 impl<'h> External<'h> {
     fn new(
-        gpu: &Gpu,
         c: &ModelConfig,
         windows: &[Option<usize>],
         external: ExternalAttention<'h>,
@@ -872,23 +991,8 @@ impl<'h> External<'h> {
             attention: external.attention,
             claimed,
             end: external.first_position + external.tail_capacity,
-            raw_queries: gpu.zeros(1)?,
-            raw_keys: gpu.zeros(1)?,
-            raw_values: gpu.zeros(1)?,
-            rows: 0,
+            raw: None,
         })
-    }
-
-    /// Makes the call buffers hold `t` tokens.
-    fn reserve(&mut self, gpu: &Gpu, c: &ModelConfig, t: usize) -> Result<()> {
-        if self.rows < t {
-            let (q, kv) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-            self.raw_queries = gpu.zeros(t * q)?;
-            self.raw_keys = gpu.zeros(t * kv)?;
-            self.raw_values = gpu.zeros(t * kv)?;
-            self.rows = t;
-        }
-        Ok(())
     }
 }
 
@@ -918,7 +1022,7 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         let position = external.as_ref().map_or(0, |e| e.first_position);
         let tail = external.as_ref().map_or(0, |e| e.tail_capacity);
         let external = external
-            .map(|e| External::new(gpu, c, &windows, e))
+            .map(|e| External::new(c, &windows, e))
             .transpose()?;
         let kv = model
             .layers
@@ -965,9 +1069,10 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
     fn reserve(&mut self, end: usize) -> Result<()> {
         let gpu = &*self.model.gpu;
         let context = self.model.config.context_length;
-        let claimed = |i: usize| self.external.as_ref().is_some_and(|e| e.claimed[i]);
+        let external = self.external.as_ref();
         for (i, (kv, layer)) in self.kv.iter_mut().zip(&self.model.layers).enumerate() {
-            if layer.window.is_none() && !claimed(i) && kv.tokens() < end {
+            let claimed = external.is_some_and(|e| e.claimed[i]);
+            if layer.window.is_none() && !claimed && kv.tokens() < end {
                 let capacity = end.max(2 * kv.tokens()).min(context).max(end);
                 kv.grow(gpu, capacity, self.position)?;
             }
@@ -997,7 +1102,7 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                     context: external.end,
                 });
             }
-            external.reserve(gpu, c, t)?;
+            external.raw = Some(RawRows::at_least(external.raw.take(), gpu, c, t)?);
         }
         if let Some(stored) = self.stored.as_mut() {
             let kv_rows = t * c.n_kv_heads * c.head_dim;
@@ -1011,6 +1116,11 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
             }
         }
         Ok(())
+    }
+
+    /// Whether layer `i`'s attention is the caller's ([`ExternalAttention`]).
+    fn claims(&self, i: usize) -> bool {
+        self.external.as_ref().is_some_and(|e| e.claimed[i])
     }
 
     /// Layer `i`'s attention for the sequence's next `t` tokens (made ready by
@@ -1043,26 +1153,8 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
             kv_heads,
             head_dim: d,
         };
-        let bias = layer.qkv_bias.as_ref().map(|b| b.as_view());
-        let (q_norm, k_norm) = (
-            layer.q_norm.as_ref().map(|n| (n.weight.as_view(), n.eps)),
-            layer.k_norm.as_ref().map(|n| (n.weight.as_view(), n.eps)),
-        );
-        let q_norm = q_norm.as_ref().map(|(w, eps)| Norm {
-            weight: w,
-            eps: *eps,
-            offset: 0.0,
-        });
-        let k_norm = k_norm.as_ref().map(|(w, eps)| Norm {
-            weight: w,
-            eps: *eps,
-            offset: 0.0,
-        });
-        let inv_freq = layer.inv_freq.as_view();
-        let rotary = Rotary {
-            inv_freq: &inv_freq,
-            pairs: layer.pairs,
-        };
+        let views = InputViews::of(layer);
+        let (bias, q_norm, k_norm, rotary) = views.parts();
         let store = self.stored.is_some();
         let decode = self.decode.as_mut().filter(|_| t == 1);
         let mut store_views = self.stored.as_mut().map(|stored| {
@@ -1087,14 +1179,16 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                 gpu,
                 &qkv.slice(..rows * qkv_dim),
                 &shape,
-                bias.as_ref(),
+                bias,
                 q_norm.as_ref(),
                 k_norm.as_ref(),
                 &rotary,
-                start,
                 round,
                 queries,
-                kv,
+                ops::KvPlacement::Chunk {
+                    kv,
+                    first_position: start,
+                },
                 store,
             )
         };
@@ -1103,6 +1197,11 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         let n = t * q_dim;
         match (external, flash) {
             (Some(e), _) => {
+                // Taken while the call runs, which borrows the sequence.
+                let mut raw = e.raw.take().ok_or_else(|| ModelError::Backend {
+                    layer: i,
+                    reason: "a claimed layer's call before its buffers were made".into(),
+                })?;
                 let kv_n = t * kv_heads * d;
                 place(
                     t,
@@ -1110,27 +1209,23 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                     &mut queries.slice_mut(..n),
                     kv,
                     Some(StoreRows {
-                        keys: &mut e.raw_keys.slice_mut(..kv_n),
-                        values: &mut e.raw_values.slice_mut(..kv_n),
-                        queries: Some(&mut e.raw_queries.slice_mut(..n)),
+                        keys: &mut raw.keys.slice_mut(..kv_n),
+                        values: &mut raw.values.slice_mut(..kv_n),
+                        queries: Some(&mut raw.queries.slice_mut(..n)),
                     }),
                 )?;
-                A::external(
-                    &mut *e.attention,
-                    ExternalCall {
-                        gpu,
-                        own_stream: lane.is_some(),
-                        layer: i,
-                        positions: start..start + t,
-                        scale: c.attention_scale,
-                        queries: queries.slice(..n),
-                        raw_queries: e.raw_queries.slice(..n),
-                        raw_keys: e.raw_keys.slice(..kv_n),
-                        raw_values: e.raw_values.slice(..kv_n),
-                        tail: kv,
-                        out: f32_out.slice_mut(..n),
-                    },
-                )?;
+                let called = self.attend_placed(
+                    lane,
+                    i,
+                    t,
+                    queries.slice(..n),
+                    raw.views(0..t, q_dim, kv_heads * d),
+                    f32_out.slice_mut(..n),
+                );
+                if let Some(e) = self.external.as_mut() {
+                    e.raw = Some(raw);
+                }
+                called?;
                 return Ok(true);
             }
             (None, Some(buffers)) => {
@@ -1163,6 +1258,46 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
             }
         }
         Ok(false)
+    }
+
+    /// Claimed layer `i`'s attention of the sequence's next `t` tokens, their inputs placed
+    /// (the tail's keys and values in the sequence's buffer, `queries` rotated, `raw` before
+    /// RoPE): into `out` (`[t, heads · head_dim]`), queued on the model's stream or on
+    /// `lane`'s.
+    fn attend_placed(
+        &mut self,
+        lane: Option<&Gpu>,
+        i: usize,
+        t: usize,
+        queries: CudaView<'_, A>,
+        raw: RawViews<'_>,
+        out: CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let model = self.model;
+        let external = self
+            .external
+            .as_mut()
+            .filter(|e| e.claimed[i])
+            .ok_or_else(|| ModelError::Backend {
+                layer: i,
+                reason: "the layer's attention is not external".into(),
+            })?;
+        A::external(
+            &mut *external.attention,
+            ExternalCall {
+                gpu: lane.unwrap_or(&model.gpu),
+                own_stream: lane.is_some(),
+                layer: i,
+                positions: self.position..self.position + t,
+                scale: model.config.attention_scale,
+                queries,
+                raw_queries: raw.queries,
+                raw_keys: raw.keys,
+                raw_values: raw.values,
+                tail: &self.kv[i],
+                out,
+            },
+        )
     }
 
     /// One chunk of at most [`MAX_CHUNK`] tokens; returns the logits of `rows` (chunk
@@ -1291,6 +1426,67 @@ fn run_layers<T: Float, A: AttentionType>(
             hidden,
         )?;
     }
+    Ok(())
+}
+
+/// Layer `i`'s attention inputs of a batched step's rows (every row's sequence claims the
+/// layer), in one launch on the model's stream: row `r`'s rotated queries into `s.queries`,
+/// its keys and values into its sequence's tail at the sequence's position, its pre-RoPE
+/// rows into `raw`'s row `r`.
+fn place_step_rows<T: Float, A: AttentionType>(
+    model: &Inner<T, A>,
+    i: usize,
+    sequences: &mut [Sequence<'_, T, A>],
+    tokens: &[(usize, u32)],
+    s: &mut Scratch<T, A>,
+    raw: &mut RawRows,
+) -> Result<()> {
+    let (gpu, c) = (&*model.gpu, &model.config);
+    let rows = tokens.len();
+    let (q_dim, qkv_dim) = attention_dims(c);
+    let kv_dim = c.n_kv_heads * c.head_dim;
+    let shape = QkvShape {
+        tokens: rows,
+        heads: c.n_heads,
+        kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+    };
+    let positions: Vec<usize> = sequences.iter().map(|s| s.position).collect();
+    // Each sequence's tail at this layer, taken in the step's row order (a sequence is in
+    // a step at most once).
+    let mut tails: Vec<Option<&mut KvCache<A>>> =
+        sequences.iter_mut().map(|s| s.kv.get_mut(i)).collect();
+    let mut targets = tokens
+        .iter()
+        .map(|&(b, _)| {
+            let kv = tails.get_mut(b).and_then(Option::take).ok_or_else(|| {
+                ModelError::BatchStep(format!("sequence {b} twice in a step, or none such"))
+            })?;
+            Ok(ops::RowTarget {
+                kv,
+                position: positions[b],
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let views = InputViews::of(&model.layers[i]);
+    let (bias, q_norm, k_norm, rotary) = views.parts();
+    ops::attention_inputs(
+        gpu,
+        &s.qkv.slice(..rows * qkv_dim),
+        &shape,
+        bias,
+        q_norm.as_ref(),
+        k_norm.as_ref(),
+        &rotary,
+        false,
+        &mut s.queries.slice_mut(..rows * q_dim),
+        ops::KvPlacement::Rows(&mut targets),
+        Some(StoreRows {
+            keys: &mut raw.keys.slice_mut(..rows * kv_dim),
+            values: &mut raw.values.slice_mut(..rows * kv_dim),
+            queries: Some(&mut raw.queries.slice_mut(..rows * q_dim)),
+        }),
+    )?;
     Ok(())
 }
 
@@ -1426,10 +1622,12 @@ fn place_rows<T: Float, A: AttentionType>(
             None,
             None,
             &rotary,
-            positions.start + i,
             true,
             &mut scratch_q.slice_mut(..t * heads * d),
-            kv,
+            ops::KvPlacement::Chunk {
+                kv,
+                first_position: positions.start + i,
+            },
             None,
         )?;
         // `qkv` is a temporary the copy reads.
