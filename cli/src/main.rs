@@ -333,6 +333,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         StopReason::StopString => "stop string",
         StopReason::MaxTokens => "max tokens",
         StopReason::ContextFull => "context full",
+        StopReason::Abandoned => "abandoned",
     };
     eprintln!(
         "kvdb: {} prompt tokens in {:.2}s, {} tokens in {:.2}s ({:.1} tok/s), stopped at {reason}",

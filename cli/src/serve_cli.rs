@@ -22,9 +22,16 @@ pub(crate) struct ServeArgs {
     /// Require the token on every endpoint but /health.
     #[arg(long, requires = "token")]
     token_all: bool,
-    /// Generations running at once (default: one per CPU core).
+    /// Generations running at once (default: one per CPU core; on a GPU one, whose batches
+    /// answer the questions waiting for it together).
     #[arg(long)]
     max_concurrent: Option<usize>,
+    /// Most questions answered together in one batch: questions on one corpus with the same
+    /// options that wait for a worker go with the first of them to get one (default: 16 on a
+    /// GPU, where a batch reads the weights and the corpus once a step for all its answers;
+    /// 1 on the CPU, where a batch answers one after another).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
+    max_batch: Option<u64>,
     /// Queries waiting for a worker before the server answers 429.
     #[arg(long, default_value_t = 16)]
     max_queue: usize,
@@ -54,9 +61,17 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
     let mut config = Config::new(args.store.clone(), kvdb_model::fetch::models_dir()?);
     config.token = args.token;
     config.token_all = args.token_all;
+    let gpu = matches!(args.device, kvdb::ComputeDevice::Cuda { .. });
+    if gpu {
+        config.max_concurrent = 1;
+        config.max_batch = 16;
+    }
     if let Some(n) = args.max_concurrent {
         anyhow::ensure!(n > 0, "--max-concurrent must be at least 1");
         config.max_concurrent = n;
+    }
+    if let Some(n) = args.max_batch {
+        config.max_batch = n as usize;
     }
     config.max_queue = args.max_queue;
     config.max_tokens = args.max_tokens;

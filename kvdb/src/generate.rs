@@ -124,6 +124,9 @@ pub enum StopReason {
     MaxTokens,
     /// The model's context is full.
     ContextFull,
+    /// Its reader went away (its text callback returned [`Error::Abandoned`]) while the
+    /// answers it was decoded with went on ([`crate::Corpus::ask_together`]).
+    Abandoned,
 }
 
 /// What a generation produced.
@@ -375,9 +378,11 @@ impl<'t> Decoding<'t> {
 
 /// Prefills each prompt in its own sequence of `batch`, one after another, then decodes the
 /// answers together: each step runs one token of every unfinished answer in one
-/// [`Batch::step`]. `on_text(i, piece)` streams answer `i`'s text. Returns the generations in
-/// the order of `prompts` (prefill seconds its own prompt's; decode seconds from its first
-/// token to its last) and how the steps went.
+/// [`Batch::step`]. `on_text(i, piece)` streams answer `i`'s text; where it returns
+/// [`Error::Abandoned`], answer `i` leaves the batch (stopped as [`StopReason::Abandoned`])
+/// and the others go on. Returns the generations in the order of `prompts` (prefill seconds
+/// its own prompt's; decode seconds from its first token to its last) and how the steps
+/// went.
 #[cfg(feature = "gpu")]
 pub(crate) fn generate_batch(
     batch: &mut dyn Batch,
@@ -393,11 +398,34 @@ pub(crate) fn generate_batch(
     // Per answer: its prefill's seconds, when its first token came and when it ended.
     let (mut prefills, mut firsts, mut ended) = (Vec::new(), Vec::new(), Vec::new());
     let mut step: Vec<(usize, u32)> = Vec::new();
+    // Answers whose reader went away: their text goes nowhere and they take no more steps.
+    let gone: Vec<std::cell::Cell<bool>> = prompts.iter().map(|_| Default::default()).collect();
+    let mut on_text = |b: usize, piece: &str| -> Result<()> {
+        if gone[b].get() {
+            return Ok(());
+        }
+        match on_text(b, piece) {
+            Err(Error::Abandoned) => {
+                gone[b].set(true);
+                Ok(())
+            }
+            other => other,
+        }
+    };
+    // Whether answer `b` goes on with `next` (else it stops, abandoned if its reader left).
+    let goes_on = |b: usize, decoding: &mut Decoding, next: Option<u32>| match gone[b].get() {
+        true => {
+            decoding.stop = Some(StopReason::Abandoned);
+            None
+        }
+        false => next,
+    };
     for (b, prompt) in prompts.iter().enumerate() {
         let begun = since();
         let (logits, mut decoding) = prefill(batch.sequence(b)?, tokenizer, prompt, options)?;
         prefills.push(since() - begun);
-        if let Some(next) = decoding.next(&logits, &mut |piece| on_text(b, piece))? {
+        let next = decoding.next(&logits, &mut |piece| on_text(b, piece))?;
+        if let Some(next) = goes_on(b, &mut decoding, next) {
             step.push((b, next));
         }
         firsts.push(since());
@@ -436,7 +464,7 @@ pub(crate) fn generate_batch(
                 Some(next) => decoding.accept(next, &mut |piece| on_text(b, piece))?,
                 None => None,
             };
-            match next {
+            match goes_on(b, decoding, next) {
                 Some(next) => following.push((b, next)),
                 None => ended[b] = since(),
             }

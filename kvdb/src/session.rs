@@ -975,6 +975,10 @@ impl Corpus {
     /// each unfinished answer through the model at once, so the weights are read once for
     /// all of them, and each attends through its own retrieval (its own routing or search,
     /// its own provenance). On the CPU they are answered one after another.
+    ///
+    /// Where `on_text(i, ..)` returns [`Error::Abandoned`] (answer `i`'s reader went away),
+    /// answer `i` stops as [`crate::StopReason::Abandoned`] and the others go on: on a GPU
+    /// it leaves the batch at once; on the CPU it runs to its end unseen.
     pub fn ask_together(
         &self,
         model: ModelRef<'_>,
@@ -1025,7 +1029,20 @@ impl Corpus {
             .into_iter()
             .enumerate()
             .map(|(i, session)| {
-                let answer = session.answer(&mut |piece| on_text(i, piece))?;
+                let mut gone = false;
+                let mut answer = session.answer(&mut |piece| match gone {
+                    true => Ok(()),
+                    false => match on_text(i, piece) {
+                        Err(Error::Abandoned) => {
+                            gone = true;
+                            Ok(())
+                        }
+                        other => other,
+                    },
+                })?;
+                if gone {
+                    answer.stop = crate::StopReason::Abandoned;
+                }
                 steps.prefill_seconds += answer.timings.first_token_seconds;
                 steps.decode_seconds += answer.timings.decode_seconds;
                 let later = answer.tokens.len().saturating_sub(1);

@@ -40,6 +40,7 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 
+mod batches;
 mod corpora;
 mod error;
 mod jobs;
@@ -107,6 +108,10 @@ pub struct Config {
     pub max_concurrent: usize,
     /// Queries waiting for a worker before the server answers 429.
     pub max_queue: usize,
+    /// Most questions answered together on one worker: questions on one corpus with the
+    /// same options waiting for a worker go with the first of them to get one (on a GPU a
+    /// batch reads the weights and the corpus once a step for all of them). 1: each alone.
+    pub max_batch: usize,
     /// Largest request body in bytes (413 beyond).
     pub max_body_bytes: usize,
     /// Longest question in characters (413 beyond).
@@ -130,7 +135,7 @@ pub struct Config {
 
 impl Config {
     /// Defaults for a store: the models in `$KVDB_HOME/models`, no token, one generation per
-    /// CPU core with 16 more queued, 32 MiB bodies, 16K-character questions, 1024 tokens, a
+    /// CPU core with 16 more queued, each question alone (no batches), 32 MiB bodies, 16K-character questions, 1024 tokens, a
     /// 1 GiB RAM tier per corpus, 20 s for headers, 30 s of body silence, a 10 s shutdown
     /// grace.
     pub fn new(store: PathBuf, models_dir: PathBuf) -> Self {
@@ -142,6 +147,7 @@ impl Config {
             token_all: false,
             max_concurrent: std::thread::available_parallelism().map_or(1, |n| n.get()),
             max_queue: 16,
+            max_batch: 1,
             max_body_bytes: 32 << 20,
             max_question_chars: 16 << 10,
             max_tokens: 1024,

@@ -16,6 +16,7 @@ pub(crate) struct Metrics {
     pub(crate) queries: IntCounter,
     pub(crate) rejected: IntCounter,
     pub(crate) cancelled: IntCounter,
+    pub(crate) batched: IntCounter,
     pub(crate) queue_depth: IntGauge,
     pub(crate) running: IntGauge,
     pub(crate) first_token_seconds: Histogram,
@@ -56,6 +57,10 @@ impl Metrics {
             )?,
             queries: IntCounter::new("queries_total", "Queries and completions admitted")?,
             rejected: IntCounter::new("queries_rejected_total", "Queries refused with 429")?,
+            batched: IntCounter::new(
+                "queries_batched_total",
+                "Queries answered in one batch with others (each counted)",
+            )?,
             cancelled: IntCounter::new(
                 "queries_cancelled_total",
                 "Generations stopped because their client went away",
@@ -106,6 +111,7 @@ impl Metrics {
         r.register(Box::new(m.queries.clone()))?;
         r.register(Box::new(m.rejected.clone()))?;
         r.register(Box::new(m.cancelled.clone()))?;
+        r.register(Box::new(m.batched.clone()))?;
         r.register(Box::new(m.queue_depth.clone()))?;
         r.register(Box::new(m.running.clone()))?;
         r.register(Box::new(m.first_token_seconds.clone()))?;

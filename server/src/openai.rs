@@ -234,6 +234,8 @@ fn finish_reason(stop: StopReason) -> &'static str {
     match stop {
         StopReason::EndOfText | StopReason::StopString => "stop",
         StopReason::MaxTokens | StopReason::ContextFull => "length",
+        // Nobody reads an abandoned answer; "stop" is the nearest of OpenAI's reasons.
+        StopReason::Abandoned => "stop",
     }
 }
 

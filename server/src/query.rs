@@ -26,6 +26,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use utoipa::ToSchema;
 
+use crate::batches::{Batches, Ride, Waiting};
 use crate::corpora::{checked_name, parse_spec};
 use crate::error::{ApiError, ApiJson, ApiPath, ApiResult, ErrorBody};
 use crate::state::{OpenCorpus, QueryGuard, Ticket};
@@ -264,50 +265,145 @@ pub(crate) async fn admit(state: &Shared, ask: Ask) -> ApiResult<Admitted> {
 
 impl Admitted {
     /// Waits for a worker and generates on a blocking thread, handing every piece of text to
-    /// `on_text`; generation stops when it returns false.
+    /// `on_text`; generation stops when it returns false. With batches on
+    /// ([`crate::Config::max_batch`]), the question waits in its line and is answered in a
+    /// batch: its own, if it gets a worker first, or another question's (`crate::batches`).
     pub(crate) async fn run(
         mut self,
         state: &Shared,
         mut on_text: impl FnMut(&str) -> bool + Send + 'static,
     ) -> ApiResult<Answer> {
-        self.ticket.start().await?;
+        let max_batch = state.config.max_batch;
+        if max_batch <= 1 {
+            self.ticket.start().await?;
+            return self.lead(state, Vec::new(), on_text).await;
+        }
+        // Questions go together only on the same corpus with the same options.
+        let line = format!("{}\n{:?}", self.ask.corpus, self.ask.options);
+        let (place, mut ride) = state.batches.wait(line, self.ask.question.clone());
+        let started = tokio::select! {
+            started = self.ticket.start() => {
+                started?;
+                true
+            }
+            _ = &mut ride.taken => false,
+        };
+        if started {
+            if let Some(riders) = Batches::lead(&place, max_batch - 1) {
+                drop(place);
+                return self.lead(state, riders, on_text).await;
+            }
+        }
+        // Taken by a leader (perhaps while this one's worker came): its worker answers.
+        drop(place);
+        self.ticket.ride();
+        let Ride { pieces, done, .. } = ride;
+        let forwarded = tokio::task::spawn_blocking(move || {
+            let mut pieces = pieces;
+            while let Some(piece) = pieces.blocking_recv() {
+                if !on_text(&piece) {
+                    // Dropping the receiver tells the leader: this answer stops there.
+                    return false;
+                }
+            }
+            true
+        });
+        let read = forwarded.await.map_err(ApiError::internal)?;
+        if !read {
+            state.metrics.cancelled.inc();
+            return Err(kvdb::Error::Abandoned.into());
+        }
+        // Held until the answer is in: the corpus stays while the batch answers it.
+        let _held = (self.ticket, self.guard);
+        done.await
+            .map_err(|_| ApiError::internal("the batch that took this query ended without it"))?
+    }
+
+    /// Generates this question's answer and `riders`' (answered together when there are
+    /// any) on a blocking thread with this query's worker; sends each rider its text and
+    /// answer.
+    async fn lead(
+        self,
+        state: &Shared,
+        riders: Vec<Waiting>,
+        mut on_text: impl FnMut(&str) -> bool + Send + 'static,
+    ) -> ApiResult<Answer> {
         let Self {
             ticket,
             guard,
             open,
             ask,
         } = self;
-        let (answer, gone) = tokio::task::spawn_blocking(move || {
+        let (answer, gone, riders) = tokio::task::spawn_blocking(move || {
             // The worker's slot is free, and the corpus may be deleted, only once the
             // generation has stopped.
             let _held = (ticket, guard);
             let mut gone = false;
-            let answer = open.corpus.ask(
-                LoadedModel::as_ref(&open.model),
-                &ask.question,
-                &ask.options,
-                &mut |piece| {
-                    if on_text(piece) {
-                        Ok(())
-                    } else {
-                        gone = true;
-                        Err(kvdb::Error::Abandoned)
-                    }
-                },
-            );
-            (answer, gone)
+            let mut mine = |piece: &str| {
+                if on_text(piece) {
+                    Ok(())
+                } else {
+                    gone = true;
+                    Err(kvdb::Error::Abandoned)
+                }
+            };
+            let model = LoadedModel::as_ref(&open.model);
+            let answer = match riders.is_empty() {
+                true => open
+                    .corpus
+                    .ask(model, &ask.question, &ask.options, &mut mine)
+                    .map(|answer| vec![answer]),
+                false => {
+                    let questions: Vec<&str> = std::iter::once(ask.question.as_str())
+                        .chain(riders.iter().map(|r| r.question.as_str()))
+                        .collect();
+                    open.corpus
+                        .ask_together(model, &questions, &ask.options, &mut |i, piece| match i
+                            .checked_sub(1)
+                        {
+                            None => mine(piece),
+                            Some(r) => riders[r]
+                                .pieces
+                                .send(piece.to_string())
+                                .map_err(|_| kvdb::Error::Abandoned),
+                        })
+                        .map(|together| together.answers)
+                }
+            };
+            (answer, gone, riders)
         })
         .await
         .map_err(ApiError::internal)?;
         let m = &state.metrics;
+        if !riders.is_empty() {
+            m.batched.inc_by(riders.len() as u64 + 1);
+        }
+        let mut answers = match answer {
+            Ok(answers) => answers.into_iter(),
+            Err(e) => {
+                let e = ApiError::from(e);
+                for rider in riders {
+                    let _ = rider.done.send(Err(e.clone()));
+                }
+                if gone {
+                    m.cancelled.inc();
+                }
+                return Err(e);
+            }
+        };
+        let mine = answers.next();
+        for (rider, answer) in riders.into_iter().zip(answers) {
+            record(m, &answer);
+            // Its receiver is gone when its client is: nothing to tell then.
+            let _ = rider.done.send(Ok(answer));
+        }
         if gone {
             m.cancelled.inc();
+            return Err(kvdb::Error::Abandoned.into());
         }
-        let answer = answer?;
-        m.generated_tokens.inc_by(answer.tokens.len() as u64);
-        m.first_token_seconds
-            .observe(answer.timings.first_token_seconds);
-        m.tokens_per_second.set(answer.timings.tokens_per_second);
+        let answer =
+            mine.ok_or_else(|| ApiError::internal("a batch without its leader's answer"))?;
+        record(m, &answer);
         Ok(answer)
     }
 
@@ -339,6 +435,14 @@ impl Admitted {
         });
         ReceiverStream::new(rx)
     }
+}
+
+/// Counts an answer in the metrics.
+fn record(m: &crate::metrics::Metrics, answer: &Answer) {
+    m.generated_tokens.inc_by(answer.tokens.len() as u64);
+    m.first_token_seconds
+        .observe(answer.timings.first_token_seconds);
+    m.tokens_per_second.set(answer.timings.tokens_per_second);
 }
 
 /// Clears its flag when dropped: the request it lives in is gone.

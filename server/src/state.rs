@@ -21,6 +21,7 @@ use kvdb::Corpus;
 use kvdb::LoadedModel;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::batches::Batches;
 use crate::error::{ApiError, ApiResult};
 use crate::jobs::Jobs;
 use crate::metrics::Metrics;
@@ -36,6 +37,8 @@ pub(crate) struct AppState {
     pub(crate) jobs: Jobs,
     pub(crate) metrics: Metrics,
     pub(crate) pool: Arc<Pool>,
+    /// Questions waiting for a worker that may be answered together.
+    pub(crate) batches: Arc<Batches>,
     /// Held by whoever changes which corpora exist (create, delete, queueing an ingest), so
     /// that checking and acting are one step.
     pub(crate) catalog: Mutex<()>,
@@ -69,6 +72,7 @@ impl AppState {
                 config.max_queue,
                 metrics.clone(),
             )),
+            batches: Arc::default(),
             config,
             store: Arc::new(store),
             jobs,
@@ -184,7 +188,7 @@ impl QueryCounts {
 
 /// The counts stay right even if a holder panicked: each change is one step, nothing is
 /// left half-done.
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -240,6 +244,7 @@ impl Pool {
         Ok(Ticket {
             pool: self.clone(),
             permit: None,
+            riding: false,
         })
     }
 }
@@ -249,6 +254,8 @@ impl Pool {
 pub(crate) struct Ticket {
     pool: Arc<Pool>,
     permit: Option<OwnedSemaphorePermit>,
+    /// Running on another query's worker ([`Ticket::ride`]).
+    riding: bool,
 }
 
 impl Ticket {
@@ -268,9 +275,21 @@ impl Ticket {
     }
 }
 
+impl Ticket {
+    /// Runs on another query's worker (answered in its batch, `crate::batches`): gives its
+    /// own worker back if it has one; counted as running until dropped.
+    pub(crate) fn ride(&mut self) {
+        if self.permit.take().is_none() && !self.riding {
+            self.pool.metrics.queue_depth.dec();
+            self.pool.metrics.running.inc();
+        }
+        self.riding = true;
+    }
+}
+
 impl Drop for Ticket {
     fn drop(&mut self) {
-        if self.permit.is_some() {
+        if self.permit.is_some() || self.riding {
             self.pool.metrics.running.dec();
         } else {
             self.pool.metrics.queue_depth.dec();

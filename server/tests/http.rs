@@ -315,6 +315,23 @@ async fn with_corpus(edit: impl FnOnce(&mut kvdb_server::Config)) -> Result<Test
     Ok(s)
 }
 
+/// Waits (polling every 10 ms) until `metric` (no labels) satisfies `holds`; fails saying
+/// `what` after `seconds`.
+async fn until(
+    s: &TestServer,
+    metric: &str,
+    holds: impl Fn(f64) -> bool,
+    seconds: u64,
+    what: &str,
+) -> Result<()> {
+    let started = Instant::now();
+    while !holds(s.metric(metric, "").await?) {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(seconds), "{what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
 async fn ask(s: &TestServer, body: Value) -> Result<Value> {
     let (status, answer) = json_of(s.post("/v1/corpora/c/query", &body).send().await?).await?;
     assert_eq!(status, StatusCode::OK, "{answer}");
@@ -672,6 +689,67 @@ async fn concurrent_queries_answer_as_sequential_ones() -> Result<()> {
     Ok(())
 }
 
+/// Questions waiting for the worker on one corpus with the same options are answered in
+/// one batch (`max_batch`), each as it is alone; a question with other options waits for a
+/// batch of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 6)]
+async fn waiting_questions_are_answered_together_as_alone() -> Result<()> {
+    let s = with_corpus(|c| {
+        c.max_concurrent = 1;
+        c.max_batch = 4;
+        c.max_tokens = 8192;
+    })
+    .await?;
+    let same: Vec<Value> = (0..3)
+        .map(|i| json!({"question": format!("Where is house {}?", i * 7), "max_tokens": 8, "k": 8}))
+        .collect();
+    let other = json!({"question": "Where is house 5?", "max_tokens": 8, "k": 9});
+    let questions: Vec<Value> = same.iter().chain([&other]).cloned().collect();
+    // One at a time nobody waits: each is answered alone.
+    let mut alone = Vec::new();
+    for q in &questions {
+        alone.push(ask(&s, q.clone()).await?["answer"].clone());
+    }
+    assert_eq!(s.metric("kvdb_queries_batched_total", "").await?, 0.0);
+
+    // Hold the only worker with a long stream; queue the questions behind it, then let the
+    // worker go.
+    let long = json!({"question": "Tell me everything.", "max_tokens": 8192, "stream": true});
+    let (body, _) = s
+        .open_stream("/v1/corpora/c/query", &long, "event: token")
+        .await?;
+    let answers = futures::future::try_join_all(questions.iter().map(|q| ask(&s, q.clone())));
+    let release = async {
+        let queued = |n| n >= questions.len() as f64;
+        until(
+            &s,
+            "kvdb_query_queue_depth",
+            queued,
+            30,
+            "the questions did not queue",
+        )
+        .await?;
+        drop(body);
+        Ok(())
+    };
+    let (together, ()) = tokio::try_join!(answers, release)?;
+    let together: Vec<Value> = together.into_iter().map(|a| a["answer"].clone()).collect();
+    assert_eq!(together, alone);
+    // The three of the same options went together; the other alone.
+    assert_eq!(s.metric("kvdb_queries_batched_total", "").await?, 3.0);
+    until(
+        &s,
+        "kvdb_queries_running",
+        |n| n == 0.0,
+        60,
+        "the batch did not end",
+    )
+    .await?;
+    assert_eq!(s.metric("kvdb_queries_cancelled_total", "").await?, 1.0);
+    assert_eq!(s.metric("kvdb_query_queue_depth", "").await?, 0.0);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_queue_answers_429_and_a_gone_client_stops_its_generation() -> Result<()> {
     let s = with_corpus(|c| {
@@ -703,14 +781,8 @@ async fn a_full_queue_answers_429_and_a_gone_client_stops_its_generation() -> Re
 
     // Hanging up stops the generation: its worker frees long before 8192 tokens.
     drop(body);
-    let started = Instant::now();
-    while s.metric("kvdb_queries_running", "").await? > 0.0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the generation did not stop"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let stopped = "the generation did not stop";
+    until(&s, "kvdb_queries_running", |n| n == 0.0, 30, stopped).await?;
     assert_eq!(s.metric("kvdb_queries_cancelled_total", "").await?, 1.0);
     ask(&s, json!({"question": "q", "max_tokens": 2})).await?;
     Ok(())
