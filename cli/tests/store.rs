@@ -289,6 +289,24 @@ fn concurrent_queries_answer_as_sequential_ones_do() -> Result<()> {
         together.steps.steps,
         sequential.iter().map(|t| t.len() - 1).sum::<usize>()
     );
+    // The first answer's reader leaves after its first piece: that answer stops as
+    // abandoned (on the CPU it still runs to its end, unseen), the others are unchanged.
+    assert!(sequential[0].len() > 2, "the first answer is too short to leave");
+    let mut pieces = vec![0usize; questions.len()];
+    let left = corpus.ask_together(loaded.as_ref(), &questions, &options, &mut |i, _| {
+        pieces[i] += 1;
+        match (i, pieces[i]) {
+            (0, 2..) => Err(kvdb::Error::Abandoned),
+            _ => Ok(()),
+        }
+    })?;
+    assert_eq!(pieces[0], 2, "pieces streamed after the reader left");
+    assert_eq!(left.answers[0].stop, kvdb::StopReason::Abandoned);
+    let rest: Vec<Vec<u32>> = left.answers[1..].iter().map(|a| a.tokens.clone()).collect();
+    assert_eq!(rest, sequential[1..]);
+    assert!(left.answers[1..]
+        .iter()
+        .all(|a| a.stop != kvdb::StopReason::Abandoned));
     // A bad question among them fails the call before anything is answered.
     let refused = corpus.ask_together(loaded.as_ref(), &["fine", ""], &options, &mut |_, _| {
         panic!("answered before the empty question was refused")

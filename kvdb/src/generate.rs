@@ -2,6 +2,8 @@
 //! token. Plain generation runs it over full attention from position 0; a corpus query runs
 //! it after the corpus, over retrieval attention.
 
+use std::cell::Cell;
+
 use candle_core::Tensor;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 #[cfg(feature = "gpu")]
@@ -399,19 +401,9 @@ pub(crate) fn generate_batch(
     let (mut prefills, mut firsts, mut ended) = (Vec::new(), Vec::new(), Vec::new());
     let mut step: Vec<(usize, u32)> = Vec::new();
     // Answers whose reader went away: their text goes nowhere and they take no more steps.
-    let gone: Vec<std::cell::Cell<bool>> = prompts.iter().map(|_| Default::default()).collect();
-    let mut on_text = |b: usize, piece: &str| -> Result<()> {
-        if gone[b].get() {
-            return Ok(());
-        }
-        match on_text(b, piece) {
-            Err(Error::Abandoned) => {
-                gone[b].set(true);
-                Ok(())
-            }
-            other => other,
-        }
-    };
+    let gone: Vec<Cell<bool>> = prompts.iter().map(|_| Cell::default()).collect();
+    let mut on_text =
+        |b: usize, piece: &str| -> Result<()> { unless_gone(&gone[b], || on_text(b, piece)) };
     // Whether answer `b` goes on with `next` (else it stops, abandoned if its reader left).
     let goes_on = |b: usize, decoding: &mut Decoding, next: Option<u32>| match gone[b].get() {
         true => {
@@ -483,6 +475,21 @@ pub(crate) fn generate_batch(
         })
         .collect::<Result<Vec<_>>>()?;
     Ok((generations, steps))
+}
+
+/// Streams a piece of an answer of several (`stream`, unless its reader already left): a
+/// reader that leaves ([`Error::Abandoned`]) sets `gone` and stops nothing else.
+pub(crate) fn unless_gone(gone: &Cell<bool>, stream: impl FnOnce() -> Result<()>) -> Result<()> {
+    if gone.get() {
+        return Ok(());
+    }
+    match stream() {
+        Err(Error::Abandoned) => {
+            gone.set(true);
+            Ok(())
+        }
+        other => other,
+    }
 }
 
 /// How a batch's decode went ([`generate_batch`]).

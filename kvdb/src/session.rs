@@ -1029,18 +1029,11 @@ impl Corpus {
             .into_iter()
             .enumerate()
             .map(|(i, session)| {
-                let mut gone = false;
-                let mut answer = session.answer(&mut |piece| match gone {
-                    true => Ok(()),
-                    false => match on_text(i, piece) {
-                        Err(Error::Abandoned) => {
-                            gone = true;
-                            Ok(())
-                        }
-                        other => other,
-                    },
+                let gone = std::cell::Cell::new(false);
+                let mut answer = session.answer(&mut |piece| {
+                    crate::generate::unless_gone(&gone, || on_text(i, piece))
                 })?;
-                if gone {
+                if gone.get() {
                     answer.stop = crate::StopReason::Abandoned;
                 }
                 steps.prefill_seconds += answer.timings.first_token_seconds;
