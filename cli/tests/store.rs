@@ -289,9 +289,12 @@ fn concurrent_queries_answer_as_sequential_ones_do() -> Result<()> {
         together.steps.steps,
         sequential.iter().map(|t| t.len() - 1).sum::<usize>()
     );
-    // The first answer's reader leaves after its first piece: that answer stops as
+    // The first answer's reader leaves at its second piece: that answer stops as
     // abandoned (on the CPU it still runs to its end, unseen), the others are unchanged.
-    assert!(sequential[0].len() > 2, "the first answer is too short to leave");
+    assert!(
+        sequential[0].len() > 2,
+        "the first answer is too short to leave"
+    );
     let mut pieces = vec![0usize; questions.len()];
     let left = corpus.ask_together(loaded.as_ref(), &questions, &options, &mut |i, _| {
         pieces[i] += 1;
