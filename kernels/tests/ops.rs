@@ -883,42 +883,33 @@ mod on_gpu {
             "{rows} rows, {heads}/{kv_heads} heads of {d}, {}",
             name::<A>()
         );
-        let same = |what: &str, a: Vec<f64>, b: Vec<f64>| -> Result<()> {
-            let bits = |v: Vec<f64>| v.into_iter().map(f64::to_bits).collect::<Vec<_>>();
-            ensure!(bits(a) == bits(b), "{what} differ ({label})");
-            Ok(())
+        // Everything a path wrote, named, on the host.
+        let written = |w: &Written<A>| -> Result<Vec<(String, Vec<f64>)>> {
+            let mut all = vec![
+                ("queries".to_string(), download(gpu, &w.queries)?),
+                ("store keys".to_string(), download(gpu, &w.keys)?),
+                ("store values".to_string(), download(gpu, &w.values)?),
+                ("store queries".to_string(), download(gpu, &w.raw_queries)?),
+            ];
+            for (r, ring) in w.rings.iter().enumerate() {
+                let (keys, values) = ops::kv_views(ring);
+                all.push((format!("row {r}'s keys"), wide(&download_view(gpu, &keys)?)));
+                all.push((
+                    format!("row {r}'s values"),
+                    wide(&download_view(gpu, &values)?),
+                ));
+            }
+            Ok(all)
         };
-        same(
-            "queries",
-            download(gpu, &alone.queries)?,
-            download(gpu, &together.queries)?,
-        )?;
-        same(
-            "store keys",
-            download(gpu, &alone.keys)?,
-            download(gpu, &together.keys)?,
-        )?;
-        same(
-            "store values",
-            download(gpu, &alone.values)?,
-            download(gpu, &together.values)?,
-        )?;
-        same(
-            "store queries",
-            download(gpu, &alone.raw_queries)?,
-            download(gpu, &together.raw_queries)?,
-        )?;
-        for (r, (a, t)) in alone.rings.iter().zip(&together.rings).enumerate() {
-            let ((ak, av), (tk, tv)) = (ops::kv_views(a), ops::kv_views(t));
-            let host = |view| -> Result<Vec<f64>> { Ok(wide(&download_view(gpu, &view)?)) };
-            same(&format!("row {r}'s keys"), host(ak)?, host(tk)?)?;
-            same(&format!("row {r}'s values"), host(av)?, host(tv)?)?;
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for ((what, a), (_, b)) in written(&alone)?.iter().zip(&written(&together)?) {
+            ensure!(bits(a) == bits(b), "{what} differ ({label})");
         }
-        let written = download(gpu, &together.queries)?
+        let nonzero = download(gpu, &together.queries)?
             .iter()
             .filter(|x| **x != 0.0)
             .count();
-        ensure!(written > q_len / 2, "queries mostly unwritten ({label})");
+        ensure!(nonzero > q_len / 2, "queries mostly unwritten ({label})");
         println!("attention_inputs, rows together: {label}: bit for bit");
         Ok(())
     }
