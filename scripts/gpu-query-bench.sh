@@ -16,7 +16,9 @@
 # on (default "cuda cpu"); REPEATS the measured answers per mode (default 2, after a warm-up);
 # WRAP a command that runs decode-bench (e.g. a profiler's); CONTEXT the context length the
 # random models declare (default 262,144: raise it for longer corpora); CONCURRENT numbers of
-# questions to answer together besides (e.g. 1,4,16: decode-bench's `--concurrent`).
+# questions to answer together besides (e.g. 1,4,16: decode-bench's `--concurrent`); SERVE a
+# number of questions sent at once to `kvdb serve --device cuda` on each GPU corpus afterwards
+# (each answer, the time they took and the server's count of batched questions go to serve.log).
 set -euo pipefail
 bundle=${1:?usage: gpu-query-bench.sh BUNDLE_DIR [WORK_DIR]}
 work=${2:-$(mktemp -d)}
@@ -24,6 +26,32 @@ out=${OUT:-gpu-query-bench}
 mkdir -p "$out" "$work"
 export LD_LIBRARY_PATH=$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 kvdb=$bundle/bin/kvdb
+
+# serve_questions PRESET MODEL STORE N INDEX: N greedy questions at once to a GPU server on
+# STORE (its default batching), each answer and the batched count logged to serve.log.
+serve_questions() {
+    local preset=$1 model=$2 store=$3 n=$4 index=$5 addr=127.0.0.1:18080 slog=$out/serve.log
+    echo "# $preset: $n questions at once to kvdb serve --device cuda (index $index)" >>"$slog"
+    # The server runs the models of its folder: this one, linked there.
+    mkdir -p "$work/home/models"
+    ln -sf "$model" "$work/home/models/"
+    KVDB_HOME=$work/home "$kvdb" serve --device cuda --store "$store" --addr "$addr" \
+        >>"$out/serve-stderr.log" 2>&1 &
+    local server=$! i
+    for i in $(seq 120); do curl -sf "http://$addr/health" >/dev/null && break; sleep 1; done
+    local s=$(date +%s.%N)
+    for i in $(seq "$n"); do
+        curl -s "http://$addr/v1/corpora/c/query" -H 'content-type: application/json' \
+            -d "{\"question\": \"Question $i: what does the license say about warranty?\", \"index\": \"$index\", \"max_tokens\": 32}" \
+            >"$out/serve-answer-$preset-$i.json" &
+    done
+    wait $(jobs -p | grep -v "^$server\$") 2>/dev/null || true
+    echo "$n answers in $(awk "BEGIN{print $(date +%s.%N) - $s}") s (the first query uploads the corpus)" >>"$slog"
+    for i in $(seq "$n"); do head -c 300 "$out/serve-answer-$preset-$i.json" >>"$slog"; echo >>"$slog"; done
+    curl -s "http://$addr/metrics" | grep -E "^kvdb_queries_batched_total|^kvdb_queries_total" >>"$slog" || true
+    kill "$server"; wait "$server" 2>/dev/null || true
+    tee -a "$log" <"$slog" >/dev/null
+}
 text=${TEXT:-/usr/share/common-licenses/GPL-3}
 log=$out/query.log
 echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$log"
@@ -63,4 +91,5 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
             echo "FAILED (stderr.log says why)" | tee -a "$log"
         grep "^kvdb: \(loaded\|opened\)" "$out/stderr.log" | tail -n 2 | tee -a "$log"
     done
+    [ -n "${SERVE:-}" ] && serve_questions "$preset" "$model" "$work/store-$preset" "$SERVE" "${modes[-1]}"
 done

@@ -2,7 +2,7 @@
 // fused with the residual add), the fused Q/K/V post-processing of attention's inputs
 // (bias, per-head norms, f16 rounding, the store's copy, RoPE, the KV buffer write), the
 // RoPE of keys already in a KV buffer (a stored corpus's), the gated activation of the MLP,
-// type conversion and a bias add.
+// type conversion, a bias add and the greedy choice of a row of logits.
 //
 // Compiled by NVRTC, once per entry point and element types, with these defines:
 //   TABLE_T, IN_T, OUT_T, KV_T  element types (float, __half or __nv_bfloat16): the embedding
@@ -411,6 +411,54 @@ extern "C" __global__ void ops_convert(const IN_T* __restrict__ x, u64 n, OUT_T*
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (u64)gridDim.x * blockDim.x)
         out[i] = from_float<OUT_T>(to_float(x[i]));
+}
+
+// The greedy choice of each row of logits [rows, n] (float): the first index of the row's
+// largest value, as candle's CPU argmax scans a row (it replaces its pick only by a strictly
+// larger value, so NaNs are never picked, unless the row starts with one: then 0). One block
+// a row. Values are compared by their bits alone (no float arithmetic, so neither fast math
+// nor flushed denormals change a pick): each candidate is a 64-bit key, the value's bits
+// mapped to an order-preserving unsigned integer above the index's complement, and the
+// block takes the largest key.
+__device__ __forceinline__ u64 argmax_key(float x, u32 i) {
+    u32 b = __float_as_uint(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0;  // NaN: below every number's key
+    if (b == 0x80000000u) b = 0;                    // -0 equals +0
+    const u32 ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)ordered << 32) | (u64)(0xffffffffu - i);
+}
+
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(0xffffffffu, v, o);
+        v = other > v ? other : v;
+    }
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    ops_argmax_rows(const float* __restrict__ logits, u32 n, u32* __restrict__ out) {
+    __shared__ u64 scratch[NORM_THREADS / 32];
+    const float* x = logits + (u64)blockIdx.x * n;
+    u64 best = 0;
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+        const u64 key = argmax_key(x[i], i);
+        best = key > best ? key : best;
+    }
+    best = warp_max_u64(best);
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) scratch[warp] = best;
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < blockDim.x / 32 ? scratch[lane] : 0;
+        best = warp_max_u64(best);
+        if (lane == 0) {
+            // A NaN first, or a row of NaNs (no key above 0): candle keeps index 0.
+            const bool first_nan = (__float_as_uint(x[0]) & 0x7fffffffu) > 0x7f800000u;
+            out[blockIdx.x] = first_nan || best == 0 ? 0u : 0xffffffffu - (u32)best;
+        }
+    }
 }
 
 // out [rows, n] += bias [n] (float). Grid-stride over the rows * n elements.

@@ -757,6 +757,32 @@ pub fn convert<I: Float, O: Float>(
     Ok(())
 }
 
+/// The greedy choice of each row of `logits` (`[rows, width]`, f32) into `out` (`[rows]`):
+/// the first index of the row's largest value, NaNs never chosen (a row that starts with one
+/// gives 0), as candle's `argmax` picks on the CPU. What a greedy decode step copies to the
+/// host instead of its logits.
+pub fn argmax_rows(
+    gpu: &Gpu,
+    logits: &CudaView<'_, f32>,
+    width: usize,
+    out: &mut CudaViewMut<'_, u32>,
+) -> Result<()> {
+    let rows = whole_rows("argmax_rows logits [rows, width]", logits.len(), width)?;
+    length("argmax_rows out [rows]", rows, out.len())?;
+    let width = to_u32("argmax_rows width", width)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let kernel = gpu.kernel(SOURCE, "ops_argmax_rows", &[])?;
+    let mut builder = gpu.stream().launch_builder(&kernel);
+    builder.arg(logits).arg(&width).arg(out);
+    // Safety: the arguments match `ops_argmax_rows`; logits hold `rows` rows of `width`, out
+    // `rows` elements.
+    unsafe { builder.launch(rows_config(rows, 1, NORM_THREADS)?) }
+        .map_err(driver("launching ops_argmax_rows"))?;
+    Ok(())
+}
+
 /// The keys and values of a [`KvCache`] (`[kv_heads, capacity, head_dim]` each), as views:
 /// to copy them back, or to hand them to a kernel this crate does not wrap.
 pub fn kv_views<T>(kv: &KvCache<T>) -> (CudaView<'_, T>, CudaView<'_, T>) {

@@ -1145,6 +1145,92 @@ mod on_gpu {
         Ok(())
     }
 
+    // ----------------------------------------------------------------- argmax_rows
+
+    /// The reference: candle's CPU argmax, a scan that takes a value only when it is strictly
+    /// larger than the one held (so the first of equal largest values, never a NaN, and 0
+    /// for a row that starts with a NaN).
+    fn first_largest(row: &[f32]) -> u32 {
+        let (mut at, mut held) = (0, row[0]);
+        for (i, &x) in row.iter().enumerate() {
+            if held < x {
+                (at, held) = (i, x);
+            }
+        }
+        at as u32
+    }
+
+    /// Rows of random values and rows made to trip a pick by bits: ties (the first wins),
+    /// NaNs first, later or everywhere, -0 against +0, infinities, subnormals (which the
+    /// GPU's flush-to-zero arithmetic would equate), all at a decode step's vocabulary
+    /// (Llama 3's 128,256) and at small widths; every pick bit for bit the reference's, and
+    /// nothing written past the rows.
+    #[test]
+    fn argmax_rows_pick_as_candle_does() -> Result<()> {
+        let Some((gpu, mut rng)) = start("argmax_rows_pick_as_candle_does") else {
+            return Ok(());
+        };
+        let nan = f32::NAN;
+        let tiny = f32::from_bits(1); // the smallest subnormal
+        for width in [1usize, 7, 1025, 128_256] {
+            let random = |rng: &mut StdRng| -> Vec<f32> {
+                (0..width).map(|_| rng.random_range(-30.0..30.0)).collect()
+            };
+            let mut rows: Vec<Vec<f32>> = (0..4).map(|_| random(&mut rng)).collect();
+            let last = width - 1;
+            let mid = width / 2;
+            let mut planted = |cells: &[(usize, f32)], base: f32| {
+                let mut row = vec![base; width];
+                for &(i, x) in cells {
+                    row[i] = x;
+                }
+                rows.push(row);
+            };
+            planted(&[(mid, 5.0), (last, 5.0)], 1.0);
+            planted(&[(0, nan), (mid, 9.0)], 1.0);
+            planted(&[(mid, nan), (last, 2.0)], 1.0);
+            planted(&[], nan);
+            planted(&[(0, -0.0), (last, 0.0)], -1.0);
+            planted(&[(last, -0.0)], -f32::INFINITY);
+            planted(&[], -f32::INFINITY);
+            planted(&[(mid, f32::INFINITY), (last, f32::INFINITY)], f32::MAX);
+            planted(&[(last, 2.0 * tiny), (mid, tiny)], 0.0);
+            planted(&[(mid, -tiny)], -2.0 * tiny);
+            let want: Vec<u32> = rows.iter().map(|r| first_largest(r)).collect();
+            let flat: Vec<f32> = rows.concat();
+            let logits = gpu.upload(&flat)?;
+            let mut out = gpu.upload(&vec![u32::MAX; rows.len() + 1])?;
+            ops::argmax_rows(
+                &gpu,
+                &logits.as_view(),
+                width,
+                &mut out.slice_mut(..rows.len()),
+            )?;
+            let got = gpu.download(&out)?;
+            println!("argmax_rows width {width}: {:?}", &got[..rows.len()]);
+            ensure!(
+                got[rows.len()] == u32::MAX,
+                "argmax_rows wrote past its rows"
+            );
+            ensure!(
+                got[..rows.len()] == want[..],
+                "width {width}: got {:?}, want {want:?}",
+                &got[..rows.len()]
+            );
+        }
+        let logits = gpu.upload(&[0f32; 10])?;
+        let mut out = gpu.upload(&[0u32; 3])?;
+        ensure!(
+            ops::argmax_rows(&gpu, &logits.as_view(), 4, &mut out.slice_mut(..)).is_err(),
+            "a ragged last row was taken"
+        );
+        ensure!(
+            ops::argmax_rows(&gpu, &logits.as_view(), 5, &mut out.slice_mut(..)).is_err(),
+            "an output longer than the rows was taken"
+        );
+        Ok(())
+    }
+
     // ----------------------------------------------------------------------- Gemm
 
     /// One shape of `linear`: (rows, n, k).

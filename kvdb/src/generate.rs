@@ -7,7 +7,7 @@ use std::cell::Cell;
 use candle_core::Tensor;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 #[cfg(feature = "gpu")]
-use kvdb_model::Batch;
+use kvdb_model::{Batch, Pick, Picked};
 use kvdb_model::{Forward, Logits, StreamDecoder, Tokenizer};
 use serde::Serialize;
 
@@ -177,14 +177,22 @@ pub(crate) fn continue_generation(
     on_text: &mut dyn FnMut(&str) -> Result<()>,
 ) -> Result<Generation> {
     let started = std::time::Instant::now();
-    let (mut logits, mut decoding) = prefill(sequence, tokenizer, prompt_ids, options)?;
+    let (logits, mut decoding) = prefill(sequence, tokenizer, prompt_ids, options)?;
     let prefill_seconds = started.elapsed().as_secs_f64();
     let started = std::time::Instant::now();
-    while let Some(next) = decoding.next(&logits, on_text)? {
-        logits = sequence
-            .forward(&[next], &Logits::Last)?
-            .ok_or_else(|| Error::Internal("the model returned no logits".into()))?
-            .squeeze(0)?;
+    let mut drawn = decoding.next(Draw::Logits(&logits), on_text)?;
+    while let Some(next) = drawn {
+        drawn = match decoding.greedy {
+            // The device picks the token: no vocabulary of logits crosses to the host.
+            true => decoding.next(Draw::Picked(sequence.forward_greedy(next)?), on_text)?,
+            false => {
+                let logits = sequence
+                    .forward(&[next], &Logits::Last)?
+                    .ok_or_else(|| Error::Internal("the model returned no logits".into()))?
+                    .squeeze(0)?;
+                decoding.next(Draw::Logits(&logits), on_text)?
+            }
+        };
     }
     decoding.finish(prefill_seconds, started.elapsed().as_secs_f64(), on_text)
 }
@@ -232,12 +240,24 @@ pub(crate) fn prefill<'t>(
     Ok((logits, decoding))
 }
 
+/// Where a generation's next token comes from.
+#[derive(Clone, Copy)]
+pub(crate) enum Draw<'a> {
+    /// Sampled from the last position's logits (`[vocab]`).
+    Logits(&'a Tensor),
+    /// Picked already: the model's greedy choice, made on its device
+    /// ([`Forward::forward_greedy`]), for a generation whose sampling is greedy.
+    Picked(u32),
+}
+
 /// One generation's sampling, token by token, from the logits of its last position: the
 /// sampler, the streamed text and stop strings, and when to stop. One sequence's loop and a
 /// batch's each drive one per answer.
 pub(crate) struct Decoding<'t> {
     tokenizer: &'t Tokenizer,
     sampler: LogitsProcessor,
+    /// Whether sampling is greedy (temperature 0): the model may then pick the tokens itself.
+    pub(crate) greedy: bool,
     decoder: StreamDecoder<'t>,
     stops: StopMatcher<'t>,
     max_tokens: usize,
@@ -272,6 +292,7 @@ impl<'t> Decoding<'t> {
         };
         Self {
             tokenizer,
+            greedy: matches!(sampling, Sampling::ArgMax),
             sampler: LogitsProcessor::from_sampling(options.seed, sampling),
             decoder: tokenizer.stream_decoder(),
             stops: StopMatcher::new(&options.stop),
@@ -285,24 +306,25 @@ impl<'t> Decoding<'t> {
         }
     }
 
-    /// Samples a token from `logits` (`[vocab]`, the last position's) and streams its text to
-    /// `on_text`; returns the token for the model to run next, or `None` once the
-    /// generation has ended (end of text, a stop string, `max_tokens`, the context full).
+    /// Draws a token (sampled from the last position's logits, or picked by the model) and
+    /// streams its text to `on_text`; returns the token for the model to run next, or `None`
+    /// once the generation has ended (end of text, a stop string, `max_tokens`, the context
+    /// full).
     pub(crate) fn next(
         &mut self,
-        logits: &Tensor,
+        from: Draw<'_>,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Option<u32>> {
-        match self.draw(logits)? {
+        match self.draw(from)? {
             Some(next) => self.accept(next, on_text),
             None => Ok(None),
         }
     }
 
     /// [`Decoding::next`]'s first half, which needs nothing but this generation (a batch
-    /// draws its answers' tokens in parallel): the token sampled from `logits`, or `None`
-    /// when the generation had already ended.
-    fn draw(&mut self, logits: &Tensor) -> Result<Option<u32>> {
+    /// draws its answers' tokens in parallel): the token drawn, or `None` when the
+    /// generation had already ended.
+    fn draw(&mut self, from: Draw<'_>) -> Result<Option<u32>> {
         if self.stop.is_some() {
             return Ok(None);
         }
@@ -310,7 +332,10 @@ impl<'t> Decoding<'t> {
             self.stop = Some(StopReason::MaxTokens);
             return Ok(None);
         }
-        Ok(Some(self.sampler.sample(logits)?))
+        Ok(Some(match from {
+            Draw::Logits(logits) => self.sampler.sample(logits)?,
+            Draw::Picked(token) => token,
+        }))
     }
 
     /// [`Decoding::next`]'s second half: takes the drawn token `next`, streams its text.
@@ -416,7 +441,7 @@ pub(crate) fn generate_batch(
         let begun = since();
         let (logits, mut decoding) = prefill(batch.sequence(b)?, tokenizer, prompt, options)?;
         prefills.push(since() - begun);
-        let next = decoding.next(&logits, &mut |piece| on_text(b, piece))?;
+        let next = decoding.next(Draw::Logits(&logits), &mut |piece| on_text(b, piece))?;
         if let Some(next) = goes_on(b, &mut decoding, next) {
             step.push((b, next));
         }
@@ -428,16 +453,20 @@ pub(crate) fn generate_batch(
         prefill_seconds: since(),
         ..BatchSteps::default()
     };
+    // Greedy answers' tokens are picked on the device.
+    let pick = match decodings.iter().all(|d| d.greedy) {
+        true => Pick::Greedy,
+        false => Pick::Logits,
+    };
     while !step.is_empty() {
-        let ran = batch.step(&step)?;
-        let logits = ran.logits;
+        let ran = batch.step(&step, pick)?;
         steps.queue_seconds += ran.queued_seconds;
         steps.steps += 1;
         steps.tokens += step.len();
         let sampling = since();
-        // Each answer's token drawn from its row on a thread of its own (the rows are
-        // vocabulary-long: 16 answers of Llama 3 took 3.6 ms one after another), then
-        // streamed in order.
+        // Each answer's token drawn from its row of logits on a thread of its own (the rows
+        // are vocabulary-long: 16 answers of Llama 3 took 3.6 ms one after another), or taken
+        // from the GPU's picks, then streamed in order.
         let mut slots: Vec<Option<&mut Decoding>> = decodings.iter_mut().map(Some).collect();
         let mut rows = Vec::with_capacity(step.len());
         for (row, &(b, _)) in step.iter().enumerate() {
@@ -446,10 +475,19 @@ pub(crate) fn generate_batch(
                 .ok_or_else(|| Error::Internal(format!("answer {b} twice in one step")))?;
             rows.push((b, row, decoding));
         }
-        let drawn = rows
-            .par_iter_mut()
-            .map(|(_, row, decoding)| decoding.draw(&logits.get(*row)?))
-            .collect::<Result<Vec<_>>>()?;
+        let drawn = match &ran.picked {
+            Picked::Logits(logits) => rows
+                .par_iter_mut()
+                .map(|(_, row, decoding)| decoding.draw(Draw::Logits(&logits.get(*row)?)))
+                .collect::<Result<Vec<_>>>()?,
+            Picked::Greedy(tokens) => rows
+                .iter_mut()
+                .map(|(_, row, decoding)| match tokens.get(*row) {
+                    Some(&token) => decoding.draw(Draw::Picked(token)),
+                    None => Err(Error::Internal(format!("no token for row {row}"))),
+                })
+                .collect::<Result<Vec<_>>>()?,
+        };
         let mut following = Vec::with_capacity(step.len());
         for ((b, _, decoding), next) in rows.into_iter().zip(drawn) {
             let next = match next {
@@ -505,7 +543,8 @@ pub struct BatchSteps {
     /// Tokens they ran (a token of each unfinished answer per step).
     pub tokens: usize,
     /// Seconds of the batched steps spent on the host sampling the next tokens from the
-    /// logits and streaming their text (on the CPU: 0, not told apart).
+    /// logits (greedy answers: taking the tokens the GPU picked) and streaming their text
+    /// (on the CPU: 0, not told apart).
     pub sample_seconds: f64,
     /// Seconds of the batched steps the host spent queuing their layers' work
     /// ([`kvdb_model::BatchStep::queued_seconds`]): near the steps' time (less sampling),

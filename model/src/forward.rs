@@ -47,6 +47,16 @@ pub trait Forward {
     /// logits `[rows, vocab]` (f32, on the host) asked for (`None` for [`Logits::None`]).
     fn forward(&mut self, tokens: &[u32], logits: &Logits) -> Result<Option<Tensor>>;
 
+    /// Runs one token at `position()` and returns the greedy choice of the next
+    /// ([`greedy_token`] of its logits). A GPU picks it there and copies only the token to
+    /// the host, not a vocabulary of logits.
+    fn forward_greedy(&mut self, token: u32) -> Result<u32> {
+        let logits = self
+            .forward(&[token], &Logits::Last)?
+            .ok_or_else(|| ModelError::Internal("no logits for the last token".into()))?;
+        greedy_token(&logits.squeeze(0)?)
+    }
+
     /// Takes earlier tokens' pre-RoPE keys and values (`[tokens, n_kv_heads, head_dim]`
     /// each, f32) at `positions` into the state of `layer` without attending: a stored
     /// corpus that later calls continue. Every layer must be given the same end; a
@@ -119,6 +129,16 @@ pub(crate) fn check_call(
         }
     }
     Ok(())
+}
+
+/// The greedy choice from `logits` (`[vocab]`): the first index of the largest value, NaNs
+/// never chosen unless the first value is one (candle's `argmax`, which greedy sampling
+/// uses; the GPU's `argmax_rows` picks the same).
+pub fn greedy_token(logits: &Tensor) -> Result<u32> {
+    Ok(logits
+        .to_dtype(DType::F32)?
+        .argmax(candle_core::D::Minus1)?
+        .to_scalar::<u32>()?)
 }
 
 /// The CPU's [`Forward`]: the model's forward pass with exact attention

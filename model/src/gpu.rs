@@ -13,7 +13,7 @@ use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use half::{bf16, f16};
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut};
 use kvdb_kernels::ops::{self, GateActivation, Norm, QkvShape, RopePairs, Rotary, StoreRows};
@@ -388,16 +388,35 @@ pub trait Batch {
     fn sequence(&mut self, b: usize) -> Result<&mut dyn Forward>;
 
     /// One decode step: each `(b, id)` runs token `id` at sequence `b`'s next position
-    /// (a sequence at most once per step). Returns the logits `[tokens, vocab]` (f32, on
-    /// the host) in the order given.
-    fn step(&mut self, tokens: &[(usize, u32)]) -> Result<BatchStep>;
+    /// (a sequence at most once per step). Returns what `pick` asks of each token's logits,
+    /// in the order given.
+    fn step(&mut self, tokens: &[(usize, u32)], pick: Pick) -> Result<BatchStep>;
+}
+
+/// What a decode step returns for each of its tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// The logits, to sample from on the host.
+    Logits,
+    /// Only the greedy choice of the next token ([`crate::greedy_token`]), picked on the GPU:
+    /// 4 bytes a token cross to the host instead of a vocabulary's logits.
+    Greedy,
+}
+
+/// What a decode step returned, as [`Pick`] asked.
+#[derive(Debug)]
+pub enum Picked {
+    /// The logits `[tokens, vocab]` (f32, on the host).
+    Logits(Tensor),
+    /// Each token's greedy choice of the next.
+    Greedy(Vec<u32>),
 }
 
 /// What a [`Batch::step`] gives back.
 #[derive(Debug)]
 pub struct BatchStep {
-    /// The logits `[tokens, vocab]` (f32, on the host), in the order of the step's tokens.
-    pub logits: Tensor,
+    /// What the step picked, in the order of its tokens.
+    pub picked: Picked,
     /// Seconds the host spent queuing the layers' work; the rest of the step waited for the
     /// GPU to run it and copied the logits. Where this is most of the step, the step is
     /// bound by the host's launches, not by the GPU.
@@ -410,7 +429,7 @@ struct SequenceBatch<'m, T, A> {
     sequences: Vec<Sequence<'m, T, A>>,
     /// The step's activations, a row per token.
     scratch: Option<Scratch<T, A>>,
-    logits: CudaSlice<f32>,
+    picks: PickBuffers,
     /// The streams the rows' attention runs on in a step of several rows, up to
     /// [`LANES`]; made on the first such step.
     lanes: Vec<Lane>,
@@ -452,7 +471,7 @@ impl<'m, T: Float, A: AttentionType> SequenceBatch<'m, T, A> {
                 .map(|external| Sequence::new(model, options, external))
                 .collect::<Result<_>>()?,
             scratch: None,
-            logits: model.gpu.zeros(1)?,
+            picks: PickBuffers::new(&model.gpu)?,
             lanes: Vec::new(),
             projected: model.gpu.event()?,
             raw: None,
@@ -475,7 +494,7 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
         }
     }
 
-    fn step(&mut self, tokens: &[(usize, u32)]) -> Result<BatchStep> {
+    fn step(&mut self, tokens: &[(usize, u32)], pick: Pick) -> Result<BatchStep> {
         let model = self.model;
         let (gpu, c) = (&*model.gpu, &model.config);
         let rows = tokens.len();
@@ -499,10 +518,9 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
             }
             check_call(c, &[id], sequence.position, &Logits::Last)?;
         }
-        let shape = (rows, c.vocab_size);
         if rows == 0 {
             return Ok(BatchStep {
-                logits: Tensor::zeros(shape, DType::F32, &Device::Cpu)?,
+                picked: HostPicks::empty(pick).into_picked(0, c.vocab_size)?,
                 queued_seconds: 0.0,
             });
         }
@@ -596,16 +614,16 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
         });
         let queued_seconds = started.elapsed().as_secs_f64();
         self.raw = Some(raw);
-        let logits = ran.and_then(|()| {
+        let picked = ran.and_then(|()| {
             for &(b, _) in tokens {
                 self.sequences[b].position += 1;
             }
             let all: Vec<usize> = (0..rows).collect();
-            logits_of(model, &mut s, &all, &mut self.logits)
+            pick_rows(model, &mut s, &all, &mut self.picks, pick)
         });
         self.scratch = Some(s);
         Ok(BatchStep {
-            logits: Tensor::from_vec(logits?, shape, &Device::Cpu)?,
+            picked: picked?.into_picked(rows, c.vocab_size)?,
             queued_seconds,
         })
     }
@@ -1006,8 +1024,7 @@ struct Sequence<'m, T, A> {
     scratch: Option<Scratch<T, A>>,
     decode: Option<DecodeBuffers<A>>,
     stored: Option<Vec<StoredChunk>>,
-    /// Logits of the rows asked for, before they are copied to the host.
-    logits: CudaSlice<f32>,
+    picks: PickBuffers,
 }
 
 impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
@@ -1061,7 +1078,7 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
             scratch: None,
             decode: None,
             stored,
-            logits: gpu.zeros(c.vocab_size)?,
+            picks: PickBuffers::new(gpu)?,
         })
     }
 
@@ -1300,9 +1317,9 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         )
     }
 
-    /// One chunk of at most [`MAX_CHUNK`] tokens; returns the logits of `rows` (chunk
-    /// indices), `[rows, vocab]` row-major.
-    fn chunk(&mut self, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>> {
+    /// One chunk of at most [`MAX_CHUNK`] tokens; returns what `pick` asks of the logits of
+    /// `rows` (chunk indices).
+    fn chunk(&mut self, tokens: &[u32], rows: &[usize], pick: Pick) -> Result<HostPicks> {
         let model = self.model;
         let t = tokens.len();
         self.prepare(t)?;
@@ -1332,12 +1349,12 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
             }
             Ok(())
         });
-        let logits = ran.and_then(|()| {
+        let picked = ran.and_then(|()| {
             self.position += t;
-            logits_of(model, &mut s, rows, &mut self.logits)
+            pick_rows(model, &mut s, rows, &mut self.picks, pick)
         });
         self.scratch = Some(s);
-        logits
+        picked
     }
 }
 
@@ -1490,19 +1507,72 @@ fn place_step_rows<T: Float, A: AttentionType>(
     Ok(())
 }
 
-/// The logits of `s`'s rows `rows` (after [`run_layers`]; `s.h` holds their norms), `[rows,
-/// vocab]` row-major on the host, one run of consecutive rows at a time through
-/// `device_logits`.
-fn logits_of<T: Float, A: Float>(
+/// The device buffers a step's picks pass through on their way to the host.
+struct PickBuffers {
+    /// Logits of a run of rows.
+    logits: CudaSlice<f32>,
+    /// The rows' greedy choices.
+    tokens: CudaSlice<u32>,
+}
+
+impl PickBuffers {
+    fn new(gpu: &Gpu) -> Result<Self> {
+        Ok(Self {
+            logits: gpu.zeros(1)?,
+            tokens: gpu.zeros(1)?,
+        })
+    }
+}
+
+/// What [`pick_rows`] copied to the host.
+enum HostPicks {
+    /// `[rows, vocab]` row-major.
+    Logits(Vec<f32>),
+    /// A token per row.
+    Greedy(Vec<u32>),
+}
+
+impl HostPicks {
+    fn empty(pick: Pick) -> Self {
+        match pick {
+            Pick::Logits => Self::Logits(Vec::new()),
+            Pick::Greedy => Self::Greedy(Vec::new()),
+        }
+    }
+
+    fn into_picked(self, rows: usize, vocab: usize) -> Result<Picked> {
+        Ok(match self {
+            Self::Logits(logits) => {
+                Picked::Logits(Tensor::from_vec(logits, (rows, vocab), &Device::Cpu)?)
+            }
+            Self::Greedy(tokens) => Picked::Greedy(tokens),
+        })
+    }
+}
+
+/// What `pick` asks of the logits of `s`'s rows `rows` (after [`run_layers`]; `s.h` holds
+/// their norms), in the order of `rows`, computed one run of consecutive rows at a time
+/// through `buffers`: the logits `[rows, vocab]` on the host, or each row's greedy choice
+/// (picked on the GPU; only the tokens are copied).
+fn pick_rows<T: Float, A: Float>(
     model: &Inner<T, A>,
     s: &mut Scratch<T, A>,
     rows: &[usize],
-    device_logits: &mut CudaSlice<f32>,
-) -> Result<Vec<f32>> {
+    buffers: &mut PickBuffers,
+    pick: Pick,
+) -> Result<HostPicks> {
     let (gpu, c) = (&*model.gpu, &model.config);
     let (hidden, vocab) = (c.hidden_size, c.vocab_size);
     let output = model.output.as_ref().unwrap_or(&model.embedding);
-    let mut logits = vec![0f32; rows.len() * vocab];
+    let mut picked = HostPicks::empty(pick);
+    match &mut picked {
+        HostPicks::Logits(logits) => logits.resize(rows.len() * vocab, 0.0),
+        HostPicks::Greedy(tokens) => tokens.resize(rows.len(), 0),
+    }
+    if pick == Pick::Greedy && buffers.tokens.len() < rows.len() {
+        buffers.tokens = gpu.zeros(rows.len())?;
+    }
+    let device_logits = &mut buffers.logits;
     let mut i = 0;
     while i < rows.len() {
         let mut run = 1;
@@ -1534,19 +1604,38 @@ fn logits_of<T: Float, A: Float>(
             false,
             &mut device_logits.slice_mut(..run * vocab),
         )?;
-        gpu.stream()
-            .memcpy_dtoh(
+        match &mut picked {
+            HostPicks::Logits(logits) => {
+                gpu.stream()
+                    .memcpy_dtoh(
+                        &device_logits.slice(..run * vocab),
+                        &mut logits[i * vocab..(i + run) * vocab],
+                    )
+                    .map_err(|e| KernelError::Driver {
+                        op: "copying logits",
+                        source: e,
+                    })?;
+                gpu.synchronize()?;
+            }
+            HostPicks::Greedy(_) => ops::argmax_rows(
+                gpu,
                 &device_logits.slice(..run * vocab),
-                &mut logits[i * vocab..(i + run) * vocab],
-            )
+                vocab,
+                &mut buffers.tokens.slice_mut(i..i + run),
+            )?,
+        }
+        i += run;
+    }
+    if let HostPicks::Greedy(tokens) = &mut picked {
+        gpu.stream()
+            .memcpy_dtoh(&buffers.tokens.slice(..rows.len()), tokens)
             .map_err(|e| KernelError::Driver {
-                op: "copying logits",
+                op: "copying greedy tokens",
                 source: e,
             })?;
         gpu.synchronize()?;
-        i += run;
     }
-    Ok(logits)
+    Ok(picked)
 }
 
 /// Widths of a token's queries and of its stacked query, key and value projections.
@@ -1722,6 +1811,16 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
         true
     }
 
+    fn forward_greedy(&mut self, token: u32) -> Result<u32> {
+        check_call(&self.model.config, &[token], self.position, &Logits::Last)?;
+        match self.chunk(&[token], &[0], Pick::Greedy)? {
+            HostPicks::Greedy(tokens) if tokens.len() == 1 => Ok(tokens[0]),
+            _ => Err(ModelError::Internal(
+                "a greedy step returned no token".into(),
+            )),
+        }
+    }
+
     fn forward(&mut self, tokens: &[u32], logits: &Logits) -> Result<Option<Tensor>> {
         let t = tokens.len();
         if t == 0 {
@@ -1745,7 +1844,9 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
                 .collect();
             here.sort_unstable();
             here.dedup();
-            let chunk_logits = self.chunk(chunk, &here)?;
+            let HostPicks::Logits(chunk_logits) = self.chunk(chunk, &here, Pick::Logits)? else {
+                return Err(ModelError::Internal("a chunk returned no logits".into()));
+            };
             order.extend(here.iter().map(|&r| r + first));
             out.extend(chunk_logits);
         }

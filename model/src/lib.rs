@@ -45,13 +45,14 @@ pub use config::{
 };
 pub use error::{ModelError, Result};
 pub use forward::{
-    BackendSequence, CpuSequence, Forward, SequenceOptions, StoredKv, CPU_PREFILL_CHUNK,
+    greedy_token, BackendSequence, CpuSequence, Forward, SequenceOptions, StoredKv,
+    CPU_PREFILL_CHUNK,
 };
 pub use gguf::GgufFile;
 #[cfg(feature = "gpu")]
 pub use gpu::{
-    rope_pairs, Batch, BatchStep, ExternalAttention, GpuModel, LayerAttention, LayerCall,
-    Precision, MAX_CHUNK as GPU_MAX_CHUNK,
+    rope_pairs, Batch, BatchStep, ExternalAttention, GpuModel, LayerAttention, LayerCall, Pick,
+    Picked, Precision, MAX_CHUNK as GPU_MAX_CHUNK,
 };
 #[cfg(feature = "gpu")]
 pub use kvdb_kernels::{Gemm, Gpu, KernelError};

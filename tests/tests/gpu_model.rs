@@ -27,7 +27,8 @@ mod on_gpu {
     use anyhow::{ensure, Result};
     use candle_core::{Device, Tensor};
     use kvdb_model::{
-        Forward, Gpu, GpuModel, LoadOptions, Logits, Model, Precision, SequenceOptions, WeightMode,
+        greedy_token, Forward, Gpu, GpuModel, LoadOptions, Logits, Model, Pick, Picked, Precision,
+        SequenceOptions, WeightMode,
     };
     use kvdb_tests::{random_tokens, relative_max_error, TinyModel};
 
@@ -127,6 +128,20 @@ mod on_gpu {
         Ok(())
     }
 
+    /// Greedy continuation of `prompt` for `steps` tokens, each picked on the device
+    /// ([`Forward::forward_greedy`]) after the prompt's first.
+    fn greedy_picked(sequence: &mut dyn Forward, prompt: &[u32], steps: usize) -> Result<Vec<u32>> {
+        let logits = sequence
+            .forward(prompt, &Logits::Last)?
+            .ok_or_else(|| anyhow::anyhow!("no logits"))?;
+        let mut out = vec![greedy_token(&logits.squeeze(0)?)?];
+        while out.len() < steps {
+            let next = sequence.forward_greedy(out[out.len() - 1])?;
+            out.push(next);
+        }
+        Ok(out)
+    }
+
     /// Greedy continuation of `prompt` for `steps` tokens.
     fn greedy(sequence: &mut dyn Forward, prompt: &[u32], steps: usize) -> Result<Vec<u32>> {
         let mut out = Vec::new();
@@ -147,7 +162,8 @@ mod on_gpu {
     /// when it runs alone: six prompts of different lengths (more rows than a step has
     /// lanes, so that lanes take several rows), prefilled alone, then fed the same tokens
     /// step by step, the batch with one sequence sitting out some steps (its position
-    /// stays). Both precisions; bad steps are refused.
+    /// stays). A twin batch fed the same steps picks greedy tokens on the GPU: each is the
+    /// first batch's row's greedy choice. Both precisions; bad steps are refused.
     #[test]
     fn batched_steps_match_sequences_alone() -> Result<()> {
         let Some(gpu) = gpu("batched_steps_match_sequences_alone") else {
@@ -165,9 +181,11 @@ mod on_gpu {
             for (precision, tolerance) in [(Precision::F32, 1e-4), (Precision::Bf16, 1e-2)] {
                 let gpu_model = GpuModel::new(&model, gpu.clone(), precision)?;
                 let mut batch = gpu_model.batch_with((0..sequences).map(|_| None).collect())?;
+                let mut twin = gpu_model.batch_with((0..sequences).map(|_| None).collect())?;
                 let mut worst = 0f32;
                 for (b, prompt) in prompts.iter().enumerate() {
                     batch.sequence(b)?.forward(prompt, &Logits::None)?;
+                    twin.sequence(b)?.forward(prompt, &Logits::None)?;
                 }
                 // Sequence 1 sits out every third step.
                 let mut fed: Vec<Vec<u32>> = prompts.clone();
@@ -177,15 +195,27 @@ mod on_gpu {
                         .filter(|&b| b != 1 || i % 3 != 2)
                         .map(|b| (b, tokens[b]))
                         .collect();
-                    let logits = batch.step(&step)?.logits;
+                    let Picked::Logits(logits) = batch.step(&step, Pick::Logits)?.picked else {
+                        anyhow::bail!("{name}: a step asked for logits returned none");
+                    };
                     ensure!(
                         logits.dims() == [step.len(), spec.vocab],
                         "{:?}",
                         logits.dims()
                     );
+                    let Picked::Greedy(picked) = twin.step(&step, Pick::Greedy)?.picked else {
+                        anyhow::bail!("{name}: a greedy step returned no tokens");
+                    };
+                    ensure!(picked.len() == step.len(), "{name}: {picked:?}");
                     for (row, &(b, id)) in step.iter().enumerate() {
                         fed[b].push(id);
-                        batched[b].push(logits.get(row)?.unsqueeze(0)?);
+                        let row_logits = logits.get(row)?;
+                        ensure!(
+                            picked[row] == greedy_token(&row_logits)?,
+                            "{name} {precision:?}: step {i} row {row} picked {}",
+                            picked[row]
+                        );
+                        batched[b].push(row_logits.unsqueeze(0)?);
                     }
                 }
                 for (b, tokens) in fed.iter().enumerate() {
@@ -207,7 +237,12 @@ mod on_gpu {
                     vec![(0, 1), (0, 2)],
                     vec![(0, spec.vocab as u32)],
                 ] {
-                    ensure!(batch.step(&bad).is_err(), "{name}: step {bad:?} was taken");
+                    for pick in [Pick::Logits, Pick::Greedy] {
+                        ensure!(
+                            batch.step(&bad, pick).is_err(),
+                            "{name}: step {bad:?} was taken"
+                        );
+                    }
                 }
             }
         }
@@ -233,8 +268,17 @@ mod on_gpu {
                 &prompt,
                 32,
             )?;
-            println!("{name}: cpu {cpu:?}\n{name}: gpu {ours:?}");
+            let picked = greedy_picked(
+                &mut *gpu_model.sequence(&SequenceOptions::default())?,
+                &prompt,
+                32,
+            )?;
+            println!("{name}: cpu {cpu:?}\n{name}: gpu {ours:?}\n{name}: picked {picked:?}");
             ensure!(ours == cpu, "{name}: greedy generations differ");
+            ensure!(
+                picked == cpu,
+                "{name}: tokens picked on the GPU differ from the CPU's greedy generation"
+            );
         }
         Ok(())
     }
