@@ -17,6 +17,7 @@ pub(crate) struct Metrics {
     pub(crate) rejected: IntCounter,
     pub(crate) cancelled: IntCounter,
     pub(crate) batched: IntCounter,
+    pub(crate) corpus_opens: IntCounter,
     pub(crate) queue_depth: IntGauge,
     pub(crate) running: IntGauge,
     pub(crate) first_token_seconds: Histogram,
@@ -60,6 +61,11 @@ impl Metrics {
             batched: IntCounter::new(
                 "queries_batched_total",
                 "Queries answered in one batch with others (each counted)",
+            )?,
+            corpus_opens: IntCounter::new(
+                "corpus_opens_total",
+                "Corpora opened for queries (their RAM tier loaded), first uses and reopenings \
+                 after a change",
             )?,
             cancelled: IntCounter::new(
                 "queries_cancelled_total",
@@ -112,6 +118,7 @@ impl Metrics {
         r.register(Box::new(m.rejected.clone()))?;
         r.register(Box::new(m.cancelled.clone()))?;
         r.register(Box::new(m.batched.clone()))?;
+        r.register(Box::new(m.corpus_opens.clone()))?;
         r.register(Box::new(m.queue_depth.clone()))?;
         r.register(Box::new(m.running.clone()))?;
         r.register(Box::new(m.first_token_seconds.clone()))?;

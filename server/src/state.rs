@@ -58,6 +58,10 @@ pub(crate) struct OpenCorpus {
 #[derive(Debug, Default)]
 struct CorpusCache {
     open: HashMap<String, Arc<OpenCorpus>>,
+    /// Held while a corpus opens: the queries that want it meanwhile wait for that open
+    /// rather than each loading its own copy of the RAM tier (four first questions at once
+    /// on a 120K-token Llama-3-8B corpus took 130 GB and the server was killed).
+    opening: HashMap<String, Arc<Mutex<()>>>,
     /// Bumped by every invalidation, so that an open that raced a commit is not cached.
     generation: HashMap<String, u64>,
 }
@@ -113,8 +117,21 @@ impl AppState {
         }
     }
 
-    /// Corpus `name`, opened on first use (blocking: run it off the async executor).
+    /// Corpus `name`, opened on first use, once however many queries ask for it at the same
+    /// time (blocking: run it off the async executor).
     pub(crate) fn corpus(&self, name: &str) -> ApiResult<Arc<OpenCorpus>> {
+        let gate = {
+            let mut cache = self.lock_cache()?;
+            if let Some(open) = cache.open.get(name) {
+                return Ok(open.clone());
+            }
+            cache.opening.entry(name.to_string()).or_default().clone()
+        };
+        // Opened outside the cache's lock (queries of other corpora do not wait for it) but
+        // under the corpus's gate: whoever waited there finds it open.
+        let _opening = gate
+            .lock()
+            .map_err(|_| ApiError::internal("a corpus open panicked"))?;
         let generation = {
             let cache = self.lock_cache()?;
             if let Some(open) = cache.open.get(name) {
@@ -122,7 +139,7 @@ impl AppState {
             }
             cache.generation.get(name).copied().unwrap_or(0)
         };
-        // Opened outside the lock: queries of other corpora do not wait for it.
+        self.metrics.corpus_opens.inc();
         let manifest = self.store.manifest(name)?;
         let model = self.models.for_corpus(&manifest)?;
         let corpus = Corpus::open(

@@ -750,6 +750,27 @@ async fn waiting_questions_are_answered_together_as_alone() -> Result<()> {
     Ok(())
 }
 
+/// Questions that reach a corpus nobody has asked yet at the same time open it once: each
+/// loading its own RAM tier took 130 GB for four questions on a 120K-token Llama-3-8B corpus
+/// on a GPU server, which the kernel killed. Six at once, each with a worker; checked to open
+/// the corpus several times without the corpus's open gate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_corpus_asked_by_several_at_once_opens_once() -> Result<()> {
+    let s = with_corpus(|c| {
+        c.max_concurrent = 6;
+        c.max_tokens = 8192;
+    })
+    .await?;
+    assert_eq!(s.metric("kvdb_corpus_opens_total", "").await?, 0.0);
+    let questions =
+        (0..6).map(|i| json!({"question": format!("Where is house {i}?"), "max_tokens": 2}));
+    futures::future::try_join_all(questions.map(|q| ask(&s, q))).await?;
+    assert_eq!(s.metric("kvdb_corpus_opens_total", "").await?, 1.0);
+    ask(&s, json!({"question": "And house 9?", "max_tokens": 2})).await?;
+    assert_eq!(s.metric("kvdb_corpus_opens_total", "").await?, 1.0);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_queue_answers_429_and_a_gone_client_stops_its_generation() -> Result<()> {
     let s = with_corpus(|c| {
