@@ -1,14 +1,16 @@
-//! [`IvfIndex`]: faiss's IndexIVFFlat with inner product, searched list by list.
+//! [`IvfIndex`]: an inverted-file index over faiss's flat quantizer, searched list by list.
 //!
 //! The partition's `C` centroids come from [`crate::kmeans`] (k-means++ seeding: faiss's
-//! random seeding loses clusters) and are handed to faiss as its trained quantizer; faiss
-//! assigns the keys to inverted lists by inner product. The search is ours, so that a GQA
-//! group probes one set of lists and every score it computes is counted:
+//! random seeding loses clusters) and are held by a faiss flat index, which assigns each key
+//! to the list of its nearest centroid (faiss's IndexIVFFlat assigns keys with exactly this
+//! call, but also stores a copy of every key in its lists, which the search never reads).
+//! The lists are ids only; the search is ours, so that a GQA group probes one set of lists
+//! and every score it computes is counted:
 //!
 //! 1. the group's queries are scored against the `C` centroids and the `np` lists with the
 //!    best group score (maximum over the heads, as for keys) are probed;
-//! 2. the probed lists' ids (read from faiss's inverted lists) restricted to the candidates
-//!    are either all attended (`all`) or re-scored exactly on RoPE'd keys, keeping the top k.
+//! 2. the probed lists' ids restricted to the candidates are either all attended (`all`) or
+//!    re-scored exactly on RoPE'd keys, keeping the top k.
 //!
 //! By default the partition is built on RoPE'd keys (each key rotated at its id) and probed
 //! with the query rotated at its position. `norope` trains, assigns and probes on de-roped
@@ -20,14 +22,17 @@
 //! Without a sample (a corpus ingested before samples were kept) it is built, and says so, as
 //! the same spec without `fit`.
 //!
-//! Saved bytes hold the centroids (and the fitted routing) alone; loading has faiss assign the keys (which are in the
-//! store) to their lists again, so the saved form does not duplicate the keys.
+//! Saved bytes hold the centroids (and the fitted routing) alone; loading has faiss assign the
+//! keys (which are in the store) to their lists again, so the saved form does not duplicate
+//! the keys. In memory the index keeps the keys (rotated, f32) only where its search reads
+//! them: `norope,all` probes with pre-RoPE queries and attends whole lists, so it holds the
+//! centroids and the lists' ids alone (on a GPU, where it routes, its memory is a few bytes
+//! a key rather than twice the keys in f32).
 
 use std::time::Instant;
 
-use faiss::index::ivf_flat::IVFFlatIndexImpl;
-use faiss::index::NativeIndex;
 use faiss::{FlatIndex as FaissFlat, Index as _};
+use kvdb_model::Rope;
 use serde::{Deserialize, Serialize};
 
 use crate::common::{check_add, check_query, decode, eligible, encode, top_indices};
@@ -49,15 +54,21 @@ pub(crate) const MIN_KEYS_PER_LIST: usize = 16;
 /// Lloyd iterations of the partition's k-means.
 const KMEANS_ITERATIONS: usize = 20;
 
-/// faiss IVF-Flat with inner product; see the module documentation.
+/// Inverted lists over faiss's flat quantizer; see the module documentation.
 pub struct IvfIndex {
     /// As built (lists reduced when there were too few keys).
     spec: IvfSpec,
     /// As asked for.
     requested: IvfSpec,
-    faiss: IVFFlatIndexImpl,
-    /// The keys rotated at their ids, for exact re-scoring.
-    keys: FlatIndex,
+    /// The centroids in a faiss flat L2 index: what assigns keys to lists.
+    quantizer: FaissFlat,
+    /// The layer's RoPE.
+    rope: Rope,
+    /// Keys indexed.
+    len: usize,
+    /// The keys rotated at their ids, for exact re-scoring and a RoPE'd partition; `None`
+    /// where the search reads neither ([`keeps_keys`]).
+    keys: Option<FlatIndex>,
     /// The partition's centroids `[lists, d]` (in the space the partition lives in).
     centroids: Vec<f32>,
     /// Ids of each list, ascending.
@@ -118,11 +129,21 @@ impl IvfIndex {
             rotated.rows()
         };
         let centroids = kmeans(space, d, effective.lists, KMEANS_ITERATIONS, context.seed)?;
-        let mut index =
-            Self::with_centroids(effective, *spec, rotated, centroids, BuildStats::default())?;
+        let mut index = Self::with_centroids(
+            effective,
+            *spec,
+            context.rope.clone(),
+            Some(rotated),
+            centroids,
+            BuildStats::default(),
+        )?;
         index.assign(keys, 0)?;
         if effective.fit {
             index.fit_routing(context, &mut warnings)?;
+        }
+        // Fitting read the rotated keys; a search that reads none lets them go.
+        if !keeps_keys(&index.spec) {
+            index.keys = None;
         }
         index.stats = BuildStats::finished(n, context.seed, started, warnings);
         Ok(index)
@@ -150,8 +171,6 @@ impl IvfIndex {
                 spec.lists
             )));
         }
-        let mut rotated = FlatIndex::new(context.rope.clone());
-        rotated.add(keys)?;
         if let Some(routing) = &body.routing {
             if routing.vectors.len() != body.centroids.len() || routing.bias.len() != spec.lists {
                 return Err(IndexError::Corrupt(format!(
@@ -167,7 +186,22 @@ impl IvfIndex {
             fit: body.routing.is_some(),
             ..*spec
         };
-        let mut index = Self::with_centroids(built, *spec, rotated, body.centroids, stats)?;
+        let rotated = match keeps_keys(&built) {
+            true => {
+                let mut rotated = FlatIndex::new(context.rope.clone());
+                rotated.add(keys)?;
+                Some(rotated)
+            }
+            false => None,
+        };
+        let mut index = Self::with_centroids(
+            built,
+            *spec,
+            context.rope.clone(),
+            rotated,
+            body.centroids,
+            stats,
+        )?;
         index.routing = body.routing;
         index.assign(keys, 0)?;
         Ok(index)
@@ -180,11 +214,11 @@ impl IvfIndex {
         context: &BuildContext<'_>,
         warnings: &mut Vec<String>,
     ) -> Result<()> {
-        let fitted = match &context.queries {
-            Some(sample) => {
-                FittedRouting::fit(sample, &self.keys, &self.assignments(), &self.centroids)?
+        let fitted = match (&context.queries, &self.keys) {
+            (Some(sample), Some(keys)) => {
+                FittedRouting::fit(sample, keys, &self.assignments(), &self.centroids)?
             }
-            None => None,
+            _ => None,
         };
         match fitted {
             Some((routing, _)) => self.routing = Some(routing),
@@ -201,87 +235,79 @@ impl IvfIndex {
         Ok(())
     }
 
-    /// An index over `keys` (not yet assigned) whose faiss quantizer holds `centroids`
-    /// (none: nothing trained yet).
+    /// An index (over no keys yet: `keys` holds the rotated ones to come, or is `None`)
+    /// whose faiss quantizer holds `centroids` (none: nothing trained yet).
     fn with_centroids(
         spec: IvfSpec,
         requested: IvfSpec,
-        keys: FlatIndex,
+        rope: Rope,
+        keys: Option<FlatIndex>,
         centroids: Vec<f32>,
         stats: BuildStats,
     ) -> Result<Self> {
-        let d = keys.head_dim();
         // Keys join the list of their nearest centroid in L2, the geometry k-means placed
         // the centroids in (by inner product, long centroids would swallow other clusters'
         // keys); lists are probed by inner product, the mean logit of a list's keys.
-        let mut quantizer = FaissFlat::new_l2(d as u32)?;
+        let mut quantizer = FaissFlat::new_l2(rope.head_dim() as u32)?;
         quantizer.add(&centroids)?;
-        let mut faiss = IVFFlatIndexImpl::new_ip(quantizer, d as u32, spec.lists as u32)?;
-        if !centroids.is_empty() {
-            // The quantizer already holds `lists` centroids, so faiss skips its k-means and
-            // only marks the index trained.
-            faiss.train(&centroids)?;
-        }
+        let lists = vec![Vec::new(); centroids.len() / rope.head_dim()];
         Ok(Self {
             spec,
             requested,
-            faiss,
+            quantizer,
+            rope,
+            len: 0,
             keys,
             centroids,
-            lists: Vec::new(),
+            lists,
             routing: None,
             stats,
         })
     }
 
-    /// Has faiss assign the keys from id `first` on (already in `self.keys`; `pre_rope` are
-    /// the same keys before rotation) to their lists, and mirrors the lists.
+    /// Has faiss assign `pre_rope`, the keys from id `first` on (already in `self.keys`
+    /// rotated, where it keeps them), to the list of their nearest centroid.
     fn assign(&mut self, pre_rope: &[f32], first: usize) -> Result<()> {
         if pre_rope.is_empty() {
             return Ok(());
         }
         let d = self.head_dim();
-        let space = if self.spec.norope {
-            pre_rope
-        } else {
-            &self.keys.rows()[first * d..]
+        let space = match (&self.keys, self.spec.norope) {
+            (_, true) => pre_rope,
+            (Some(keys), false) => &keys.rows()[first * d..],
+            (None, false) => {
+                return Err(IndexError::Corrupt(
+                    "a RoPE'd partition without its rotated keys".into(),
+                ))
+            }
         };
-        let ids: Vec<faiss::Idx> = (first..self.keys.len())
-            .map(|i| faiss::Idx::new(i as u64))
-            .collect();
-        self.faiss.add_with_ids(space, &ids)?;
-        self.lists = inverted_lists(&self.faiss, self.spec.lists)?;
+        let assigned = self.quantizer.assign(space, 1)?;
+        for (i, label) in assigned.labels.iter().enumerate() {
+            let list = label
+                .get()
+                .map(|l| l as usize)
+                .filter(|&l| l < self.lists.len())
+                .ok_or_else(|| IndexError::FaissOutput(format!("key {} in no list", first + i)))?;
+            let id = u32::try_from(first + i)
+                .map_err(|_| IndexError::FaissOutput(format!("token id {}", first + i)))?;
+            self.lists[list].push(id);
+        }
+        self.len = first + pre_rope.len() / d;
         Ok(())
+    }
+
+    /// The rotated keys, which a search that re-scores or probes a RoPE'd partition reads.
+    fn rotated(&self) -> Result<&FlatIndex> {
+        self.keys
+            .as_ref()
+            .ok_or_else(|| IndexError::Corrupt("an ivf index without its rotated keys".into()))
     }
 }
 
-/// The ids of every inverted list, each ascending.
-fn inverted_lists(faiss: &IVFFlatIndexImpl, lists: usize) -> Result<Vec<Vec<u32>>> {
-    // SAFETY: each list is read into a buffer of the size faiss reports for it.
-    unsafe {
-        let ivf = faiss_sys::faiss_IndexIVF_cast(faiss.inner_ptr());
-        if ivf.is_null() {
-            return Err(IndexError::FaissOutput("an index that is not IVF".into()));
-        }
-        (0..lists)
-            .map(|list| {
-                let size = faiss_sys::faiss_IndexIVF_get_list_size(ivf, list);
-                let mut ids: Vec<faiss_sys::idx_t> = vec![0; size];
-                if size > 0 {
-                    faiss_sys::faiss_IndexIVF_invlists_get_ids(ivf, list, ids.as_mut_ptr());
-                }
-                let mut ids = ids
-                    .into_iter()
-                    .map(|id| {
-                        u32::try_from(id)
-                            .map_err(|_| IndexError::FaissOutput(format!("token id {id}")))
-                    })
-                    .collect::<Result<Vec<u32>>>()?;
-                ids.sort_unstable();
-                Ok(ids)
-            })
-            .collect()
-    }
+/// Whether an index of `spec` keeps its rotated keys: unless it partitions pre-RoPE keys and
+/// attends whole lists, its search rotates queries into them and re-scores them.
+fn keeps_keys(spec: &IvfSpec) -> bool {
+    !(spec.norope && spec.all)
 }
 
 impl StatelessSearch for IvfIndex {
@@ -294,7 +320,10 @@ impl StatelessSearch for IvfIndex {
             return Ok(Found::default());
         }
         // Rotated once: to probe a RoPE'd partition and to re-score keys.
-        let rotated = (!self.spec.norope || !whole).then(|| self.keys.rotate_query(query));
+        let rotated = match !self.spec.norope || !whole {
+            true => Some(self.rotated()?.rotate_query(query)),
+            false => None,
+        };
         let partition = match &rotated {
             Some(r) if !self.spec.norope => &r[..],
             _ => query.queries,
@@ -323,7 +352,7 @@ impl StatelessSearch for IvfIndex {
         let selection = match &rotated {
             Some(queries) if !whole => {
                 scored += ids.len();
-                let best = self.keys.top_of(queries, ids.into_iter(), params.k);
+                let best = self.rotated()?.top_of(queries, ids.into_iter(), params.k);
                 best.into_iter().map(|(_, id)| id).collect()
             }
             _ => Selection::new(ids),
@@ -358,11 +387,11 @@ impl KeyIndex for IvfIndex {
     }
 
     fn head_dim(&self) -> usize {
-        self.keys.head_dim()
+        self.rope.head_dim()
     }
 
     fn len(&self) -> usize {
-        self.keys.len()
+        self.len
     }
 
     fn add(&mut self, keys: &[f32]) -> Result<()> {
@@ -371,7 +400,7 @@ impl KeyIndex for IvfIndex {
         if self.centroids.is_empty() {
             // Built over no keys: nothing was trained yet, so this add is the build.
             let context = BuildContext {
-                rope: self.keys.rope().clone(),
+                rope: self.rope.clone(),
                 seed: self.stats.seed,
                 saap: None,
                 queries: None,
@@ -380,7 +409,9 @@ impl KeyIndex for IvfIndex {
             return Ok(());
         }
         let first = self.len();
-        self.keys.add(keys)?;
+        if let Some(rotated) = &mut self.keys {
+            rotated.add(keys)?;
+        }
         self.assign(keys, first)?;
         self.stats.record_add(adding, started);
         Ok(())
@@ -392,9 +423,9 @@ impl KeyIndex for IvfIndex {
 
     fn memory_bytes(&self) -> usize {
         let ids: usize = self.lists.iter().map(Vec::capacity).sum();
-        // faiss holds a second copy of every key (in the partition's space) and its id.
-        let faiss = self.len() * (self.head_dim() * 4 + 8) + self.centroids.len() * 4;
-        self.keys.memory_bytes() + self.centroids.capacity() * 4 + ids * 4 + faiss
+        // The quantizer holds a second copy of the centroids.
+        let keys = self.keys.as_ref().map_or(0, FlatIndex::memory_bytes);
+        keys + 2 * self.centroids.capacity() * 4 + ids * 4
     }
 
     fn build_stats(&self) -> &BuildStats {

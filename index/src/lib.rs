@@ -13,7 +13,7 @@
 //! | [`KeyIndex`] | the seam: `add` keys incrementally, open a per-query [`Searcher`], memory, [`BuildStats`], `save` |
 //! | [`Searcher`] | one query's search state across its decode steps (InfiniteHiP caches its stages there) |
 //! | [`FlatIndex`] | exact maximum inner product search over every stored key |
-//! | `IvfIndex` | faiss IndexIVFFlat (feature `faiss`), top-k of the probed lists or all of them; lists ranked by centroid or (`fit`) by a routing fitted on a [`QuerySample`] |
+//! | `IvfIndex` | inverted lists assigned by faiss's flat quantizer (feature `faiss`), top-k of the probed lists or all of them; lists ranked by centroid or (`fit`) by a routing fitted on a [`QuerySample`] |
 //! | [`BuildContext`], [`QuerySample`] | what a build needs besides the keys: RoPE, seed, SAAP's trained head, the corpus's sampled queries |
 //! | [`HnswIndex`] | hnsw_rs over keys augmented so that inner product becomes distance |
 //! | [`QgraphIndex`] | an attention-aware graph: k-means cell neighbours plus shortcuts between the keys the corpus's sampled queries attended together (RoarGraph's projection), walked by the group's inner product |

@@ -33,7 +33,8 @@ a kind alone means its default (measured in docs/benchmarks.md, \"Default specs\
 /// returns it). `qgraph` is not among them yet: it has no default that answers the CI needle.
 pub const KINDS: [&str; 7] = ["flat", "ivf", "hnsw", "lsh", "saap", "hip", "ihip"];
 
-/// `ivf<C>,np<P>[,norope][,all][,fit]`: faiss IndexIVFFlat with inner product.
+/// `ivf<C>,np<P>[,norope][,all][,fit]`: inverted lists over faiss's flat quantizer, probed
+/// by inner product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct IvfSpec {
     /// Inverted lists (k-means centroids).

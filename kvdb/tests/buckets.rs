@@ -318,6 +318,94 @@ fn centroid_routing_is_the_search() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// ivf's lists put each key with its nearest centroid (L2, the geometry k-means placed them
+/// in), each id once, ascending, in any order of adds; a `norope,all` index keeps none of the
+/// keys (a few bytes a key: its search reads only centroids and lists) while a top-k one
+/// keeps its rotated keys; a saved index loads to the same lists and searches.
+#[test]
+fn ivf_lists_hold_each_key_at_its_nearest_centroid_and_all_keeps_no_keys() -> anyhow::Result<()> {
+    let (seed, mut rng) = seeded();
+    let data = clustered(&mut rng);
+    let context = BuildContext {
+        rope: data.rope.clone(),
+        seed,
+        saap: None,
+        queries: None,
+    };
+    let key_bytes = N * D * size_of::<f32>();
+    for (spec, keeps) in [("ivf64,np3,norope,all", false), ("ivf64,np3,norope", true)] {
+        let spec: IndexSpec = spec.parse()?;
+        // Built over the first half, then the rest added: the lists must not depend on it.
+        let half = N / 2 * D;
+        let mut index = kvdb_index::build(&spec, &context, &data.keys[..half])?;
+        index.add(&data.keys[half..])?;
+        let memory = index.memory_bytes();
+        match keeps {
+            true => assert!(memory >= key_bytes, "{spec}: {memory} bytes"),
+            false => assert!(memory < key_bytes / 8, "{spec}: {memory} bytes"),
+        }
+        let buckets = index.as_buckets().expect("ivf is a bucket index");
+        let of = buckets.assignments();
+        let all = kvdb_index::build(
+            &"ivf64,np3,norope,all".parse::<IndexSpec>()?,
+            &context,
+            &data.keys[..half],
+        )?;
+        let routing = all.as_buckets().and_then(|b| b.gpu_routing());
+        let Some(BucketScores::Centroids(centroids)) = routing.map(|r| r.scores) else {
+            panic!("ivf…,norope,all routes by centroids");
+        };
+        // The same build trained the same centroids (same keys, same seed).
+        let distance = |key: &[f32], c: &[f32]| -> f64 {
+            key.iter()
+                .zip(c)
+                .map(|(a, b)| (f64::from(*a) - f64::from(*b)).powi(2))
+                .sum()
+        };
+        for (id, key) in data.keys.chunks_exact(D).enumerate() {
+            let mine = distance(key, &centroids[of[id] as usize * D..][..D]);
+            let best = centroids
+                .chunks_exact(D)
+                .map(|c| distance(key, c))
+                .fold(f64::INFINITY, f64::min);
+            // f32 distances (faiss's) against f64: near-ties may go either way.
+            assert!(
+                mine <= best * (1.0 + 1e-4) + 1e-4,
+                "seed {seed}, {spec}: key {id} at {mine}, its nearest centroid at {best}"
+            );
+        }
+        if let Some(own) = buckets.gpu_routing() {
+            let mut seen = vec![false; N];
+            for list in own.lists {
+                assert!(list.windows(2).all(|w| w[0] < w[1]), "a list out of order");
+                for &id in list {
+                    assert!(
+                        !std::mem::replace(&mut seen[id as usize], true),
+                        "id {id} twice"
+                    );
+                }
+            }
+            assert!(seen.iter().all(|&s| s), "{spec}: a key in no list");
+        }
+        let saved = kvdb_index::save(index.as_ref())?;
+        let loaded = kvdb_index::load(&saved, &context, &data.keys)?;
+        assert_eq!(loaded.as_buckets().map(|b| b.assignments()), Some(of));
+        for position in last_quarter(N).into_iter().step_by(97) {
+            let query = GroupQuery {
+                queries: &data.queries[position * GROUP * D..(position + 1) * GROUP * D],
+                position,
+            };
+            let params = SearchParams::top(40, candidates(position));
+            assert_eq!(
+                loaded.select(&query, &params)?.ids(),
+                index.select(&query, &params)?.ids(),
+                "seed {seed}, {spec}, position {position}"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// saap describes its search for the GPU (`gpu_routing`, which the GPU's classifier routing
 /// repeats: the kernels' tests check that against a reference): its own trained head and
 /// probes, the geometric expert's share, each bucket's ids, and as the expert's means the
