@@ -130,9 +130,17 @@ fn bucket_indexes_cover_most_of_concentrated_attention_at_five_percent() -> anyh
 /// What the indexes are built with: the data's RoPE, the seed, and `head` for SAAP.
 fn build_context<'a>(data: &Clustered, seed: u64, head: &'a SaapHead) -> BuildContext<'a> {
     BuildContext {
+        saap: Some(head),
+        ..ivf_context(data, seed)
+    }
+}
+
+/// What an ivf index is built with: the data's RoPE and the seed.
+fn ivf_context(data: &Clustered, seed: u64) -> BuildContext<'static> {
+    BuildContext {
         rope: data.rope.clone(),
         seed,
-        saap: Some(head),
+        saap: None,
         queries: None,
     }
 }
@@ -265,12 +273,7 @@ fn saap_spends_its_visits_on_buckets_with_eligible_keys() -> anyhow::Result<()> 
 fn centroid_routing_is_the_search() -> anyhow::Result<()> {
     let (seed, mut rng) = seeded();
     let data = clustered(&mut rng);
-    let context = BuildContext {
-        rope: data.rope.clone(),
-        seed,
-        saap: None,
-        queries: None,
-    };
+    let context = ivf_context(&data, seed);
     for spec in ["ivf64,np2,norope", "ivf64,np2,all"] {
         let index = kvdb_index::build(&spec.parse::<IndexSpec>()?, &context, &data.keys)?;
         let buckets = index.as_buckets().expect("ivf is a bucket index");
@@ -326,12 +329,7 @@ fn centroid_routing_is_the_search() -> anyhow::Result<()> {
 fn ivf_lists_hold_each_key_at_its_nearest_centroid_and_all_keeps_no_keys() -> anyhow::Result<()> {
     let (seed, mut rng) = seeded();
     let data = clustered(&mut rng);
-    let context = BuildContext {
-        rope: data.rope.clone(),
-        seed,
-        saap: None,
-        queries: None,
-    };
+    let context = ivf_context(&data, seed);
     let key_bytes = N * D * size_of::<f32>();
     for (spec, keeps) in [("ivf64,np3,norope,all", false), ("ivf64,np3,norope", true)] {
         let spec: IndexSpec = spec.parse()?;
