@@ -60,6 +60,17 @@ pub enum IndexError {
         #[source]
         source: candle_core::Error,
     },
+    /// [`crate::load_from`] was given keys from an id other than the ones the saved index
+    /// reads from ([`crate::SavedInfo::keys_from`]).
+    #[error(
+        "loading was given the keys from id {first}; this saved index needs them from id {needed}"
+    )]
+    KeysFrom {
+        /// The first id given.
+        first: usize,
+        /// The first id it needs.
+        needed: usize,
+    },
     /// Token ids are `u32`: an index holds at most `u32::MAX` keys.
     #[error("cannot add {adding} keys to an index of {len}: token ids are u32")]
     TooManyKeys {

@@ -22,12 +22,14 @@
 //! Without a sample (a corpus ingested before samples were kept) it is built, and says so, as
 //! the same spec without `fit`.
 //!
-//! Saved bytes hold the centroids (and the fitted routing) alone; loading has faiss assign the
-//! keys (which are in the store) to their lists again, so the saved form does not duplicate
-//! the keys. In memory the index keeps the keys (rotated, f32) only where its search reads
-//! them: `norope,all` probes with pre-RoPE queries and attends whole lists, so it holds the
-//! centroids and the lists' ids alone (on a GPU, where it routes, its memory is a few bytes
-//! a key rather than twice the keys in f32).
+//! Saved bytes hold the centroids, the fitted routing and each key's list (a byte or two a
+//! key), not the keys, which are in the store. In memory the index keeps the keys (rotated,
+//! f32) only where its search reads them: `norope,all` probes with pre-RoPE queries and
+//! attends whole lists, so it holds the centroids and the lists' ids alone (on a GPU, where
+//! it routes, its memory is a few bytes a key rather than twice the keys in f32), and it
+//! loads without reading the keys at all ([`crate::SavedInfo::keys_from`]): opening a
+//! stored corpus for the GPU reads its index bytes, not its keys. Saves written before the
+//! lists were kept load by having faiss assign the keys again.
 
 use std::time::Instant;
 
@@ -92,6 +94,15 @@ impl std::fmt::Debug for IvfIndex {
 struct Body {
     centroids: Vec<f32>,
     routing: Option<FittedRouting>,
+    /// Each key's list, by id (`None` in saves written before they were kept).
+    assigned: Option<Vec<u32>>,
+}
+
+/// What saves written before the lists were kept hold.
+#[derive(Deserialize)]
+struct WithoutLists {
+    centroids: Vec<f32>,
+    routing: Option<FittedRouting>,
 }
 
 /// What saves written before `fit` existed hold.
@@ -149,20 +160,49 @@ impl IvfIndex {
         Ok(index)
     }
 
-    /// Rebuilds a saved index: its centroids from `body`, its keys re-assigned by faiss.
+    /// Reads a saved body, whatever version wrote it.
+    fn decode_body(body: &[u8]) -> Result<Body> {
+        decode::<Body>(body)
+            .or_else(|_| {
+                decode::<WithoutLists>(body).map(|old| Body {
+                    centroids: old.centroids,
+                    routing: old.routing,
+                    assigned: None,
+                })
+            })
+            .or_else(|_| {
+                decode::<CentroidsOnly>(body).map(|old| Body {
+                    centroids: old.centroids,
+                    routing: None,
+                    assigned: None,
+                })
+            })
+    }
+
+    /// Whether loading the saved `body` reads the keys: when it has no lists (an older
+    /// save) or its search reads them ([`keeps_keys`]).
+    pub(crate) fn reads_saved_keys(spec: &IvfSpec, body: &[u8]) -> Result<bool> {
+        let body = Self::decode_body(body)?;
+        let built = IvfSpec {
+            fit: body.routing.is_some(),
+            ..*spec
+        };
+        Ok(body.assigned.is_none() || keeps_keys(&built))
+    }
+
+    /// Rebuilds a saved index of `len` keys: its centroids and lists from `body`. `keys`
+    /// (pre-RoPE, ids `0..len`) are read where the search needs them or the save has no
+    /// lists (faiss assigns them again then); else they may be empty
+    /// ([`Self::reads_saved_keys`]).
     pub fn load(
         spec: &IvfSpec,
         context: &BuildContext<'_>,
         stats: BuildStats,
         body: &[u8],
+        len: usize,
         keys: &[f32],
     ) -> Result<Self> {
-        let body: Body = decode(body).or_else(|_| {
-            decode::<CentroidsOnly>(body).map(|old| Body {
-                centroids: old.centroids,
-                routing: None,
-            })
-        })?;
+        let body = Self::decode_body(body)?;
         let d = context.rope.head_dim();
         if body.centroids.len() != spec.lists * d {
             return Err(IndexError::Corrupt(format!(
@@ -186,6 +226,13 @@ impl IvfIndex {
             fit: body.routing.is_some(),
             ..*spec
         };
+        let reads_keys = body.assigned.is_none() || keeps_keys(&built);
+        if reads_keys && keys.len() != len * d {
+            return Err(IndexError::Corrupt(format!(
+                "the index covers {len} keys, {} were given",
+                keys.len() / d.max(1)
+            )));
+        }
         let rotated = match keeps_keys(&built) {
             true => {
                 let mut rotated = FlatIndex::new(context.rope.clone());
@@ -203,8 +250,31 @@ impl IvfIndex {
             stats,
         )?;
         index.routing = body.routing;
-        index.assign(keys, 0)?;
+        match body.assigned {
+            Some(assigned) => index.take_lists(&assigned, len)?,
+            None => index.assign(keys, 0)?,
+        }
         Ok(index)
+    }
+
+    /// Fills the (empty) lists from each key's saved list, checked: one per key, each a list
+    /// of the index.
+    fn take_lists(&mut self, assigned: &[u32], len: usize) -> Result<()> {
+        if assigned.len() != len || u32::try_from(len).is_err() {
+            return Err(IndexError::Corrupt(format!(
+                "{} saved list numbers for {len} keys",
+                assigned.len()
+            )));
+        }
+        let lists = self.lists.len();
+        for (id, &list) in assigned.iter().enumerate() {
+            let list = self.lists.get_mut(list as usize).ok_or_else(|| {
+                IndexError::Corrupt(format!("key {id} saved in list {list} of {lists}"))
+            })?;
+            list.push(id as u32);
+        }
+        self.len = len;
+        Ok(())
     }
 
     /// Fits the lists' routing on the context's query sample; without one (or without a
@@ -436,6 +506,7 @@ impl KeyIndex for IvfIndex {
         encode(&Body {
             centroids: self.centroids.clone(),
             routing: self.routing.clone(),
+            assigned: Some(self.assignments()),
         })
     }
 
@@ -467,5 +538,91 @@ impl BucketIndex for IvfIndex {
             lists: &self.lists,
             probes: self.spec.probes,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvdb_model::{RopeConfig, RopeScaling, RopeStyle};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    const D: usize = 8;
+    const N: usize = 600;
+
+    /// The bodies saves wrote before the lists were kept, and before `fit`.
+    #[derive(Serialize)]
+    struct OldBody {
+        centroids: Vec<f32>,
+        routing: Option<FittedRouting>,
+    }
+    #[derive(Serialize)]
+    struct OldestBody {
+        centroids: Vec<f32>,
+    }
+
+    /// Saves of every version load to the same lists (older ones by assigning the keys
+    /// again, which they must be given); saved lists that do not fit are refused.
+    #[test]
+    fn old_saves_load_and_corrupt_lists_are_refused() -> Result<()> {
+        let mut rng = StdRng::seed_from_u64(3);
+        let keys: Vec<f32> = (0..N * D).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let rope = Rope::new(
+            &RopeConfig {
+                base: 10_000.0,
+                style: RopeStyle::Halves,
+                scaling: RopeScaling::None,
+            },
+            D,
+            None,
+        );
+        let context = BuildContext {
+            rope,
+            seed: 1,
+            saap: None,
+            queries: None,
+        };
+        let spec: IvfSpec = match "ivf8,np2,norope,all".parse()? {
+            IndexSpec::Ivf(s) => s,
+            other => panic!("{other} is not ivf"),
+        };
+        let index = IvfIndex::build(&spec, &context, &keys)?;
+        let want = index.assignments();
+        let stats = BuildStats::default();
+        let load = |body: &[u8], keys: &[f32]| {
+            IvfIndex::load(&spec, &context, stats.clone(), body, N, keys)
+        };
+        let centroids = index.centroids.clone();
+        let old = encode(&OldBody {
+            centroids: centroids.clone(),
+            routing: None,
+        })?;
+        let oldest = encode(&OldestBody {
+            centroids: centroids.clone(),
+        })?;
+        for body in [&old, &oldest] {
+            assert!(IvfIndex::reads_saved_keys(&spec, body)?);
+            assert_eq!(load(body, &keys)?.assignments(), want);
+            assert!(matches!(load(body, &[]), Err(IndexError::Corrupt(_))));
+        }
+        let with_lists = |assigned: Vec<u32>| {
+            encode(&Body {
+                centroids: centroids.clone(),
+                routing: None,
+                assigned: Some(assigned),
+            })
+        };
+        assert!(!IvfIndex::reads_saved_keys(
+            &spec,
+            &with_lists(want.clone())?
+        )?);
+        assert_eq!(load(&with_lists(want.clone())?, &[])?.assignments(), want);
+        let mut outside = want.clone();
+        outside[11] = 8;
+        for body in [with_lists(want[1..].to_vec())?, with_lists(outside)?] {
+            assert!(matches!(load(&body, &[]), Err(IndexError::Corrupt(_))));
+        }
+        Ok(())
     }
 }

@@ -163,15 +163,21 @@ pub struct SavedInfo {
     pub len: usize,
     /// How it was built.
     pub stats: BuildStats,
+    /// The first key id [`load_from`] must be given: 0 for an index that reads the keys it
+    /// covers when it loads, `len` for one that saved what its search needs (an ivf or saap
+    /// index with its lists and no need of the keys themselves), which loads without them.
+    pub keys_from: usize,
 }
 
 /// Describes saved index bytes.
 pub fn saved_info(bytes: &[u8]) -> Result<SavedInfo> {
     let saved = open_saved(bytes)?;
+    let keys_from = keys_from(&saved)?;
     Ok(SavedInfo {
         spec: saved.spec,
         len: saved.len as usize,
         stats: saved.stats,
+        keys_from,
     })
 }
 
@@ -186,19 +192,48 @@ fn open_saved(bytes: &[u8]) -> Result<Saved> {
     Ok(saved)
 }
 
+/// [`SavedInfo::keys_from`] of `saved`.
+fn keys_from(saved: &Saved) -> Result<usize> {
+    let reads_keys = match saved.spec.parse()? {
+        #[cfg(feature = "faiss")]
+        IndexSpec::Ivf(s) => IvfIndex::reads_saved_keys(&s, &saved.body)?,
+        IndexSpec::Saap(_) => SaapIndex::reads_saved_keys(&saved.body),
+        _ => true,
+    };
+    Ok(if reads_keys { 0 } else { saved.len as usize })
+}
+
 /// Reopens an index saved by [`save`]. `keys` are the pre-RoPE keys of ids `0..`: at least
 /// the ones the index covered; any beyond them are added (an index saved before the corpus
 /// grew catches up).
 pub fn load(bytes: &[u8], context: &BuildContext<'_>, keys: &[f32]) -> Result<Box<dyn KeyIndex>> {
+    load_from(bytes, context, 0, keys)
+}
+
+/// [`load`] given the keys of ids `first..` only: `first` is 0 or the saved index's
+/// [`SavedInfo::keys_from`], so that an index that saved what it needs opens without
+/// reading the keys it covers (only those added since, if any).
+pub fn load_from(
+    bytes: &[u8],
+    context: &BuildContext<'_>,
+    first: usize,
+    keys: &[f32],
+) -> Result<Box<dyn KeyIndex>> {
     let saved = open_saved(bytes)?;
+    let needed = keys_from(&saved)?;
+    if first != 0 && first != needed {
+        return Err(IndexError::KeysFrom { first, needed });
+    }
     let spec: IndexSpec = saved.spec.parse()?;
     let d = context.rope.head_dim();
-    let covered = (saved.len as usize)
+    let len = saved.len as usize;
+    // Keys of ids `first..`: those the index covered (none when it reads none), then new.
+    let covered = (len - first)
         .checked_mul(d)
         .filter(|&n| n <= keys.len())
         .ok_or_else(|| {
             IndexError::Corrupt(format!(
-                "the index covers {} keys, {} were given",
+                "the index covers {} keys, {} were given from id {first}",
                 saved.len,
                 keys.len() / d.max(1)
             ))
@@ -208,13 +243,13 @@ pub fn load(bytes: &[u8], context: &BuildContext<'_>, keys: &[f32]) -> Result<Bo
     let mut index: Box<dyn KeyIndex> = match &spec {
         IndexSpec::Flat => Box::new(FlatIndex::load(context.rope.clone(), stats, old)?),
         #[cfg(feature = "faiss")]
-        IndexSpec::Ivf(s) => Box::new(IvfIndex::load(s, context, stats, body, old)?),
+        IndexSpec::Ivf(s) => Box::new(IvfIndex::load(s, context, stats, body, len, old)?),
         #[cfg(not(feature = "faiss"))]
         IndexSpec::Ivf(_) => return Err(no_faiss(&spec)),
         IndexSpec::Hnsw(s) => Box::new(HnswIndex::load(s, context, stats, body, old)?),
         IndexSpec::Qgraph(s) => Box::new(QgraphIndex::load(s, context, stats, body, old)?),
         IndexSpec::Lsh(s) => Box::new(LshIndex::load(s, context, stats, body, old)?),
-        IndexSpec::Saap(s) => Box::new(SaapIndex::load(s, context, stats, body, old)?),
+        IndexSpec::Saap(s) => Box::new(SaapIndex::load(s, context, stats, body, len, old)?),
         IndexSpec::Hip(s) => Box::new(HipIndex::load(s, context, stats, body, old)?),
         IndexSpec::Ihip(s) => Box::new(IhipIndex::load(s, context, stats, body, old)?),
     };

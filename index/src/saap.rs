@@ -351,20 +351,95 @@ impl SaapIndex {
         (routed, mean_scores)
     }
 
-    /// Reopens a saved index: its head from `body`, the keys re-assigned.
+    /// Reopens a saved index of `len` keys: its head from `body`, and its buckets and their
+    /// rotated key sums too where the save holds them; else `keys` (pre-RoPE, ids `0..len`)
+    /// are assigned again ([`Self::reads_saved_keys`]), and may be empty otherwise.
     pub fn load(
         spec: &SaapSpec,
         context: &BuildContext<'_>,
         stats: BuildStats,
         body: &[u8],
+        len: usize,
         keys: &[f32],
     ) -> Result<Self> {
-        let head: SaapHead = decode(body)?;
-        let mut index = Self::with_head(spec, head, context)?;
-        index.add(keys)?;
+        let mut index = match decode::<SavedBuckets>(body) {
+            Ok(saved) => {
+                let mut index = Self::with_head(spec, saved.head, context)?;
+                index.take_buckets(saved.assigned, saved.rotated_sums, len)?;
+                index
+            }
+            Err(_) => {
+                // Saved before the buckets were kept: the head alone.
+                let head: SaapHead = decode(body)?;
+                let mut index = Self::with_head(spec, head, context)?;
+                if keys.len() != len * index.head_dim() {
+                    return Err(IndexError::Corrupt(format!(
+                        "the index covers {len} keys, {} were given",
+                        keys.len() / index.head_dim()
+                    )));
+                }
+                index.add(keys)?;
+                index
+            }
+        };
         index.stats = stats;
         Ok(index)
     }
+
+    /// Whether loading the saved `body` reads the keys: only a save from before the
+    /// buckets were kept does.
+    pub(crate) fn reads_saved_keys(body: &[u8]) -> bool {
+        decode::<SavedBuckets>(body).is_err()
+    }
+
+    /// Fills the (empty) buckets from each key's saved bucket and the buckets' rotated key
+    /// sums, checked against the head's shape, and derives their mean keys.
+    fn take_buckets(&mut self, assigned: Vec<u32>, sums: Vec<f64>, len: usize) -> Result<()> {
+        let (c, d) = (self.spec.centroids, self.head_dim());
+        if assigned.len() != len || sums.len() != c * d || u32::try_from(len).is_err() {
+            return Err(IndexError::Corrupt(format!(
+                "{} saved buckets for {len} keys and {} key sums for {c} buckets of {d}",
+                assigned.len(),
+                sums.len()
+            )));
+        }
+        for (id, &b) in assigned.iter().enumerate() {
+            let bucket = self.buckets.get_mut(b as usize).ok_or_else(|| {
+                IndexError::Corrupt(format!("key {id} saved in bucket {b} of {c}"))
+            })?;
+            bucket.push(id as u32);
+        }
+        self.rotated_sums = sums;
+        for b in 0..c {
+            self.update_mean(b);
+        }
+        self.assigned = assigned;
+        Ok(())
+    }
+
+    /// Bucket `b`'s mean rotated key from its sum and size.
+    fn update_mean(&mut self, b: usize) {
+        let d = self.head_dim();
+        let n = self.buckets[b].len() as f64;
+        let sum = &self.rotated_sums[b * d..(b + 1) * d];
+        let mean = &mut self.mean_keys[b * d..(b + 1) * d];
+        match n > 0.0 {
+            true => mean
+                .iter_mut()
+                .zip(sum)
+                .for_each(|(m, &s)| *m = (s / n) as f32),
+            false => mean.fill(0.0),
+        }
+    }
+}
+
+/// What [`SaapIndex`] saves: its head, each key's bucket and the buckets' rotated key sums
+/// (so that it loads without the keys).
+#[derive(Serialize, Deserialize)]
+struct SavedBuckets {
+    head: SaapHead,
+    assigned: Vec<u32>,
+    rotated_sums: Vec<f64>,
 }
 
 impl StatelessSearch for SaapIndex {
@@ -456,12 +531,7 @@ impl KeyIndex for SaapIndex {
         touched.sort_unstable();
         touched.dedup();
         for b in touched.into_iter().map(|b| b as usize) {
-            let n = self.buckets[b].len() as f64;
-            let sum = &self.rotated_sums[b * d..(b + 1) * d];
-            let mean = &mut self.mean_keys[b * d..(b + 1) * d];
-            mean.iter_mut()
-                .zip(sum)
-                .for_each(|(m, &s)| *m = (s / n) as f32);
+            self.update_mean(b);
         }
         self.assigned.extend(assigned);
         self.stats.record_add(adding, started);
@@ -488,8 +558,11 @@ impl KeyIndex for SaapIndex {
     }
 
     fn save(&self) -> Result<Vec<u8>> {
-        // The corpus keeps its own copy of the head.
-        encode(&self.head)
+        encode(&SavedBuckets {
+            head: self.head.clone(),
+            assigned: self.assigned.clone(),
+            rotated_sums: self.rotated_sums.clone(),
+        })
     }
 
     fn as_buckets(&self) -> Option<&dyn BucketIndex> {
@@ -810,6 +883,51 @@ mod tests {
         assert_eq!(one(&head)?, [5].into());
         head.prior = 0.0;
         assert_ne!(one(&head)?, [5].into());
+        Ok(())
+    }
+
+    /// A save from before the buckets were kept (the head alone) loads by assigning the keys
+    /// again; saved buckets that do not fit the head or the key count are refused.
+    #[test]
+    fn old_saves_load_and_corrupt_buckets_are_refused() -> Result<()> {
+        let (_, head, keys, index) = random_index(5, 300, 120)?;
+        let context = BuildContext {
+            rope: rope(),
+            seed: 0,
+            saap: None,
+            queries: None,
+        };
+        let (spec, stats) = (index.spec, BuildStats::default());
+        let old = SaapIndex::load(&spec, &context, stats.clone(), &encode(&head)?, 300, &keys)?;
+        assert_eq!(old.assigned, index.assigned);
+        assert_eq!(old.mean_keys, index.mean_keys);
+        // The head alone, and no keys given: refused, not an empty index.
+        assert!(
+            SaapIndex::load(&spec, &context, stats.clone(), &encode(&head)?, 300, &[]).is_err()
+        );
+        let corrupt = |assigned: Vec<u32>, rotated_sums: Vec<f64>| {
+            let body = encode(&SavedBuckets {
+                head: head.clone(),
+                assigned,
+                rotated_sums,
+            })?;
+            SaapIndex::load(&spec, &context, stats.clone(), &body, 300, &[])
+        };
+        let sums = index.rotated_sums.clone();
+        let mut outside = index.assigned.clone();
+        outside[7] = BUCKETS as u32;
+        for bad in [
+            corrupt(index.assigned[..299].to_vec(), sums.clone()),
+            corrupt(outside, sums.clone()),
+            corrupt(index.assigned.clone(), sums[1..].to_vec()),
+        ] {
+            assert!(matches!(bad, Err(IndexError::Corrupt(_))), "{bad:?}");
+        }
+        let fine = corrupt(index.assigned.clone(), sums)?;
+        assert_eq!(
+            (fine.assigned, fine.mean_keys),
+            (index.assigned, index.mean_keys)
+        );
         Ok(())
     }
 }

@@ -42,7 +42,6 @@ use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
     SequenceOptions,
 };
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::generate::{
@@ -51,9 +50,6 @@ use crate::generate::{
 use crate::indexes::IndexSet;
 use crate::ingest::ModelRef;
 use crate::session::{backend_failed, Corpus, QueryState, Step, StepPlace};
-
-/// Host bytes of stored rows a corpus upload reads ahead of the GPU at most.
-const READ_BYTES: usize = 4 << 30;
 
 /// A corpus's retrieval layers' keys (rotated at their positions) and values on one GPU,
 /// f16 `[kv_heads, tokens, head_dim]` per layer: what every query's retrieval reads.
@@ -70,7 +66,8 @@ pub(crate) struct GpuCorpusKv {
 }
 
 /// What uploading a corpus to the GPU did: the bytes resident there and the seconds each
-/// stage took (reading the store, copying to the GPU).
+/// stage took (reading the store, copying to the GPU; they overlap, a layer read while the
+/// one before is copied).
 #[derive(Debug, Clone, Default)]
 pub struct GpuUpload {
     /// Bytes of keys and values on the GPU.
@@ -218,27 +215,37 @@ impl GpuCorpusKv {
                 free,
             });
         }
-        // Layers are read from the store in parallel, a few at a time (each is on the host,
-        // f16 as stored, until it is uploaded), and uploaded in order; the GPU rotates the
-        // keys.
-        let layer_bytes = 2 * kv_heads * n * d * size_of::<f16>();
-        let at_once = (READ_BYTES / layer_bytes.max(1)).clamp(1, rayon::current_num_threads());
+        // One thread reads the layers from the store (each by every core, f16 as stored)
+        // while this one uploads the layer read before and the GPU rotates its keys: at most
+        // three layers are on the host at once (one read, one waiting, one uploading).
         let mut layers: Vec<Option<KvCache<f16>>> = (0..config.n_layers()).map(|_| None).collect();
-        let (mut reading, mut copying) = (Duration::ZERO, Duration::ZERO);
-        for group in retrieval_layers.chunks(at_once) {
-            let started = Instant::now();
-            let rows = group
-                .par_iter()
-                .map(|&layer| corpus.layer_kv_f16(layer, 0..n))
-                .collect::<Result<Vec<_>>>()?;
-            reading += started.elapsed();
-            let started = Instant::now();
-            for (&layer, (keys, values)) in group.iter().zip(rows) {
+        let mut copying = Duration::ZERO;
+        let reading = std::thread::scope(|scope| -> Result<Duration> {
+            let (send, read) = std::sync::mpsc::sync_channel(1);
+            let reader = scope.spawn(move || {
+                let mut reading = Duration::ZERO;
+                for &layer in retrieval_layers {
+                    let started = Instant::now();
+                    let rows = corpus.layer_kv_f16(layer, 0..n);
+                    reading += started.elapsed();
+                    // The uploader stopped (an error): so does the reading.
+                    if send.send((layer, rows)).is_err() {
+                        break;
+                    }
+                }
+                reading
+            });
+            for (layer, rows) in read {
+                let (keys, values) = rows?;
+                let started = Instant::now();
                 layers[layer] = Some(gpu.rotated_kv(layer, &keys, &values, 0..n)?);
+                gpu.gpu().synchronize().map_err(ModelError::from)?;
+                copying += started.elapsed();
             }
-            gpu.gpu().synchronize().map_err(ModelError::from)?;
-            copying += started.elapsed();
-        }
+            reader
+                .join()
+                .map_err(|_| Error::Internal("the store reader panicked".into()))
+        })?;
         Ok(Self {
             layers,
             gpu: gpu.gpu().clone(),

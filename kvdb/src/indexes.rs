@@ -623,19 +623,25 @@ pub(crate) fn load_indexes(
     let n = manifest.tokens;
     let heads = manifest.model.n_kv_heads;
     let load = |layer: usize, head: usize| -> Result<Box<dyn KeyIndex>> {
-        let keys = store.rows(manifest, Kv::Keys, layer, head, 0..n)?;
+        let keys = |from: usize| store.rows(manifest, Kv::Keys, layer, head, from..n);
         let saved = match number {
             Some(i) => store.index(index_key(manifest, i, layer, head))?,
             None => None,
         };
         let context = build_context(model, layer, None)?;
-        match saved {
+        let info = saved.as_deref().map(kvdb_index::saved_info).transpose()?;
+        match (saved, info) {
             // Saved bytes may cover more keys than this (older) manifest: a reader opened
             // between an ingest's commit and its index update sees the newer index; rebuild
-            // then, as for a missing one.
-            Some(bytes) if kvdb_index::saved_info(&bytes)?.len <= n => {
-                Ok(kvdb_index::load(&bytes, &context, &keys)?)
-            }
+            // then, as for a missing one. An index that saved what its search needs reads
+            // only the keys added since (none, usually): opening a corpus for the GPU, whose
+            // rows it uploads itself, then reads no keys for its indexes.
+            (Some(bytes), Some(info)) if info.len <= n => Ok(kvdb_index::load_from(
+                &bytes,
+                &context,
+                info.keys_from,
+                &keys(info.keys_from)?,
+            )?),
             _ if matches!(spec, IndexSpec::Saap(_)) => Err(Error::IndexNotSaved {
                 corpus: manifest.name.clone(),
                 spec: text.to_string(),
@@ -643,7 +649,7 @@ pub(crate) fn load_indexes(
                 head,
                 tokens: n,
             }),
-            _ => Ok(kvdb_index::build(spec, &context, &keys)?),
+            _ => Ok(kvdb_index::build(spec, &context, &keys(0)?)?),
         }
     };
     // Every layer and KV head's index loads on its own thread (a model with few KV heads

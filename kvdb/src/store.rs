@@ -68,6 +68,7 @@ use rocksdb::{
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use rayon::prelude::*;
 
 /// The on-disk format this build reads and writes. Version 3 added the `queries` family
 /// (a sample of each retrieval layer's queries, see [`QUERY_SAMPLE_STRIDE`]); corpora written
@@ -81,6 +82,11 @@ pub const OLDEST_FORMAT_VERSION: u32 = 1;
 
 /// Tokens per key/value block unless a corpus says otherwise.
 pub const DEFAULT_BLOCK_SIZE: usize = 64;
+
+/// Blocks of a KV head a GPU upload's reader scans as one part ([`Store::layer_kv_f16`]):
+/// 32K rows of the default block size, 8-16 MiB of a 128- or 256-wide head, so that a
+/// long corpus's layer is read by every core.
+const READ_PART_BLOCKS: usize = 512;
 
 /// Column families, in the order they are opened.
 const FAMILIES: [&str; 7] = [
@@ -949,22 +955,61 @@ impl Store {
         layer: usize,
         range: Range<usize>,
     ) -> Result<(Vec<f16>, Vec<f16>)> {
-        let len = manifest.model.n_kv_heads * range.len() * manifest.model.head_dim;
+        let part = READ_PART_BLOCKS * manifest.block_size.max(1);
+        self.layer_kv_f16_in_parts(manifest, layer, range, part)
+    }
+
+    /// [`Self::layer_kv_f16`] with each KV head's rows read in parts of `part_rows` rows,
+    /// all parts of the keys and values in parallel: one scan is bound by one core (about
+    /// 1.3 GiB/s here), while a GPU upload of a long corpus wants the whole layer at once.
+    /// (`layer_kv_f16` picks the part size; this takes any, for tests.)
+    pub fn layer_kv_f16_in_parts(
+        &self,
+        manifest: &CorpusManifest,
+        layer: usize,
+        range: Range<usize>,
+        part_rows: usize,
+    ) -> Result<(Vec<f16>, Vec<f16>)> {
+        let (heads, d) = (manifest.model.n_kv_heads, manifest.model.head_dim);
+        let rows = range.len();
+        if rows * d == 0 || heads == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let part = part_rows.max(1) * d;
         let read = |kv: Kv| -> Result<Vec<f16>> {
-            let mut out = Vec::with_capacity(len);
-            for head in 0..manifest.model.n_kv_heads {
-                let first = BlockKey::new(manifest.id, layer, head, 0);
-                self.visit_rows(manifest, kv, first, range.clone(), |bytes| {
-                    out.extend(
-                        bytes
+            let mut out = vec![f16::ZERO; heads * rows * d];
+            out.par_chunks_mut(rows * d)
+                .enumerate()
+                .flat_map(|(head, out)| {
+                    out.par_chunks_mut(part)
+                        .enumerate()
+                        .map(move |(i, out)| (head, i, out))
+                })
+                .try_for_each(|(head, i, out)| {
+                    let start = range.start + i * part_rows.max(1);
+                    let first = BlockKey::new(manifest.id, layer, head, 0);
+                    let mut at = 0;
+                    self.visit_rows(manifest, kv, first, start..start + out.len() / d, |bytes| {
+                        let halves = bytes
                             .chunks_exact(2)
-                            .map(|b| f16::from_le_bytes([b[0], b[1]])),
-                    );
+                            .map(|b| f16::from_le_bytes([b[0], b[1]]));
+                        for (to, from) in out[at..].iter_mut().zip(halves) {
+                            *to = from;
+                        }
+                        at += bytes.len() / 2;
+                    })?;
+                    match at == out.len() {
+                        true => Ok(()),
+                        false => Err(Error::Internal(format!(
+                            "read {at} of {} halves of layer {layer} head {head}",
+                            out.len()
+                        ))),
+                    }
                 })?;
-            }
             Ok(out)
         };
-        Ok((read(Kv::Keys)?, read(Kv::Values)?))
+        let (keys, values) = rayon::join(|| read(Kv::Keys), || read(Kv::Values));
+        Ok((keys?, values?))
     }
 
     /// Hands `visit` the stored bytes (f16 little-endian) of rows `range` of one layer's keys

@@ -404,6 +404,84 @@ fn ivf_lists_hold_each_key_at_its_nearest_centroid_and_all_keeps_no_keys() -> an
     Ok(())
 }
 
+/// ivf `norope,all` and saap save each key's bucket, so they load without reading the keys
+/// (`keys_from` is their length) to the same buckets, routing and searches, and catch up
+/// with keys added since from those keys alone; an ivf top-k index, whose search re-scores
+/// the keys, still reads them and refuses to load without them.
+#[test]
+fn bucket_indexes_load_without_their_keys() -> anyhow::Result<()> {
+    let (seed, mut rng) = seeded();
+    let data = clustered(&mut rng);
+    let head = quick_head(&data, seed)?;
+    let context = build_context(&data, seed, &head);
+    let half = N / 2;
+    for (spec, reads) in [
+        ("ivf64,np3,norope,all", false),
+        ("saap64,l5", false),
+        ("ivf64,np3,norope", true),
+    ] {
+        let spec: IndexSpec = spec.parse()?;
+        let whole = kvdb_index::build(&spec, &context, &data.keys)?;
+        let saved = kvdb_index::save(whole.as_ref())?;
+        let info = kvdb_index::saved_info(&saved)?;
+        assert_eq!(info.keys_from, if reads { 0 } else { N }, "{spec}");
+        let without = kvdb_index::load_from(&saved, &context, N, &[]);
+        if reads {
+            assert!(
+                matches!(
+                    without,
+                    Err(kvdb_index::IndexError::KeysFrom {
+                        first: N,
+                        needed: 0
+                    })
+                ),
+                "{spec}: {without:?}"
+            );
+            continue;
+        }
+        let loaded = without?;
+        // Saved over the first half, caught up from the second half's keys alone.
+        let first = kvdb_index::build(&spec, &context, &data.keys[..half * D])?;
+        let saved_half = kvdb_index::save(first.as_ref())?;
+        assert_eq!(kvdb_index::saved_info(&saved_half)?.keys_from, half);
+        let caught_up = kvdb_index::load_from(&saved_half, &context, half, &data.keys[half * D..])?;
+        let mut added = kvdb_index::build(&spec, &context, &data.keys[..half * D])?;
+        added.add(&data.keys[half * D..])?;
+        let assignments =
+            |index: &dyn kvdb_index::KeyIndex| index.as_buckets().map(|b| b.assignments());
+        assert_eq!(assignments(loaded.as_ref()), assignments(whole.as_ref()));
+        assert_eq!(assignments(caught_up.as_ref()), assignments(added.as_ref()));
+        for (got, want) in [(&loaded, &whole), (&caught_up, &added)] {
+            assert_eq!(got.len(), want.len());
+            let routing = |index: &dyn kvdb_index::KeyIndex| {
+                let r = index
+                    .as_buckets()
+                    .and_then(|b| b.gpu_routing())
+                    .expect("routed");
+                let scores = match r.scores {
+                    BucketScores::Centroids(c) => c.to_vec(),
+                    BucketScores::Classifier { mean_keys, .. } => mean_keys.to_vec(),
+                };
+                (r.lists.to_vec(), r.probes, scores)
+            };
+            assert_eq!(routing(got.as_ref()), routing(want.as_ref()), "{spec}");
+            for position in last_quarter(N).into_iter().step_by(61) {
+                let query = GroupQuery {
+                    queries: &data.queries[position * GROUP * D..(position + 1) * GROUP * D],
+                    position,
+                };
+                let params = SearchParams::top(40, candidates(position));
+                assert_eq!(
+                    got.select(&query, &params)?.ids(),
+                    want.select(&query, &params)?.ids(),
+                    "seed {seed}, {spec}, position {position}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// saap describes its search for the GPU (`gpu_routing`, which the GPU's classifier routing
 /// repeats: the kernels' tests check that against a reference): its own trained head and
 /// probes, the geometric expert's share, each bucket's ids, and as the expert's means the

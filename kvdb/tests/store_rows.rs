@@ -1,7 +1,8 @@
 //! The store's two readers of a layer's rows: `layer_kv` (f32, token-major, what the CPU
 //! session and ingest take) and `layer_kv_f16` (f16 as stored, head-major, what a GPU upload
-//! takes) return the same numbers for any range, across block boundaries and a partial last
-//! block, and a short or missing block is reported as corruption by both.
+//! takes, in parts read in parallel) return the same numbers for any range, across block
+//! boundaries and a partial last block, and a short or missing block is reported as
+//! corruption by both.
 
 use anyhow::{ensure, Result};
 use half::f16;
@@ -58,9 +59,16 @@ fn both_readers_return_the_stored_rows() -> Result<()> {
     batch.put_manifest(&manifest)?;
     store.commit(batch)?;
 
-    for range in [0..TOKENS, 3..9, 4..8, 9..10, 5..5] {
+    // Read whole, and in parts of every size around the block's (as a long corpus is).
+    let cases = [0..TOKENS, 3..9, 4..8, 9..10, 5..5]
+        .into_iter()
+        .flat_map(|range| [None, Some(1), Some(3), Some(4), Some(5)].map(|p| (range.clone(), p)));
+    for (range, part) in cases {
         let (keys, values) = store.layer_kv(&manifest, 1, range.clone())?;
-        let (keys16, values16) = store.layer_kv_f16(&manifest, 1, range.clone())?;
+        let (keys16, values16) = match part {
+            None => store.layer_kv_f16(&manifest, 1, range.clone())?,
+            Some(rows) => store.layer_kv_f16_in_parts(&manifest, 1, range.clone(), rows)?,
+        };
         for (kv, token_major, head_major) in
             [(Kv::Keys, &keys, &keys16), (Kv::Values, &values, &values16)]
         {
@@ -89,6 +97,9 @@ fn both_readers_return_the_stored_rows() -> Result<()> {
         for result in [
             store.layer_kv(&manifest, 0, range.clone()).map(|_| ()),
             store.layer_kv_f16(&manifest, 0, range.clone()).map(|_| ()),
+            store
+                .layer_kv_f16_in_parts(&manifest, 0, range.clone(), 1)
+                .map(|_| ()),
         ] {
             ensure!(
                 matches!(&result, Err(Error::Corrupt(m)) if m.contains(says)),
