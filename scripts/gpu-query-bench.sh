@@ -18,7 +18,9 @@
 # random models declare (default 262,144: raise it for longer corpora); CONCURRENT numbers of
 # questions to answer together besides (e.g. 1,4,16: decode-bench's `--concurrent`); SERVE a
 # number of questions sent at once to `kvdb serve --device cuda` on each GPU corpus afterwards
-# (each answer, the time they took and the server's count of batched questions go to serve.log).
+# (each answer, the time they took and the server's count of batched questions go to serve.log);
+# DROP_CACHES=1 drops the OS's page cache before each decode-bench (as root), so that opening
+# the corpus reads the store from disk, as a first question after a restart would.
 set -euo pipefail
 bundle=${1:?usage: gpu-query-bench.sh BUNDLE_DIR [WORK_DIR]}
 work=${2:-$(mktemp -d)}
@@ -68,9 +70,10 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         for i in $(seq "$copies"); do
             { echo "Copy $i of the license."; cat "$text"; } >"$work/docs-$preset/copy-$i.txt"
         done
-        indexes=(--index flat)
+        # The IVF index first: the corpus's default, which opening the corpus loads.
+        indexes=()
         [ "$ivf" = none ] || indexes+=(--index "$ivf")
-        [ "$preset" != gemma3-270m ] && [ "$ivf" != none ] && indexes=(--index "$ivf")
+        [ "$preset" = gemma3-270m ] || [ "$ivf" = none ] && indexes+=(--index flat)
         s=$(date +%s)
         "$kvdb" ingest --device cuda --model "$model" --store "$work/store-$preset" --corpus c \
             --progress none "${indexes[@]}" "$work/docs-$preset" 2>&1 | tail -1 | tee -a "$log"
@@ -84,6 +87,14 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
     [ "$ivf" = none ] || modes+=(--index "$ivf")
     for device in $devices; do
         echo "$preset on $device:" | tee -a "$log"
+        if [ -n "${DROP_CACHES:-}" ]; then
+            sync
+            if echo 3 2>/dev/null >/proc/sys/vm/drop_caches; then
+                echo "$preset: page cache dropped (the store is read from disk)" | tee -a "$log"
+            else
+                echo "$preset: could not drop the page cache (not root)" | tee -a "$log"
+            fi
+        fi
         ${WRAP:-} "$kvdb" decode-bench --device "$device" --model "$model" --store "$work/store-$preset" \
             --corpus c "${modes[@]}" ${K:+--k "$K"} --tokens 32 --repeats "${REPEATS:-2}" ${CONCURRENT:+--concurrent "$CONCURRENT"} \
             --question "What does the license say about warranty?" \
