@@ -76,7 +76,8 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         [ "$preset" = gemma3-270m ] || [ "$ivf" = none ] && indexes+=(--index flat)
         s=$(date +%s)
         "$kvdb" ingest --device cuda --model "$model" --store "$work/store-$preset" --corpus c \
-            --progress none "${indexes[@]}" "$work/docs-$preset" 2>&1 | tail -1 | tee -a "$log"
+            --progress none "${indexes[@]}" "$work/docs-$preset" 2>&1 | tee "$out/ingest-$preset.log" |
+            tail -1 | tee -a "$log"
         echo "$preset: ingest and index build $(($(date +%s) - s)) s" | tee -a "$log"
     fi
     devices=cuda

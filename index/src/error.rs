@@ -44,6 +44,9 @@ pub enum IndexError {
         /// Why.
         reason: String,
     },
+    /// hnsw_rs saves and loads graphs through files: writing or reading them failed.
+    #[error("hnsw graph files: {0}")]
+    GraphFiles(String),
     /// An error from faiss.
     #[cfg(feature = "faiss")]
     #[error("faiss: {0}")]
