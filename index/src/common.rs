@@ -147,3 +147,22 @@ impl BuildStats {
         self.add_seconds += started.elapsed().as_secs_f64();
     }
 }
+
+/// Each bucket's ids, ascending, from each key's saved bucket (`assigned[id]`), checked
+/// against the `buckets` there are (`what` names them in the error).
+pub(crate) fn buckets_of(assigned: &[u32], buckets: usize, what: &str) -> Result<Vec<Vec<u32>>> {
+    if u32::try_from(assigned.len()).is_err() {
+        return Err(IndexError::Corrupt(format!(
+            "{} saved keys",
+            assigned.len()
+        )));
+    }
+    let mut out = vec![Vec::new(); buckets];
+    for (id, &b) in assigned.iter().enumerate() {
+        let bucket = out.get_mut(b as usize).ok_or_else(|| {
+            IndexError::Corrupt(format!("key {id} saved in {what} {b} of {buckets}"))
+        })?;
+        bucket.push(id as u32);
+    }
+    Ok(out)
+}

@@ -484,7 +484,7 @@ impl KeyIndex for HnswIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvdb_model::{RopeConfig, RopeScaling, RopeStyle};
+    use kvdb_model::RopeStyle;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
@@ -492,17 +492,8 @@ mod tests {
     const N: usize = 400;
 
     fn context() -> BuildContext<'static> {
-        let rope = Rope::new(
-            &RopeConfig {
-                base: 10_000.0,
-                style: RopeStyle::Halves,
-                scaling: RopeScaling::None,
-            },
-            D,
-            None,
-        );
         BuildContext {
-            rope,
+            rope: kvdb_tests::test_rope(RopeStyle::Halves, D),
             seed: 0,
             saap: None,
             queries: None,

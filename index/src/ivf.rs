@@ -37,7 +37,7 @@ use faiss::{FlatIndex as FaissFlat, Index as _};
 use kvdb_model::Rope;
 use serde::{Deserialize, Serialize};
 
-use crate::common::{check_add, check_query, decode, eligible, encode, top_indices};
+use crate::common::{buckets_of, check_add, check_query, decode, eligible, encode, top_indices};
 use crate::fitted::FittedRouting;
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::kmeans::kmeans;
@@ -260,19 +260,13 @@ impl IvfIndex {
     /// Fills the (empty) lists from each key's saved list, checked: one per key, each a list
     /// of the index.
     fn take_lists(&mut self, assigned: &[u32], len: usize) -> Result<()> {
-        if assigned.len() != len || u32::try_from(len).is_err() {
+        if assigned.len() != len {
             return Err(IndexError::Corrupt(format!(
                 "{} saved list numbers for {len} keys",
                 assigned.len()
             )));
         }
-        let lists = self.lists.len();
-        for (id, &list) in assigned.iter().enumerate() {
-            let list = self.lists.get_mut(list as usize).ok_or_else(|| {
-                IndexError::Corrupt(format!("key {id} saved in list {list} of {lists}"))
-            })?;
-            list.push(id as u32);
-        }
+        self.lists = buckets_of(assigned, self.lists.len(), "list")?;
         self.len = len;
         Ok(())
     }
@@ -544,7 +538,7 @@ impl BucketIndex for IvfIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvdb_model::{RopeConfig, RopeScaling, RopeStyle};
+    use kvdb_model::RopeStyle;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
@@ -568,17 +562,8 @@ mod tests {
     fn old_saves_load_and_corrupt_lists_are_refused() -> Result<()> {
         let mut rng = StdRng::seed_from_u64(3);
         let keys: Vec<f32> = (0..N * D).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let rope = Rope::new(
-            &RopeConfig {
-                base: 10_000.0,
-                style: RopeStyle::Halves,
-                scaling: RopeScaling::None,
-            },
-            D,
-            None,
-        );
         let context = BuildContext {
-            rope,
+            rope: kvdb_tests::test_rope(RopeStyle::Halves, D),
             seed: 1,
             saap: None,
             queries: None,

@@ -53,7 +53,8 @@ use kvdb_model::Rope;
 use serde::{Deserialize, Serialize};
 
 use crate::common::{
-    check_add, check_query, decode, eligible, encode, rotated_keys, rotated_queries, top_indices,
+    buckets_of, check_add, check_query, decode, eligible, encode, rotated_keys, rotated_queries,
+    top_indices,
 };
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::kmeans::nearest;
@@ -396,19 +397,14 @@ impl SaapIndex {
     /// sums, checked against the head's shape, and derives their mean keys.
     fn take_buckets(&mut self, assigned: Vec<u32>, sums: Vec<f64>, len: usize) -> Result<()> {
         let (c, d) = (self.spec.centroids, self.head_dim());
-        if assigned.len() != len || sums.len() != c * d || u32::try_from(len).is_err() {
+        if assigned.len() != len || sums.len() != c * d {
             return Err(IndexError::Corrupt(format!(
                 "{} saved buckets for {len} keys and {} key sums for {c} buckets of {d}",
                 assigned.len(),
                 sums.len()
             )));
         }
-        for (id, &b) in assigned.iter().enumerate() {
-            let bucket = self.buckets.get_mut(b as usize).ok_or_else(|| {
-                IndexError::Corrupt(format!("key {id} saved in bucket {b} of {c}"))
-            })?;
-            bucket.push(id as u32);
-        }
+        self.buckets = buckets_of(&assigned, c, "bucket")?;
         self.rotated_sums = sums;
         for b in 0..c {
             self.update_mean(b);
