@@ -36,7 +36,9 @@
 // `attention_mass` walks the list part again after `attend`: each row's attention weight
 // (summed over the group's heads, from the logits and `lse`) is added to `mass[row]`, the
 // attention each stored token received: what provenance ranks passages by. `attend` keeps
-// its queries in `q_keep` and its log-sum-exp in `lse` for it.
+// its queries in `q_keep` and its log-sum-exp in `lse` for it. Rows of a block cache are
+// slots' rows, not tokens: there `slot_token[row >> slot_shift] + (row & slot mask)` is the
+// token (`slot_token` null: the row is the token).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -852,7 +854,8 @@ attend(const u16* __restrict__ q, float scale_log2,
 template <class RowOf>
 __device__ __forceinline__ void mass_rows(const RowOf& row_of, u32 n, const u16* __restrict__ k,
                                           const float (&qf)[GROUP][8], const float (&lse)[GROUP],
-                                          float* __restrict__ mass) {
+                                          float* __restrict__ mass,
+                                          const u32* __restrict__ slot_token, u32 slot_shift) {
     const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
     u32 next[UNROLL];
     first_rows(row_of, n, next);
@@ -877,7 +880,13 @@ __device__ __forceinline__ void mass_rows(const RowOf& row_of, u32 n, const u16*
             float w = 0.f;
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) w += exp2f(s[u][g] - lse[g]);
-            if (rows[u] != NO_ROW && lane == 0) atomicAdd(mass + rows[u], w);
+            if (rows[u] != NO_ROW && lane == 0) {
+                const u32 r = rows[u];
+                const u32 token = slot_token == nullptr
+                                      ? r
+                                      : slot_token[r >> slot_shift] + (r & ((1u << slot_shift) - 1u));
+                atomicAdd(mass + token, w);
+            }
         }
     }
 }
@@ -888,9 +897,11 @@ struct MassVisit {
     const float (*qf)[GROUP][8];
     const float (*lse)[GROUP];
     float* mass;
+    const u32* slot_token;
+    u32 slot_shift;
     template <class RowOf>
     __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
-        mass_rows(rows, n, k, *qf, *lse, mass);
+        mass_rows(rows, n, k, *qf, *lse, mass, slot_token, slot_shift);
     }
 };
 
@@ -900,7 +911,7 @@ attention_mass(const u16* __restrict__ q, float scale_log2, const u16* __restric
                u32 lrun_chunk, u32 lrun_items, const u32* __restrict__ list_off,
                const u32* __restrict__ list, u32 list_chunk, const u32* __restrict__ bucket_off,
                const u32* __restrict__ bucket_ids, const float* __restrict__ lse,
-               float* __restrict__ mass) {
+               float* __restrict__ mass, const u32* __restrict__ slot_token, u32 slot_shift) {
     const u32 h = blockIdx.y;
     float qf[GROUP][8];
     load_queries(q, h, scale_log2, qf);
@@ -911,5 +922,5 @@ attention_mass(const u16* __restrict__ q, float scale_log2, const u16* __restric
                            list_off,  list,       list_chunk, bucket_off, bucket_ids,
                            gridDim.x};
     const u64 head = (u64)h * l_stride * HEAD_DIM;
-    part.item(blockIdx.x, h, MassVisit{lk + head, &qf, &head_lse, mass});
+    part.item(blockIdx.x, h, MassVisit{lk + head, &qf, &head_lse, mass, slot_token, slot_shift});
 }

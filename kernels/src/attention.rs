@@ -143,6 +143,17 @@ pub struct Selected<'a, T> {
     pub(crate) rows: KvRows<'a, T>,
     pub(crate) lists: &'a Csr,
     pub(crate) runs: &'a [Range<u32>],
+    /// For a block cache's rows, the tokens they hold (`None`: rows are tokens).
+    pub(crate) tokens: Option<SlotTokens<'a>>,
+}
+
+/// The tokens of a block cache's rows: row `r` holds token `first[r >> shift] + (r & (1 <<
+/// shift) - 1)` of its KV head, out of `tokens` per head.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SlotTokens<'a> {
+    pub(crate) first: &'a CudaSlice<u32>,
+    pub(crate) shift: u32,
+    pub(crate) tokens: usize,
 }
 
 impl<'a, T> Selected<'a, T> {
@@ -154,6 +165,7 @@ impl<'a, T> Selected<'a, T> {
             rows: kv.into(),
             lists,
             runs: &[],
+            tokens: None,
         }
     }
 
@@ -240,6 +252,7 @@ struct Rows<'a, T> {
     lists: Option<&'a Csr>,
     buckets: Option<&'a Csr>,
     count: Option<&'a CudaSlice<u64>>,
+    tokens: Option<SlotTokens<'a>>,
 }
 
 impl<T> Rows<'_, T> {
@@ -358,9 +371,9 @@ pub(crate) fn bucket_attention_after_route<T: KvElement>(
 /// Adds to `mass[id]` the attention weight that row `id` of `part`'s buffer received in the
 /// workspace's last launch, from the queries and log-sum-exp it kept (summed over each KV
 /// head's query heads, and over the KV heads): the attention mass of stored tokens that
-/// provenance ranks passages by. `part` must be the last launch's list part. Rows are token
-/// ids for a resident [`KvCache`] (what provenance needs); for a
-/// [`crate::BlockCache::gather`] selection they are cache slots.
+/// provenance ranks passages by. `part` must be the last launch's list part. `mass` holds one
+/// weight per token of a KV head: for a resident [`KvCache`] the rows are the tokens; for a
+/// [`crate::BlockCache::gather`] selection each slot's row is added to the token it holds.
 ///
 /// It reads nothing the caller may change after the launch but `part`'s buffers, so `gpu`
 /// may be another stream's handle ([`Gpu::fork`]) that waits for the launch's event; the
@@ -375,8 +388,8 @@ pub fn attention_mass<T: KvElement>(
     let (kv_heads, head_dim) = (rows.lists.map_or(0, Csr::lists), rows.rows.head_dim);
     check_rows(&rows, kv_heads)?;
     length(
-        "mass (one per row of a KV head)",
-        rows.rows.rows,
+        "mass (one per token of a KV head)",
+        rows.tokens.map_or(rows.rows.rows, |t| t.tokens),
         mass.len(),
     )?;
     let last = workspace
@@ -420,6 +433,9 @@ pub fn attention_mass<T: KvElement>(
     let scale_log2 = last.scale * std::f32::consts::LOG2_E;
     let (chunk, run_items) = (MASS_CHUNK as u32, run_items as u32);
     let mass_ptr = gpu.address(mass);
+    let (slot_token, slot_shift) = rows
+        .tokens
+        .map_or((0, 0), |t| (gpu.address(t.first), t.shift));
     let mut builder = gpu.stream().launch_builder(&function);
     builder
         .arg(&q)
@@ -438,7 +454,9 @@ pub fn attention_mass<T: KvElement>(
         .arg(&bucket_off)
         .arg(&bucket_ids)
         .arg(&lse)
-        .arg(&mass_ptr);
+        .arg(&mass_ptr)
+        .arg(&slot_token)
+        .arg(&slot_shift);
     let config = LaunchConfig {
         grid_dim: (items_u32, heads_u32, 1),
         block_dim: (THREADS, 1, 1),
@@ -446,7 +464,8 @@ pub fn attention_mass<T: KvElement>(
     };
     // Safety: the arguments match `attention_mass`'s signature in order and type; every
     // address is of a live buffer whose length was checked against the rows the kernel
-    // reads, and `mass` holds one float per row id.
+    // reads, and `mass` holds one float per token (a row, or a slot's row through
+    // `slot_token`, which the cache's fills wrote for every slot a row of the lists is in).
     unsafe { builder.launch(config) }.map_err(driver("launching attention_mass"))?;
     Ok(())
 }
@@ -503,6 +522,7 @@ fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
             lists: Some(selected.lists),
             buckets: None,
             count: None,
+            tokens: selected.tokens,
         }),
         ListPart::Buckets(b) => {
             b.ids
@@ -520,6 +540,7 @@ fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
                 lists: Some(b.visited),
                 buckets: Some(b.ids),
                 count: b.count,
+                tokens: None,
             })
         }
     }
@@ -695,6 +716,7 @@ fn launch<T: KvElement>(
         lists: None,
         buckets: None,
         count: None,
+        tokens: None,
     };
     let list = launch.list.unwrap_or(none);
     let (list_keys, list_values, list_stride) = match launch.list {

@@ -6,8 +6,8 @@ use cudarc::driver::sys::{
 };
 use cudarc::driver::{CudaSlice, LaunchConfig, PinnedHostSlice, PushKernelArg};
 
-use crate::attention::{KvRows, Selected};
-use crate::buffers::{write_into, Csr};
+use crate::attention::{KvRows, Selected, SlotTokens};
+use crate::buffers::{write_into, Csr, KvCache};
 use crate::error::{driver, length, KernelError, Result};
 use crate::gpu::{Gpu, KvElement};
 
@@ -43,7 +43,7 @@ impl<T> std::fmt::Debug for HostKv<T> {
 
 impl<T: KvElement> HostKv<T> {
     /// Copies keys and values `[kv_heads, tokens, head_dim]` into pinned host memory, in
-    /// blocks of `block_tokens` (the store's block size, a power of two).
+    /// blocks of `block_tokens` (a power of two).
     pub fn new(
         gpu: &Gpu,
         keys: &[T],
@@ -60,6 +60,50 @@ impl<T: KvElement> HostKv<T> {
                 found: keys.len(),
             });
         }
+        length("host values", keys.len(), values.len())?;
+        let tokens = keys.len() / row;
+        Self::check(row, tokens, head_dim, block_tokens)?;
+        let (keys_of, values_of) = (keys, values);
+        Self::filled(
+            gpu,
+            (kv_heads, tokens, head_dim),
+            block_tokens,
+            |head, keys, values| {
+                let rows = head * tokens * head_dim..(head + 1) * tokens * head_dim;
+                keys.copy_from_slice(&keys_of[rows.clone()]);
+                values.copy_from_slice(&values_of[rows]);
+                Ok(())
+            },
+        )
+    }
+
+    /// Copies a layer's keys and values from the GPU (`kv`, as attended: keys rotated) into
+    /// pinned host memory, in blocks of `block_tokens` (a power of two): what a corpus too
+    /// large for the GPU keeps on the host, moved without a detour through pageable memory.
+    pub fn from_device(gpu: &Gpu, kv: &KvCache<T>, block_tokens: usize) -> Result<Self> {
+        let (kv_heads, tokens, head_dim) = (kv.kv_heads(), kv.tokens(), kv.head_dim());
+        Self::check(kv_heads * head_dim, tokens, head_dim, block_tokens)?;
+        let copied = Self::filled(
+            gpu,
+            (kv_heads, tokens, head_dim),
+            block_tokens,
+            |h, k, v| {
+                let rows = h * tokens * head_dim..(h + 1) * tokens * head_dim;
+                let stream = gpu.stream();
+                stream
+                    .memcpy_dtoh(&kv.keys.slice(rows.clone()), k)
+                    .and_then(|()| stream.memcpy_dtoh(&kv.values.slice(rows), v))
+                    .map_err(driver("copying keys and values to pinned host memory"))
+            },
+        )?;
+        // The copies are queued on the stream: wait for them before the host memory is used.
+        gpu.synchronize()?;
+        Ok(copied)
+    }
+
+    /// Checks the shape: `row` (KV heads × head dim) elements per token, `tokens` of them, and
+    /// blocks of `block_tokens` that the fill kernel copies as whole 16-byte vectors.
+    fn check(row: usize, tokens: usize, head_dim: usize, block_tokens: usize) -> Result<()> {
         // Block numbers come from shifts: a division per selected id was most of the cache's
         // CPU time.
         if !block_tokens.is_power_of_two() {
@@ -69,7 +113,6 @@ impl<T: KvElement> HostKv<T> {
                 supported: "powers of two",
             });
         }
-        length("host values", keys.len(), values.len())?;
         // The fill kernel copies whole 16-byte vectors.
         if !(block_tokens * head_dim * size_of::<T>()).is_multiple_of(16) {
             return Err(KernelError::Unsupported {
@@ -78,60 +121,54 @@ impl<T: KvElement> HostKv<T> {
                 supported: "multiples of 8",
             });
         }
-        let tokens = keys.len() / row;
         if u32::try_from(tokens).is_err() {
             return Err(KernelError::TooLarge {
                 what: "tokens",
                 value: tokens,
             });
         }
-        let blocks = tokens.div_ceil(block_tokens);
         // The fill kernel numbers blocks of all heads with a u32.
-        if u32::try_from(kv_heads * blocks).is_err() {
+        let blocks = (row / head_dim.max(1)) * tokens.div_ceil(block_tokens);
+        if u32::try_from(blocks).is_err() {
             return Err(KernelError::TooLarge {
                 what: "host blocks",
-                value: kv_heads * blocks,
+                value: blocks,
             });
         }
-        let padded = blocks * block_tokens;
-        let copy = |data: &[T]| -> Result<(PinnedHostSlice<T>, u64)> {
-            let len = padded * row;
-            // cudarc asserts instead of failing on sizes past isize::MAX bytes.
-            if len
-                .checked_mul(size_of::<T>())
-                .is_none_or(|b| b > isize::MAX as usize)
-            {
-                return Err(KernelError::TooLarge {
-                    what: "pinned host bytes",
-                    value: len,
-                });
-            }
-            // Mapped, so the fill kernel reads it directly; write-combined, since the CPU
-            // only writes it and the GPU reads it over PCIe without snooping caches.
-            let flags = CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED;
-            // Safety: every element is written below before anything reads it.
-            let mut pinned = unsafe { gpu.context().alloc_pinned_with_flags::<T>(len, flags) }
-                .map_err(driver("allocating pinned host memory"))?;
-            let slice = pinned
+        Ok(())
+    }
+
+    /// Pinned, mapped keys and values of `(kv_heads, tokens, head_dim)` in blocks of
+    /// `block_tokens`, each KV head's rows written by `fill(head, keys, values)` and the last
+    /// block of each head padded with zeros.
+    fn filled(
+        gpu: &Gpu,
+        (kv_heads, tokens, head_dim): (usize, usize, usize),
+        block_tokens: usize,
+        mut fill: impl FnMut(usize, &mut [T], &mut [T]) -> Result<()>,
+    ) -> Result<Self> {
+        let padded = tokens.div_ceil(block_tokens) * block_tokens;
+        let (mut keys, device_keys) = pinned::<T>(gpu, kv_heads * padded * head_dim)?;
+        let (mut values, device_values) = pinned::<T>(gpu, kv_heads * padded * head_dim)?;
+        let waiting = driver("waiting for pinned host memory");
+        let (k, v) = (
+            keys.as_mut_slice().map_err(waiting)?,
+            values
                 .as_mut_slice()
-                .map_err(driver("waiting for pinned host memory"))?;
-            for (to, from) in slice
-                .chunks_exact_mut(padded * head_dim)
-                .zip(data.chunks_exact(tokens * head_dim))
-            {
-                to[..from.len()].copy_from_slice(from);
-                to[from.len()..].fill(T::default());
-            }
-            let host = slice.as_mut_ptr().cast();
-            let mut device = 0u64;
-            // Safety: `host` is the start of a live allocation made with DEVICEMAP.
-            unsafe { cuMemHostGetDevicePointer_v2(&mut device, host, 0) }
-                .result()
-                .map_err(driver("mapping pinned host memory"))?;
-            Ok((pinned, device))
-        };
-        let (keys, device_keys) = copy(keys)?;
-        let (values, device_values) = copy(values)?;
+                .map_err(driver("waiting for pinned host memory"))?,
+        );
+        let per_head = padded * head_dim;
+        for (head, (k, v)) in k
+            .chunks_exact_mut(per_head)
+            .zip(v.chunks_exact_mut(per_head))
+            .enumerate()
+        {
+            let (k, k_pad) = k.split_at_mut(tokens * head_dim);
+            let (v, v_pad) = v.split_at_mut(tokens * head_dim);
+            fill(head, k, v)?;
+            k_pad.fill(T::default());
+            v_pad.fill(T::default());
+        }
         Ok(Self {
             _keys: keys,
             _values: values,
@@ -144,10 +181,47 @@ impl<T: KvElement> HostKv<T> {
     }
 }
 
+/// `len` elements of pinned host memory mapped into the GPU's address space, and their device
+/// address; the caller writes every element before anything reads them.
+fn pinned<T: KvElement>(gpu: &Gpu, len: usize) -> Result<(PinnedHostSlice<T>, u64)> {
+    // cudarc asserts instead of failing on sizes past isize::MAX bytes.
+    if len
+        .checked_mul(size_of::<T>())
+        .is_none_or(|b| b > isize::MAX as usize)
+    {
+        return Err(KernelError::TooLarge {
+            what: "pinned host bytes",
+            value: len,
+        });
+    }
+    // Mapped, so the fill kernel reads it directly; write-combined, since the CPU only writes
+    // it and the GPU reads it over PCIe without snooping caches.
+    let flags = CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED;
+    // Safety: the caller writes every element before anything reads it.
+    let mut pinned = unsafe { gpu.context().alloc_pinned_with_flags::<T>(len, flags) }
+        .map_err(driver("allocating pinned host memory"))?;
+    let host = pinned
+        .as_mut_slice()
+        .map_err(driver("waiting for pinned host memory"))?
+        .as_mut_ptr()
+        .cast();
+    let mut device = 0u64;
+    // Safety: `host` is the start of a live allocation made with DEVICEMAP.
+    unsafe { cuMemHostGetDevicePointer_v2(&mut device, host, 0) }
+        .result()
+        .map_err(driver("mapping pinned host memory"))?;
+    Ok((pinned, device))
+}
+
 impl<T> HostKv<T> {
     /// Blocks per KV head.
     fn blocks(&self) -> usize {
         self.tokens.div_ceil(self.block_tokens)
+    }
+
+    /// Bytes of pinned host memory the keys and values take (padding included).
+    pub fn bytes(&self) -> usize {
+        2 * self.kv_heads * self.blocks() * self.block_tokens * self.head_dim * size_of::<T>()
     }
 }
 
@@ -178,57 +252,15 @@ impl CacheStats {
 /// Marks "no slot" and "no block" in the cache's tables.
 const NONE: u32 = u32::MAX;
 
-/// Slots in recency order: an intrusive doubly linked list over slot numbers, so that a
-/// lookup moves its slot to the front and eviction takes the back, both in O(1).
-#[derive(Debug)]
-struct Recency {
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    /// Most recently used slot.
-    front: u32,
-    /// Least recently used slot.
-    back: u32,
-}
-
-impl Recency {
-    fn new(slots: usize) -> Self {
-        Self {
-            prev: vec![NONE; slots],
-            next: vec![NONE; slots],
-            front: NONE,
-            back: NONE,
-        }
-    }
-
-    fn unlink(&mut self, slot: u32) {
-        let (p, n) = (self.prev[slot as usize], self.next[slot as usize]);
-        match p {
-            NONE => self.front = n,
-            p => self.next[p as usize] = n,
-        }
-        match n {
-            NONE => self.back = p,
-            n => self.prev[n as usize] = p,
-        }
-    }
-
-    fn push_front(&mut self, slot: u32) {
-        self.prev[slot as usize] = NONE;
-        self.next[slot as usize] = self.front;
-        match self.front {
-            NONE => self.back = slot,
-            f => self.prev[f as usize] = slot,
-        }
-        self.front = slot;
-    }
-}
-
-/// A GPU cache of hot blocks of a [`HostKv`] it owns, the least recently used evicted first.
+/// A GPU cache of hot blocks of a [`HostKv`] it owns, evicted by CLOCK (second chance: a
+/// slot used since the hand last passed it is spared once), which approximates least
+/// recently used at one write per hit.
 ///
 /// [`BlockCache::gather`] makes the blocks of a step's selected ids resident (copying the
 /// missing ones in one kernel launch straight from mapped host memory) and returns their
-/// rows for [`crate::retrieval_attention`]. Its bookkeeping is array lookups (one slot
-/// table entry per host block), so it costs the CPU little next to the GPU's work.
+/// rows for [`crate::retrieval_attention`]. Its bookkeeping is one pass over the ids with two
+/// array lookups each (the block's slot, the slot's last step), since a step of a long corpus
+/// selects tens of thousands of ids per layer and the GPU waits for it.
 pub struct BlockCache<T> {
     host: HostKv<T>,
     keys: CudaSlice<T>,
@@ -238,15 +270,25 @@ pub struct BlockCache<T> {
     slot_of: Vec<u32>,
     /// Slot → host block, or NONE.
     owner: Vec<u32>,
-    /// Host block → the last step that selected it (to count each block once a step).
-    seen: Vec<u64>,
-    recency: Recency,
+    /// Slot → the last step that used it: a slot of the current step is never evicted, and
+    /// each block is counted once a step.
+    used: Vec<u64>,
+    /// Slot → used since the clock hand last passed it.
+    referenced: Vec<bool>,
+    /// The next slot the clock looks at for eviction.
+    hand: u32,
     free: Vec<u32>,
+    /// Host block → the last step counted by the exact count of a step that may not fit
+    /// (which only steps of more ids than slots need).
+    seen: Vec<u64>,
     step: u64,
     /// The last step's rows, one list per KV head.
     rows: Csr,
     /// The last step's copies: [host block, slot] pairs.
     jobs: CudaSlice<u32>,
+    /// Slot → the first token of the block it holds (within its KV head), written by the
+    /// fills: how `attention_mass` adds a slot's rows to their tokens.
+    slot_tokens: CudaSlice<u32>,
     stats: CacheStats,
 }
 
@@ -279,12 +321,15 @@ impl<T: KvElement> BlockCache<T> {
             slots,
             slot_of: vec![NONE; blocks],
             owner: vec![NONE; slots],
+            used: vec![0; slots],
+            referenced: vec![false; slots],
+            hand: 0,
             seen: vec![0; blocks],
-            recency: Recency::new(slots),
             free: (0..slots as u32).rev().collect(),
             step: 0,
             rows: Csr::from_lists::<&[u32]>(gpu, &[])?,
             jobs: gpu.zeros(2)?,
+            slot_tokens: gpu.zeros(slots)?,
             stats: CacheStats::default(),
             host,
         })
@@ -308,74 +353,75 @@ impl<T: KvElement> BlockCache<T> {
         let (shift, blocks) = (host.block_tokens.trailing_zeros(), host.blocks() as u32);
         let mask = host.block_tokens as u32 - 1;
         let block_of = |h: usize, id: u32| (h as u32 * blocks + (id >> shift)) as usize;
+        // Everything that can fail is checked before a slot changes: the ids' range, and
+        // whether the step's distinct blocks fit (counted exactly only when it has more ids
+        // than slots: a cache sized for its corpus never needs that).
+        let (tokens, mut total) = (host.tokens, 0);
+        for ids in selected {
+            let ids = ids.as_ref();
+            if let Some(&id) = ids.iter().max().filter(|&&id| id as usize >= tokens) {
+                return Err(KernelError::OutOfRange {
+                    what: "selected token id",
+                    index: id.into(),
+                    len: tokens as u64,
+                });
+            }
+            total += ids.len();
+        }
         self.step += 1;
         let step = self.step;
-        // One pass over the ids: range checks, the step's distinct blocks, and its hits,
-        // which become the most recent so that no eviction below takes one.
-        let (mut needed, mut hits, mut missing) = (0, 0, Vec::new());
-        for (h, ids) in selected.iter().enumerate() {
-            for &id in ids.as_ref() {
-                if id as usize >= host.tokens {
-                    return Err(KernelError::OutOfRange {
-                        what: "selected token id",
-                        index: id.into(),
-                        len: host.tokens as u64,
-                    });
-                }
-                let b = block_of(h, id);
-                if self.seen[b] == step {
-                    continue;
-                }
-                self.seen[b] = step;
-                needed += 1;
-                match self.slot_of[b] {
-                    NONE => missing.push(b as u32),
-                    slot => {
-                        self.recency.unlink(slot);
-                        self.recency.push_front(slot);
-                        hits += 1;
-                    }
+        if total > self.slots {
+            let mut needed = 0;
+            for (h, ids) in selected.iter().enumerate() {
+                for &id in ids.as_ref() {
+                    let b = block_of(h, id);
+                    needed += usize::from(self.seen[b] != step);
+                    self.seen[b] = step;
                 }
             }
+            if needed > self.slots {
+                return Err(KernelError::CacheTooSmall {
+                    needed,
+                    slots: self.slots,
+                });
+            }
         }
-        if needed > self.slots {
-            return Err(KernelError::CacheTooSmall {
-                needed,
-                slots: self.slots,
-            });
-        }
-        self.stats.hits += hits;
-        // Misses take a free slot or the least recently used one, which this step does not
-        // use: the step needs at most `slots` blocks and its hits are the most recent.
-        let mut jobs = Vec::with_capacity(2 * missing.len());
-        for &b in &missing {
-            let slot = match self.free.pop() {
-                Some(slot) => slot,
-                None => {
-                    let slot = self.recency.back;
-                    self.recency.unlink(slot);
-                    self.slot_of[self.owner[slot as usize] as usize] = NONE;
-                    slot
-                }
-            };
-            self.slot_of[b as usize] = slot;
-            self.owner[slot as usize] = b;
-            self.recency.push_front(slot);
-            jobs.extend([b, slot]);
-        }
-        let misses = jobs.len() / 2;
-        self.stats.misses += misses as u64;
-        let block_bytes = 2 * host.block_tokens * host.head_dim * size_of::<T>();
-        self.stats.bytes_copied += (misses * block_bytes) as u64;
-
+        // One pass: each id's block found or given a slot (a free one, else the clock's
+        // choice, never a slot of this step), and its row.
+        let (mut hits, mut jobs) = (0u64, Vec::new());
         let mut offsets = Vec::with_capacity(selected.len() + 1);
-        let mut rows = Vec::new();
+        let mut rows = Vec::with_capacity(total);
         offsets.push(0u32);
         for (h, ids) in selected.iter().enumerate() {
-            let ids = ids.as_ref().iter();
-            rows.extend(ids.map(|&id| (self.slot_of[block_of(h, id)] << shift) | (id & mask)));
+            for &id in ids.as_ref() {
+                let b = block_of(h, id);
+                let slot = match self.slot_of[b] {
+                    NONE => {
+                        let slot = match self.free.pop() {
+                            Some(slot) => slot,
+                            None => self.evict(step),
+                        };
+                        self.slot_of[b] = slot;
+                        self.owner[slot as usize] = b as u32;
+                        jobs.extend([b as u32, slot]);
+                        slot
+                    }
+                    slot => {
+                        hits += u64::from(self.used[slot as usize] != step);
+                        slot
+                    }
+                };
+                self.used[slot as usize] = step;
+                self.referenced[slot as usize] = true;
+                rows.push((slot << shift) | (id & mask));
+            }
             offsets.push(rows.len() as u32);
         }
+        self.stats.hits += hits;
+        let misses = jobs.len() / 2;
+        self.stats.misses += misses as u64;
+        let block_bytes = 2 * self.host.block_tokens * self.host.head_dim * size_of::<T>();
+        self.stats.bytes_copied += (misses * block_bytes) as u64;
         let copied = self
             .rows
             .rewrite(gpu, &offsets, &rows)
@@ -398,7 +444,33 @@ impl<T: KvElement> BlockCache<T> {
             },
             lists: &self.rows,
             runs: &[],
+            tokens: Some(SlotTokens {
+                first: &self.slot_tokens,
+                shift,
+                tokens: self.host.tokens,
+            }),
         })
+    }
+
+    /// A slot for a missing block of step `step`, taken from the block it held: the first
+    /// the clock hand reaches that this step does not use and that was not used since the
+    /// hand last passed (those it passes lose that mark). The step needs at most `slots`
+    /// blocks (checked before) and only its own are spared every time, so two turns of the
+    /// hand find one.
+    fn evict(&mut self, step: u64) -> u32 {
+        loop {
+            let slot = self.hand;
+            self.hand = (self.hand + 1) % self.slots as u32;
+            let s = slot as usize;
+            if self.used[s] == step {
+                continue;
+            }
+            if std::mem::take(&mut self.referenced[s]) {
+                continue;
+            }
+            self.slot_of[self.owner[s] as usize] = NONE;
+            return slot;
+        }
     }
 
     /// Copies the blocks of `jobs` from host memory into their slots, in one launch.
@@ -408,6 +480,11 @@ impl<T: KvElement> BlockCache<T> {
         let vecs = (self.host.block_tokens * self.host.head_dim * size_of::<T>() / 16) as u32;
         let (pool_keys, pool_values) = (gpu.address(&self.keys), gpu.address(&self.values));
         let jobs_address = gpu.address(&self.jobs);
+        let slot_tokens = gpu.address(&self.slot_tokens);
+        let (blocks, shift) = (
+            self.host.blocks() as u32,
+            self.host.block_tokens.trailing_zeros(),
+        );
         let config = LaunchConfig {
             grid_dim: ((jobs.len() / 2) as u32, 1, 1),
             block_dim: (FILL_THREADS, 1, 1),
@@ -420,10 +497,13 @@ impl<T: KvElement> BlockCache<T> {
             .arg(&pool_keys)
             .arg(&pool_values)
             .arg(&jobs_address)
-            .arg(&vecs);
-        // Safety: `fill_slots(host_k, host_v, pool_k, pool_v, jobs, vecs)`; every job names a
-        // block of the host buffers and a slot below `self.slots`, each `vecs` 16-byte
-        // vectors long.
+            .arg(&vecs)
+            .arg(&slot_tokens)
+            .arg(&blocks)
+            .arg(&shift);
+        // Safety: `fill_slots(host_k, host_v, pool_k, pool_v, jobs, vecs, slot_token, blocks,
+        // shift)`; every job names a block of the host buffers and a slot below `self.slots`,
+        // each `vecs` 16-byte vectors long, and `slot_token` holds one u32 per slot.
         unsafe { builder.launch(config) }.map_err(driver("launching fill_slots"))?;
         Ok(())
     }
@@ -439,12 +519,23 @@ impl<T> BlockCache<T> {
     pub fn clear(&mut self) {
         self.slot_of.fill(NONE);
         self.owner.fill(NONE);
-        self.recency = Recency::new(self.slots);
+        self.referenced.fill(false);
+        self.hand = 0;
         self.free = (0..self.slots as u32).rev().collect();
     }
 
     /// Number of blocks the cache holds.
     pub fn slots(&self) -> usize {
         self.slots
+    }
+
+    /// Bytes of GPU memory the cache's slots take.
+    pub fn bytes(&self) -> usize {
+        2 * self.slots * self.host.block_tokens * self.host.head_dim * size_of::<T>()
+    }
+
+    /// The host memory behind the cache.
+    pub fn host(&self) -> &HostKv<T> {
+        &self.host
     }
 }

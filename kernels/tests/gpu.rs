@@ -1283,8 +1283,10 @@ mod on_gpu {
         Ok(())
     }
 
-    /// Through the pinned-host block cache the outputs equal the resident ones, a repeated
-    /// step hits every block, and evictions keep it right.
+    /// Through the pinned-host block cache the outputs and the attention mass equal the
+    /// resident ones, a repeated step hits every block, and evictions keep it right: with the
+    /// host memory copied from host slices (blocks of 64 tokens) and from the GPU (blocks of
+    /// 16).
     #[test]
     fn block_cache_matches_resident() -> Result<()> {
         let Some((gpu, mut rng)) = start("block_cache_matches_resident") else {
@@ -1299,82 +1301,127 @@ mod on_gpu {
         } = layer.upload(&gpu, true)?;
         let queries = queries.as_view();
         let query = layer.query(&queries);
-        let host = HostKv::new(&gpu, &layer.keys, &layer.values, kv_heads, head_dim, 64)?;
-        let block_bytes = 2 * 64 * head_dim * 2;
-        let mut cache = BlockCache::new(&gpu, host, 300 * block_bytes)?;
-        ensure!(cache.slots() == 300, "{} slots", cache.slots());
-        let runs = DensePolicy {
-            sink: 1,
-            window: 256,
-        }
-        .dense_ranges(tokens - 1);
-        for step in 0..6 {
-            // At most 100 blocks per head: with 2 heads the cache evicts from step 2 on.
-            let lists: Vec<Vec<u32>> = (0..kv_heads)
-                .map(|_| {
-                    let mut ids: Vec<u32> = (1..tokens as u32 - 256).collect();
-                    ids.shuffle(&mut rng);
-                    ids.truncate(100);
-                    ids
-                })
-                .collect();
-            let ids = Csr::from_lists(&gpu, &lists)?;
-            let mut want = poisoned(&gpu, layer.queries.len())?;
-            let dense = Dense {
-                kv: &kv,
-                runs: &runs,
+        for (source, block) in [("host slices", 64), ("the GPU", 16)] {
+            let host = match source {
+                "host slices" => {
+                    HostKv::new(&gpu, &layer.keys, &layer.values, kv_heads, head_dim, block)?
+                }
+                _ => HostKv::from_device(&gpu, &kv, block)?,
             };
-            retrieval_attention(
-                &gpu,
-                &mut workspace,
-                query,
-                dense,
-                Selected::resident(&kv, &ids),
-                &mut want.as_view_mut(),
-            )?;
-            let want: Vec<f64> = written(&gpu, &want)?.iter().map(|&x| x.into()).collect();
-            for pass in ["cold", "warm"] {
-                let before = cache.stats();
-                let selected = cache.gather(&gpu, &lists)?;
-                let mut got = poisoned(&gpu, layer.queries.len())?;
+            let padded = tokens.div_ceil(block) * block;
+            ensure!(
+                host.bytes() == 2 * kv_heads * padded * head_dim * 2,
+                "{source}: {} host bytes",
+                host.bytes()
+            );
+            let block_bytes = 2 * block * head_dim * 2;
+            let mut cache = BlockCache::new(&gpu, host, 300 * block_bytes)?;
+            ensure!(cache.slots() == 300, "{} slots", cache.slots());
+            ensure!(
+                cache.bytes() == 300 * block_bytes,
+                "{} bytes",
+                cache.bytes()
+            );
+            let runs = DensePolicy {
+                sink: 1,
+                window: 256,
+            }
+            .dense_ranges(tokens - 1);
+            for step in 0..6 {
+                // At most 100 blocks per head: with 2 heads the cache evicts from step 2 on.
+                let lists: Vec<Vec<u32>> = (0..kv_heads)
+                    .map(|_| {
+                        let mut ids: Vec<u32> = (1..tokens as u32 - 256).collect();
+                        ids.shuffle(&mut rng);
+                        ids.truncate(100);
+                        ids
+                    })
+                    .collect();
+                let ids = Csr::from_lists(&gpu, &lists)?;
+                let mut want = poisoned(&gpu, layer.queries.len())?;
+                let dense = Dense {
+                    kv: &kv,
+                    runs: &runs,
+                };
+                let resident = Selected::resident(&kv, &ids);
                 retrieval_attention(
                     &gpu,
                     &mut workspace,
                     query,
                     dense,
-                    selected,
-                    &mut got.as_view_mut(),
+                    resident,
+                    &mut want.as_view_mut(),
                 )?;
-                close(
-                    &format!("block cache step {step} {pass}"),
-                    &written(&gpu, &got)?,
-                    &want,
-                    1e-6,
+                let want: Vec<f64> = written(&gpu, &want)?.iter().map(|&x| x.into()).collect();
+                let mut want_mass = gpu.zeros::<f32>(tokens)?;
+                attention_mass(
+                    &gpu,
+                    &workspace,
+                    ListPart::Selected(resident),
+                    &mut want_mass,
                 )?;
-                let after = cache.stats();
-                if pass == "warm" {
-                    ensure!(
-                        after.misses == before.misses,
-                        "a repeated step missed: {after:?}"
-                    );
-                    ensure!(after.hits > before.hits, "no hits counted: {after:?}");
+                let want_mass: Vec<f64> = gpu
+                    .download(&want_mass)?
+                    .iter()
+                    .map(|&x| x.into())
+                    .collect();
+                for pass in ["cold", "warm"] {
+                    let what = format!("block cache from {source}, step {step} {pass}");
+                    let before = cache.stats();
+                    let selected = cache.gather(&gpu, &lists)?;
+                    let mut got = poisoned(&gpu, layer.queries.len())?;
+                    retrieval_attention(
+                        &gpu,
+                        &mut workspace,
+                        query,
+                        dense,
+                        selected,
+                        &mut got.as_view_mut(),
+                    )?;
+                    close(&what, &written(&gpu, &got)?, &want, 1e-6)?;
+                    // The mass lands on the selected tokens, not on the slots' rows.
+                    let mut mass = gpu.zeros::<f32>(tokens)?;
+                    attention_mass(&gpu, &workspace, ListPart::Selected(selected), &mut mass)?;
+                    close(
+                        &format!("{what}: mass"),
+                        &gpu.download(&mass)?,
+                        &want_mass,
+                        1e-6,
+                    )?;
+                    let after = cache.stats();
+                    if pass == "warm" {
+                        ensure!(
+                            after.misses == before.misses,
+                            "a repeated step missed: {after:?}"
+                        );
+                        ensure!(after.hits > before.hits, "no hits counted: {after:?}");
+                    }
                 }
             }
+            println!(
+                "block cache from {source}: {:?}, hit ratio {:.3}",
+                cache.stats(),
+                cache.stats().hit_ratio()
+            );
+            // A step needing more blocks than the cache holds fails cleanly, and the cache
+            // works on.
+            let every: Vec<Vec<u32>> = vec![(0..tokens as u32).step_by(block).collect(); kv_heads];
+            let too_many = cache.gather(&gpu, &every);
+            ensure!(
+                matches!(too_many, Err(KernelError::CacheTooSmall { needed, slots: 300 }) if needed == 2 * tokens.div_ceil(block)),
+                "{too_many:?}"
+            );
+            cache.clear();
+            let selected = cache.gather(&gpu, &[vec![5u32], vec![7u32]])?;
+            // A mass of another length than the host's tokens is refused.
+            let mut short = gpu.zeros::<f32>(tokens - 1)?;
+            let refused =
+                attention_mass(&gpu, &workspace, ListPart::Selected(selected), &mut short);
+            ensure!(
+                matches!(refused, Err(KernelError::Length { .. })),
+                "{refused:?}"
+            );
         }
-        println!(
-            "block cache: {:?}, hit ratio {:.3}",
-            cache.stats(),
-            cache.stats().hit_ratio()
-        );
-        // A step needing more blocks than the cache holds fails cleanly, and the cache works on.
-        let every: Vec<Vec<u32>> = vec![(0..tokens as u32).step_by(64).collect(); kv_heads];
-        let too_many = cache.gather(&gpu, &every);
-        ensure!(
-            matches!(too_many, Err(KernelError::CacheTooSmall { needed, slots: 300 }) if needed == 2 * tokens.div_ceil(64)),
-            "{too_many:?}"
-        );
-        cache.clear();
-        cache.gather(&gpu, &[vec![5u32], vec![7u32]])?;
         Ok(())
     }
 
