@@ -20,7 +20,10 @@
 # number of questions sent at once to `kvdb serve --device cuda` on each GPU corpus afterwards
 # (each answer, the time they took and the server's count of batched questions go to serve.log);
 # DROP_CACHES=1 drops the OS's page cache before each decode-bench (as root), so that opening
-# the corpus reads the store from disk, as a first question after a restart would.
+# the corpus reads the store from disk, as a first question after a restart would. GPU_KV a
+# placement to run decode-bench under again on the GPU (e.g. `host` or `host:16G`: the corpus's
+# keys and values in pinned host memory behind block caches; full attention is skipped there,
+# so its rows compare with the resident run before them).
 set -euo pipefail
 bundle=${1:?usage: gpu-query-bench.sh BUNDLE_DIR [WORK_DIR]}
 work=${2:-$(mktemp -d)}
@@ -102,6 +105,17 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
             --json "$out/decode-$preset-$device.json" 2>>"$out/stderr.log" | tee -a "$log" ||
             echo "FAILED (stderr.log says why)" | tee -a "$log"
         grep "^kvdb: \(loaded\|opened\)" "$out/stderr.log" | tail -n 2 | tee -a "$log"
+        if [ "$device" = cuda ] && [ -n "${GPU_KV:-}" ]; then
+            echo "$preset on $device, --gpu-kv $GPU_KV:" | tee -a "$log"
+            "$kvdb" decode-bench --device cuda --gpu-kv "$GPU_KV" --model "$model" \
+                --store "$work/store-$preset" --corpus c "${modes[@]}" ${K:+--k "$K"} --tokens 32 \
+                --repeats "${REPEATS:-2}" --question "What does the license say about warranty?" \
+                --json "$out/decode-$preset-$device-gpu-kv.json" 2>>"$out/stderr.log" | tee -a "$log" ||
+                echo "FAILED (stderr.log says why)" | tee -a "$log"
+            grep "^kvdb: \(loaded\|opened\)" "$out/stderr.log" | tail -n 2 | tee -a "$log"
+        fi
     done
-    [ -n "${SERVE:-}" ] && serve_questions "$preset" "$model" "$work/store-$preset" "$SERVE" "${modes[-1]}"
+    if [ -n "${SERVE:-}" ]; then
+        serve_questions "$preset" "$model" "$work/store-$preset" "$SERVE" "${modes[-1]}"
+    fi
 done

@@ -132,6 +132,12 @@ pub(crate) struct OpenArgs {
     /// the corpus's retrieval layers are uploaded once; needs a build with feature `gpu`).
     #[arg(long, default_value = "cpu")]
     pub(crate) device: ComputeDevice,
+    /// Where a GPU keeps the corpus's keys and values: `resident` (on the GPU), `host`
+    /// (pinned host memory behind a GPU cache of hot blocks, half the free GPU memory; for
+    /// corpora larger than the GPU; questions must retrieve), `host:SIZE` (a cache of SIZE,
+    /// e.g. 8G), or `auto` (resident when they fit).
+    #[arg(long, default_value = "auto", value_parser = crate::parse_gpu_kv)]
+    pub(crate) gpu_kv: kvdb::GpuKv,
 }
 
 #[derive(clap::Subcommand)]
@@ -185,15 +191,23 @@ pub(crate) fn open_for_questions<'i>(
         stage_times(&model.stages)
     );
     let started = std::time::Instant::now();
-    let corpus = Corpus::open(store, &target.corpus, model.as_ref(), args.ram_budget)?;
+    let corpus = Corpus::open(store, &target.corpus, model.as_ref(), args.ram_budget)?
+        .with_gpu_kv(args.gpu_kv);
     #[cfg(feature = "gpu")]
     {
         let upload = corpus.upload_to_gpu(model.as_ref())?;
+        let kept = match upload.host_bytes {
+            0 => format!("{} on the GPU", HumanBytes(upload.bytes as u64)),
+            host => format!(
+                "{} in pinned host memory behind {} of GPU block caches",
+                HumanBytes(host as u64),
+                HumanBytes(upload.bytes as u64)
+            ),
+        };
         if upload.bytes > 0 {
             eprintln!(
-                "kvdb: opened corpus `{}` and uploaded its retrieval layers ({}) in {:.1}s ({})",
+                "kvdb: opened corpus `{}` and uploaded its retrieval layers ({kept}) in {:.1}s ({})",
                 target.corpus,
-                HumanBytes(upload.bytes as u64),
                 started.elapsed().as_secs_f64(),
                 stage_times(&upload.stages)
             );

@@ -7,6 +7,10 @@
 //! kernels) and is reported apart from the measured ones; one more answer, profiled with
 //! CUDA events on a GPU, says where the attention layers' GPU time goes.
 //!
+//! With the corpus in host memory (`--gpu-kv host`, or `auto` when it does not fit the GPU)
+//! full attention cannot run: the modes are compared with each other, and each row says how
+//! the layers' block caches did over its measured answers.
+//!
 //! `--concurrent 1,4,16` adds a second table: for each mode, that many questions answered
 //! together (`Corpus::ask_together`: on a GPU one batched step per answer token, the
 //! weights read once for all answers), with the decode's throughput in answer tokens per
@@ -104,10 +108,17 @@ struct Row {
     selected: Option<f64>,
     /// Share of the eligible corpus keys scored by searches.
     scored: Option<f64>,
-    /// Full attention's milliseconds per token over this mode's.
-    speedup: f64,
-    /// Whether the last answer's tokens equal full attention's.
+    /// Full attention's milliseconds per token over this mode's (`None` when full attention
+    /// did not run: the corpus is in host memory).
+    speedup: Option<f64>,
+    /// Whether the last answer's tokens equal full attention's (the first mode's when full
+    /// attention did not run).
     same_answer: bool,
+    /// With the corpus in host memory, the share of block lookups over the measured answers
+    /// that found the block on the GPU.
+    cache_hit_ratio: Option<f64>,
+    /// With the corpus in host memory, MiB copied from host memory per measured answer.
+    cache_mib_per_answer: Option<f64>,
     /// On a GPU, milliseconds of GPU time per position (question and answer) of each stage
     /// of the attention the query computes itself, from one more, profiled answer.
     gpu_ms_per_position: BTreeMap<String, f64>,
@@ -118,7 +129,15 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
     let (model, corpus) = (opened.model.as_ref(), &opened.corpus);
     let n = corpus.manifest().tokens;
     let k = args.k.unwrap_or((n / 100).max(1));
-    let modes = std::iter::once(AttentionMode::Full).chain(args.index.iter().map(|spec| {
+    let in_host = cache_stats(corpus).is_some();
+    if in_host {
+        eprintln!(
+            "kvdb: the corpus's keys and values are in host memory: full attention cannot run, \
+             the modes are compared with each other"
+        );
+    }
+    let full = (!in_host).then_some(AttentionMode::Full);
+    let modes = full.into_iter().chain(args.index.iter().map(|spec| {
         AttentionMode::Retrieval(Retrieval {
             index: Some(spec.clone()),
             k: Some(k),
@@ -153,10 +172,21 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         eprintln!("kvdb: {name}: warm-up answer");
         let warmup = ask(&options)?;
         let mut answers = Vec::new();
+        let cache_before = cache_stats(corpus);
         for i in 0..args.repeats {
             eprintln!("kvdb: {name}: answer {} of {}", i + 1, args.repeats);
             answers.push(ask(&options)?);
         }
+        let cache = cache_before
+            .zip(cache_stats(corpus))
+            .map(|(before, after)| {
+                let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
+                let mib = (after.bytes_copied - before.bytes_copied) as f64 / (1 << 20) as f64;
+                (
+                    hits as f64 / (hits + misses).max(1) as f64,
+                    mib / f64::from(args.repeats),
+                )
+            });
         // Apart from the measured answers: the events it records add work to every layer.
         eprintln!("kvdb: {name}: profiled answer");
         let profiled = ask(&AskOptions {
@@ -174,7 +204,10 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         let best = |f: fn(&Answer) -> f64| answers.iter().map(f).fold(f64::INFINITY, f64::min);
         let ms_per_token = best(|a| 1000.0 / a.timings.tokens_per_second.max(1e-9));
         let reference = reference.get_or_insert_with(|| last.tokens.clone());
-        let full_ms = rows.first().map_or(ms_per_token, |full| full.ms_per_token);
+        let full_ms = match in_host {
+            true => None,
+            false => Some(rows.first().map_or(ms_per_token, |full| full.ms_per_token)),
+        };
         rows.push(Row {
             mode: name.clone(),
             warmup_first_token_seconds: warmup.timings.first_token_seconds,
@@ -183,8 +216,10 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
             tokens: last.tokens.len(),
             selected: last.retrieval.as_ref().map(|r| r.selectivity()),
             scored: last.retrieval.as_ref().map(|r| r.scored_share()),
-            speedup: full_ms / ms_per_token,
+            speedup: full_ms.map(|full| full / ms_per_token),
             same_answer: last.tokens == *reference,
+            cache_hit_ratio: cache.map(|c| c.0),
+            cache_mib_per_answer: cache.map(|c| c.1),
             gpu_ms_per_position,
         });
         for &count in &args.concurrent {
@@ -236,25 +271,35 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         "corpus `{}`: {n} tokens, {} on {}; {} measured answers per mode after a warm-up",
         args.open.target.corpus, opened.model.record.name, args.open.device, args.repeats
     )?;
+    let reference = match in_host {
+        true => "the first mode (keys and values in host memory)",
+        false => "full",
+    };
     writeln!(
         out,
-        "| mode | first token (s) | ms/token | vs full | selected | scored | tokens | same answer as full | warm-up first token (s) | GPU ms/position by stage |"
+        "| mode | first token (s) | ms/token | vs full | selected | scored | tokens | same answer as {reference} | warm-up first token (s) | block cache hits | MiB copied per answer | GPU ms/position by stage |"
     )?;
-    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---|---:|---|")?;
+    writeln!(
+        out,
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"
+    )?;
     let share = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{:.2}%", 100.0 * x));
     for r in &rows {
         writeln!(
             out,
-            "| {} | {:.3} | {:.2} | {:.2}x | {} | {} | {} | {} | {:.2} | {} |",
+            "| {} | {:.3} | {:.2} | {} | {} | {} | {} | {} | {:.2} | {} | {} | {} |",
             r.mode,
             r.first_token_seconds,
             r.ms_per_token,
-            r.speedup,
+            r.speedup.map_or("-".into(), |s| format!("{s:.2}x")),
             share(r.selected),
             share(r.scored),
             r.tokens,
             if r.same_answer { "yes" } else { "no" },
             r.warmup_first_token_seconds,
+            share(r.cache_hit_ratio),
+            r.cache_mib_per_answer
+                .map_or("-".into(), |m| format!("{m:.1}")),
             stages(&r.gpu_ms_per_position)
         )?;
     }
@@ -294,6 +339,34 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// Block cache lookups: blocks found on the GPU, blocks copied, bytes copied.
+#[derive(Debug, Clone, Copy)]
+struct Lookups {
+    hits: u64,
+    misses: u64,
+    bytes_copied: u64,
+}
+
+/// The block caches' lookups so far when the corpus's keys and values are in host memory
+/// behind them (a GPU question uploaded them), else `None`.
+fn cache_stats(corpus: &kvdb::Corpus) -> Option<Lookups> {
+    #[cfg(feature = "gpu")]
+    {
+        let footprint = corpus.gpu_footprint();
+        let cache = footprint.cache;
+        (footprint.host_bytes > 0).then_some(Lookups {
+            hits: cache.hits,
+            misses: cache.misses,
+            bytes_copied: cache.bytes_copied,
+        })
+    }
+    #[cfg(not(feature = "gpu"))]
+    {
+        let _ = corpus;
+        None
+    }
 }
 
 /// `attention 1.23, routing 0.10` (`-` for none).

@@ -199,6 +199,26 @@ pub(crate) fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
     Ok((number * scale) as usize)
 }
 
+/// `auto`, `resident`, `host` or `host:SIZE` (`--gpu-kv`).
+pub(crate) fn parse_gpu_kv(s: &str) -> std::result::Result<kvdb::GpuKv, String> {
+    match s.trim() {
+        "auto" => Ok(kvdb::GpuKv::Auto),
+        "resident" => Ok(kvdb::GpuKv::Resident),
+        "host" => Ok(kvdb::GpuKv::Host { cache_bytes: None }),
+        other => match other.strip_prefix("host:") {
+            Some(size) => match parse_bytes(size)? {
+                0 => Err("a block cache of 0 bytes holds nothing".into()),
+                bytes => Ok(kvdb::GpuKv::Host {
+                    cache_bytes: Some(bytes),
+                }),
+            },
+            None => Err(format!(
+                "`{s}`: use auto, resident, host or host:SIZE (e.g. host:8G)"
+            )),
+        },
+    }
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     if !matches!(cli.command, Command::Serve(_)) {
@@ -360,7 +380,7 @@ fn quiet_on_closed_stdout() {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::{parse_bytes, parse_gpu_kv};
 
     #[test]
     fn byte_sizes_parse_with_binary_units_and_refuse_the_rest() {
@@ -372,5 +392,22 @@ mod tests {
         assert!(parse_bytes("lots").is_err());
         assert!(parse_bytes("5T").is_err());
         assert!(parse_bytes("").is_err());
+    }
+
+    #[test]
+    fn gpu_placements_parse_and_refuse_the_rest() {
+        use kvdb::GpuKv;
+        assert_eq!(parse_gpu_kv("auto"), Ok(GpuKv::Auto));
+        assert_eq!(parse_gpu_kv("resident"), Ok(GpuKv::Resident));
+        assert_eq!(parse_gpu_kv("host"), Ok(GpuKv::Host { cache_bytes: None }));
+        assert_eq!(
+            parse_gpu_kv("host:8G"),
+            Ok(GpuKv::Host {
+                cache_bytes: Some(8 << 30)
+            })
+        );
+        for bad in ["host:0", "host:", "host:lots", "gpu", "", "hostess"] {
+            assert!(parse_gpu_kv(bad).is_err(), "{bad:?} parsed");
+        }
     }
 }

@@ -55,6 +55,11 @@ pub(crate) struct ServeArgs {
     /// NVIDIA GPU; needs a build with feature `gpu`; indexes are still searched on the CPU).
     #[arg(long, default_value = "cpu")]
     device: kvdb::ComputeDevice,
+    /// Where a GPU keeps each open corpus's keys and values: `resident`, `host` (pinned host
+    /// memory behind a GPU cache of hot blocks; questions must retrieve), `host:SIZE`, or
+    /// `auto` (resident when they fit), as for `kvdb ask`.
+    #[arg(long, default_value = "auto", value_parser = crate::parse_gpu_kv)]
+    gpu_kv: kvdb::GpuKv,
 }
 
 pub(crate) fn serve(args: ServeArgs) -> Result<()> {
@@ -80,6 +85,7 @@ pub(crate) fn serve(args: ServeArgs) -> Result<()> {
     config.body_read_timeout = Duration::from_secs(args.body_timeout);
     config.shutdown_grace = Duration::from_secs(args.shutdown_grace);
     config.device = args.device;
+    config.gpu_kv = args.gpu_kv;
     // The server logs what it does not tell clients (internal errors, job events).
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)

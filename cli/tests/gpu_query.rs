@@ -6,7 +6,9 @@
 //! the GPU by its classifier) equal the CPU's (bf16 weights against f32, so greedy answers
 //! are compared, with the ranking of provenance and the search statistics); every other
 //! index type answers on the GPU. Questions answered together (one batched step per answer
-//! token) answer as each does alone.
+//! token) answer as each does alone. A corpus kept in pinned host memory behind the GPU's
+//! block caches answers as the resident one, refuses full attention, and says when its
+//! caches are too small.
 //!
 //! Needs a GPU: on a machine without one (CI) each test prints `SKIPPED` and passes.
 
@@ -36,7 +38,7 @@ mod on_gpu {
     use kvdb::GenerateOptions;
     use kvdb::{train_artifact, SaapTraining};
     use kvdb::{Answer, AskOptions, AttentionMode, Corpus, Retrieval};
-    use kvdb::{ComputeDevice, LoadedModel};
+    use kvdb::{ComputeDevice, GpuKv, LoadedModel};
     use kvdb_attention::DensePolicy;
     use kvdb_index::IndexSpec;
     use kvdb_model::EncodeOptions;
@@ -156,6 +158,111 @@ mod on_gpu {
         }))
     }
 
+    /// The corpus kept in pinned host memory behind the GPU's block caches answers as the
+    /// resident one: the same logits but for summation order, the same answers, searches and
+    /// provenance through the indexes searched on the CPU, and the bucket indexes the
+    /// resident corpus routes on the GPU searched on the CPU instead; questions answered
+    /// together (each on a stream of its own, taking turns at the caches) as each alone; a
+    /// repeated question finds its blocks in the caches. Full attention and a step larger
+    /// than the caches are refused with errors that say what to do.
+    fn in_host_memory(
+        gpu: &LoadedModel,
+        resident: &Corpus,
+        store: Arc<Store>,
+        ids: &[u32],
+        n: usize,
+    ) -> Result<()> {
+        let open = |placement| -> Result<Corpus> {
+            Ok(Corpus::open(store.clone(), "c", gpu.as_ref(), 1 << 30)?.with_gpu_kv(placement))
+        };
+        let on_host = open(GpuKv::Host {
+            cache_bytes: Some(64 << 20),
+        })?;
+        let upload = on_host.upload_to_gpu(gpu.as_ref())?;
+        ensure!(
+            upload.host_bytes > 0 && upload.bytes > 0,
+            "not in host memory: {upload:?}"
+        );
+        let score = |corpus: &Corpus, mode| corpus.score(gpu.as_ref(), ids, mode);
+        let everything = retrieval("flat", Some(n))?;
+        let err = relative_max_error(
+            &score(&on_host, everything.clone())?,
+            &score(resident, everything)?,
+        )?;
+        println!("host memory, every token selected, against resident: {err:.2e}");
+        ensure!(
+            err < SAME_KEYS,
+            "every token selected from host memory: {err}"
+        );
+        for spec in SAME_ANSWER.iter().chain(ANSWERS) {
+            let (h, r) = (
+                ask(gpu, &on_host, retrieval(spec, None)?)?,
+                ask(gpu, resident, retrieval(spec, None)?)?,
+            );
+            let (hs, rs) = (
+                h.retrieval.clone().unwrap_or_default(),
+                r.retrieval.clone().unwrap_or_default(),
+            );
+            println!(
+                "{spec} from host memory: {:?} ({:.3} selected), resident {:?}",
+                h.answer,
+                hs.selectivity(),
+                r.answer
+            );
+            ensure!(
+                h.tokens == r.tokens,
+                "{spec}: host memory answers differently"
+            );
+            ensure!(
+                (hs.searches, hs.eligible) == (rs.searches, rs.eligible),
+                "{spec}: searches counted differently: host {hs:?}, resident {rs:?}"
+            );
+            ensure!(hs.transfer_seconds > 0.0, "{spec}: not searched on the CPU");
+            ensure!(
+                !h.provenance.passages.is_empty()
+                    && h.provenance.documents.first().map(|d| d.number)
+                        == r.provenance.documents.first().map(|d| d.number),
+                "{spec}: provenance ranks another document first: host {:?}, resident {:?}",
+                top_documents(&h),
+                top_documents(&r)
+            );
+        }
+        together_as_alone(gpu, &on_host, retrieval("flat", None)?)?;
+        let before = on_host.gpu_footprint().cache;
+        ask(gpu, &on_host, retrieval("flat", None)?)?;
+        let after = on_host.gpu_footprint().cache;
+        println!("block caches: {after:?}");
+        ensure!(
+            after.hits > before.hits && after.misses == before.misses,
+            "a repeated question missed blocks: before {before:?}, after {after:?}"
+        );
+        let full = ask(gpu, &on_host, AttentionMode::Full);
+        ensure!(
+            matches!(
+                full.as_ref().map_err(|e| e.downcast_ref::<kvdb::Error>()),
+                Err(Some(kvdb::Error::FullAttentionFromHost { .. }))
+            ),
+            "full attention from host memory: {:?}",
+            full.map(|a| a.answer)
+        );
+        // Caches of a 64th of each layer's rows: every token selected does not fit.
+        let small = open(GpuKv::Host {
+            cache_bytes: Some(upload.host_bytes / 64),
+        })?;
+        let refused = ask(gpu, &small, retrieval("flat", Some(n))?);
+        ensure!(
+            matches!(
+                refused
+                    .as_ref()
+                    .map_err(|e| e.downcast_ref::<kvdb::Error>()),
+                Err(Some(kvdb::Error::GpuCacheTooSmall { .. }))
+            ),
+            "a step larger than the caches: {:?}",
+            refused.map(|a| a.answer)
+        );
+        Ok(())
+    }
+
     /// The documents of the top passages of an answer's provenance.
     fn top_documents(answer: &Answer) -> Vec<usize> {
         answer
@@ -210,7 +317,8 @@ mod on_gpu {
             &mut |_| {},
         )?;
         let on_cpu = Corpus::open(store.clone(), "c", cpu.as_ref(), 1 << 30)?;
-        let on_gpu = Corpus::open(store, "c", gpu.as_ref(), 1 << 30)?;
+        let on_gpu =
+            Corpus::open(store.clone(), "c", gpu.as_ref(), 1 << 30)?.with_gpu_kv(GpuKv::Resident);
         let n = on_cpu.manifest().tokens;
         println!("corpus of {n} tokens");
 
@@ -260,9 +368,10 @@ mod on_gpu {
             stats.selected == stats.eligible && stats.eligible > 0,
             "not every token selected: {stats:?}"
         );
+        let footprint = on_gpu.gpu_footprint();
         ensure!(
-            on_gpu.gpu_bytes() > 0,
-            "the corpus's rows are not on the GPU"
+            footprint.gpu_bytes > 0 && footprint.host_bytes == 0,
+            "the corpus's rows are not on the GPU: {footprint:?}"
         );
         let cpu_full = ask(&cpu, &on_cpu, AttentionMode::Full)?;
         println!("CPU full attention: {:?}", cpu_full.answer);
@@ -340,6 +449,7 @@ mod on_gpu {
             ensure!(stats.searches > 0, "{spec}: nothing searched");
             ensure!(!g.provenance.passages.is_empty(), "{spec}: no provenance");
         }
+        in_host_memory(&gpu, &on_gpu, store, &ids, n)?;
         // What the GPU path lacks says so.
         let lacking = [
             (

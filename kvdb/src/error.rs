@@ -64,8 +64,8 @@ pub enum Error {
     /// A corpus's retrieval layers do not fit the GPU's free memory.
     #[error(
         "corpus `{corpus}`'s retrieval layers take {needed} bytes on the GPU and {free} are free: \
-         ask with `--device cpu` (keys and values behind a GPU cache of host memory are not \
-         wired into queries yet)"
+         keep them in host memory behind a GPU cache (`--gpu-kv host`, which `auto` chooses \
+         when they do not fit) or ask with `--device cpu`"
     )]
     GpuMemory {
         /// The corpus.
@@ -74,6 +74,32 @@ pub enum Error {
         needed: usize,
         /// Bytes free on the device.
         free: usize,
+    },
+    /// Full attention on a GPU over a corpus kept in host memory.
+    #[error(
+        "full attention reads every key of corpus `{corpus}`, whose keys and values are in host \
+         memory behind the GPU's block cache: ask with retrieval (an index), keep the corpus on \
+         the GPU (`--gpu-kv resident`, where it fits) or use `--device cpu`"
+    )]
+    FullAttentionFromHost {
+        /// The corpus.
+        corpus: String,
+    },
+    /// A step selected more blocks of a layer than its GPU block cache holds.
+    #[error(
+        "layer {layer} of corpus `{corpus}` selected {needed} blocks of its keys in one step and \
+         its GPU block cache holds {slots}: give the caches more memory (`--gpu-kv host:SIZE`) \
+         or retrieve fewer keys (`--k`)"
+    )]
+    GpuCacheTooSmall {
+        /// The corpus.
+        corpus: String,
+        /// The layer.
+        layer: usize,
+        /// Distinct blocks the step needed.
+        needed: usize,
+        /// Blocks the layer's cache holds.
+        slots: usize,
     },
     /// A query option the GPU path does not have yet.
     #[error("{what} is not available on the GPU yet: use `--device cpu` for it")]

@@ -1,8 +1,16 @@
 //! Queries on the GPU (feature `gpu`): the model's forward pass runs on the device, and at
 //! every retrieval layer [`GpuSession`] attends with the retrieval kernels over the corpus's
-//! keys and values, resident on the GPU ([`GpuCorpusKv`]: rotated once per corpus and shared
-//! by every query), and the query's own tail, which the sequence keeps. The selection
-//! statistics and the dense policy are the CPU's ([`QueryState`]).
+//! keys and values ([`GpuCorpusKv`]: rotated once per corpus and shared by every query) and
+//! the query's own tail, which the sequence keeps. The selection statistics and the dense
+//! policy are the CPU's ([`QueryState`]).
+//!
+//! The corpus's rows are resident on the GPU when they fit (or as [`GpuKv`] says); else each
+//! retrieval layer keeps them in pinned host memory behind a GPU cache of hot blocks
+//! (`BlockCache`): every step's selected ids and the corpus's sinks and window are gathered
+//! into it (the missing blocks copied straight from mapped host memory in one launch) and
+//! attended from there. Queries take turns at a layer's cache. Such a corpus is searched on
+//! the CPU (bucket routing on the GPU attends to keys in place) and cannot be attended in
+//! full.
 //!
 //! How a retrieval layer selects depends on the index:
 //! - an index that says how to route on the GPU (`BucketIndex::gpu_routing`: `ivf…,norope,all`
@@ -32,11 +40,12 @@ use candle_core::Tensor;
 use half::f16;
 use kvdb_index::BucketScores;
 use kvdb_kernels::cudarc::driver::sys::CUevent_flags;
+use kvdb_kernels::cudarc::driver::CudaViewMut;
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
-    attention_mass, retrieval_attention, ClassifierHead, Csr, Dense, KernelError, KvCache,
-    ListPart, Partition, Query, RouteRope, RouteStep, Selected, Visits, Workspace,
-    MAX_VISITED_BUCKETS,
+    attention_mass, retrieval_attention, BlockCache, CacheStats, ClassifierHead, Csr, Dense,
+    HostKv, KernelError, KvCache, ListPart, Partition, Query, RouteRope, RouteStep, Selected,
+    Visits, Workspace, MAX_VISITED_BUCKETS,
 };
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
@@ -49,13 +58,21 @@ use crate::generate::{
 };
 use crate::indexes::IndexSet;
 use crate::ingest::ModelRef;
-use crate::session::{backend_failed, Corpus, QueryState, Step, StepPlace};
+use crate::session::{backend_failed, Corpus, GpuKv, QueryState, Step, StepPlace};
 
-/// A corpus's retrieval layers' keys (rotated at their positions) and values on one GPU,
+/// Tokens per block of a layer kept in host memory: the unit its GPU cache copies. Selections
+/// are scattered (a top-k's ids, an inverted list's keys), so a block mostly brings one
+/// selected token: 16 tokens (4 KiB of keys at head dim 128) copy little besides it, and the
+/// cache's tables stay small.
+const HOST_BLOCK_TOKENS: usize = 16;
+
+/// A corpus's retrieval layers' keys (rotated at their positions) and values for one GPU,
 /// f16 `[kv_heads, tokens, head_dim]` per layer: what every query's retrieval reads.
 pub(crate) struct GpuCorpusKv {
+    /// The corpus's name (for errors).
+    corpus: String,
     /// Per layer of the model; `None` for layers that do not retrieve.
-    layers: Vec<Option<KvCache<f16>>>,
+    layers: Vec<Option<CorpusLayer>>,
     /// The GPU they are on.
     gpu: Arc<kvdb_model::Gpu>,
     /// The bucket partitions of index sets routed on the GPU, by the set's spec (`None`
@@ -65,15 +82,46 @@ pub(crate) struct GpuCorpusKv {
     stages: Vec<(&'static str, f64)>,
 }
 
-/// What uploading a corpus to the GPU did: the bytes resident there and the seconds each
-/// stage took (reading the store, copying to the GPU; they overlap, a layer read while the
+/// Where one retrieval layer's corpus rows are.
+enum CorpusLayer {
+    /// On the GPU.
+    Resident(KvCache<f16>),
+    /// In pinned host memory behind a GPU block cache, which queries take turns at (boxed:
+    /// the cache's tables are large next to a resident layer's handles).
+    Host(Box<Mutex<HostLayer>>),
+}
+
+/// A layer's rows in host memory and the GPU cache in front of them.
+struct HostLayer {
+    cache: BlockCache<f16>,
+    /// Recorded after the last query's launches that read the cache: the next query's stream
+    /// waits for it before the cache's slots change (queries may run on streams of their own).
+    released: CudaEvent,
+}
+
+/// What uploading a corpus to the GPU did: the bytes kept there and in pinned host memory,
+/// and the seconds each stage took (reading the store, copying to the GPU, and for a corpus
+/// kept in host memory copying back to it; reading overlaps the rest, a layer read while the
 /// one before is copied).
 #[derive(Debug, Clone, Default)]
 pub struct GpuUpload {
-    /// Bytes of keys and values on the GPU.
+    /// Bytes of GPU memory: the keys and values, or the block caches in front of host memory.
     pub bytes: usize,
+    /// Bytes of keys and values in pinned host memory (0 when they are on the GPU).
+    pub host_bytes: usize,
     /// Seconds per stage, in order.
     pub stages: Vec<(&'static str, f64)>,
+}
+
+/// What a corpus holds for GPU questions, and what its block caches did so far.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GpuFootprint {
+    /// Bytes of GPU memory: the keys and values, or the block caches in front of host memory.
+    pub gpu_bytes: usize,
+    /// Bytes of keys and values in pinned host memory (0 when they are on the GPU).
+    pub host_bytes: usize,
+    /// The block caches' lookups, all layers together (none when the rows are on the GPU).
+    pub cache: CacheStats,
 }
 
 /// An index set's partitions on the GPU, per layer of the model (`None` for layers that do
@@ -194,13 +242,15 @@ impl std::fmt::Debug for GpuCorpusKv {
 
 impl GpuCorpusKv {
     /// Reads every retrieval layer's keys and values from the store and uploads them as
-    /// stored (f16), the keys rotated on the GPU as the model's own keys are.
+    /// stored (f16), the keys rotated on the GPU as the model's own keys are; kept there, or
+    /// copied to pinned host memory behind a block cache, as `placement` says.
     pub(crate) fn build(
         corpus: &Corpus,
         model: ModelRef<'_>,
         gpu: &GpuModel,
         retrieval_layers: &[usize],
         n: usize,
+        placement: GpuKv,
     ) -> Result<Self> {
         let config = model.model.config();
         let (kv_heads, d) = (config.n_kv_heads, config.head_dim);
@@ -208,17 +258,26 @@ impl GpuCorpusKv {
         // halfway through; the rest of the query needs far less than the 1/16 kept free.
         let needed = retrieval_layers.len() * 2 * kv_heads * n * d * size_of::<f16>();
         let free = gpu.gpu().free_memory().map_err(ModelError::from)?;
-        if needed > free - free / 16 {
-            return Err(Error::GpuMemory {
-                corpus: corpus.manifest().name.clone(),
-                needed,
-                free,
-            });
-        }
+        let fits = needed <= free - free / 16;
+        // GPU memory of the block caches when the rows stay in host memory.
+        let caches = match placement {
+            GpuKv::Resident if !fits => {
+                return Err(Error::GpuMemory {
+                    corpus: corpus.manifest().name.clone(),
+                    needed,
+                    free,
+                })
+            }
+            GpuKv::Resident => None,
+            GpuKv::Auto if fits => None,
+            GpuKv::Auto => Some(free / 2),
+            GpuKv::Host { cache_bytes } => Some(cache_bytes.unwrap_or(free / 2)),
+        };
         // One thread reads the layers from the store (each by every core, f16 as stored)
         // while this one uploads the layer read before and the GPU rotates its keys: at most
         // three layers are on the host at once (one read, one waiting, one uploading).
-        let mut layers: Vec<Option<KvCache<f16>>> = (0..config.n_layers()).map(|_| None).collect();
+        let mut resident: Vec<(usize, KvCache<f16>)> = Vec::new();
+        let mut hosted: Vec<(usize, HostKv<f16>)> = Vec::new();
         let mut copying = Duration::ZERO;
         let reading = std::thread::scope(|scope| -> Result<Duration> {
             let (send, read) = std::sync::mpsc::sync_channel(1);
@@ -238,7 +297,17 @@ impl GpuCorpusKv {
             for (layer, rows) in read {
                 let (keys, values) = rows?;
                 let started = Instant::now();
-                layers[layer] = Some(gpu.rotated_kv(layer, &keys, &values, 0..n)?);
+                let kv = gpu.rotated_kv(layer, &keys, &values, 0..n)?;
+                match caches {
+                    None => resident.push((layer, kv)),
+                    // Rotated on the GPU, then back to the host: one layer on the GPU at a
+                    // time.
+                    Some(_) => hosted.push((
+                        layer,
+                        HostKv::from_device(gpu.gpu(), &kv, HOST_BLOCK_TOKENS)
+                            .map_err(ModelError::from)?,
+                    )),
+                }
                 gpu.gpu().synchronize().map_err(ModelError::from)?;
                 copying += started.elapsed();
             }
@@ -246,15 +315,41 @@ impl GpuCorpusKv {
                 .join()
                 .map_err(|_| Error::Internal("the store reader panicked".into()))
         })?;
+        let mut layers: Vec<Option<CorpusLayer>> = (0..config.n_layers()).map(|_| None).collect();
+        for (layer, kv) in resident {
+            layers[layer] = Some(CorpusLayer::Resident(kv));
+        }
+        let per_layer = caches.unwrap_or(0) / hosted.len().max(1);
+        for (layer, host) in hosted {
+            // No more than the layer's rows: a larger cache only makes its tables larger.
+            let bytes = per_layer.min(host.bytes());
+            let cache = BlockCache::new(gpu.gpu(), host, bytes).map_err(ModelError::from)?;
+            let released = gpu.gpu().event().map_err(ModelError::from)?;
+            let host = Mutex::new(HostLayer { cache, released });
+            layers[layer] = Some(CorpusLayer::Host(Box::new(host)));
+        }
+        let copied = match caches {
+            None => "copying to the GPU",
+            Some(_) => "copying to the GPU and back to pinned host memory",
+        };
         Ok(Self {
+            corpus: corpus.manifest().name.clone(),
             layers,
             gpu: gpu.gpu().clone(),
             partitions: Mutex::new(HashMap::new()),
             stages: vec![
                 ("reading the store", reading.as_secs_f64()),
-                ("copying to the GPU", copying.as_secs_f64()),
+                (copied, copying.as_secs_f64()),
             ],
         })
+    }
+
+    /// Whether the rows are in host memory (behind block caches) rather than on the GPU.
+    fn in_host_memory(&self) -> bool {
+        self.layers
+            .iter()
+            .flatten()
+            .any(|layer| matches!(layer, CorpusLayer::Host(_)))
     }
 
     /// `set`'s bucket partitions on the GPU when the set routes there, built on first use.
@@ -272,6 +367,10 @@ impl GpuCorpusKv {
         if let Some(partitions) = cached.get(&spec) {
             return Ok(partitions.clone());
         }
+        // Routing on the GPU attends to every key of the visited buckets in place.
+        if self.in_host_memory() {
+            return Ok(None);
+        }
         let partitions = GpuPartitions::build(set, &self.gpu, ropes, group, d)?.map(Arc::new);
         cached.insert(spec, partitions.clone());
         Ok(partitions)
@@ -284,19 +383,37 @@ impl GpuCorpusKv {
 
     /// What the upload did.
     pub(crate) fn upload(&self) -> GpuUpload {
+        let footprint = self.footprint();
         GpuUpload {
-            bytes: self.bytes(),
+            bytes: footprint.gpu_bytes,
+            host_bytes: footprint.host_bytes,
             stages: self.stages.clone(),
         }
     }
 
-    /// GPU memory the rows take.
-    pub(crate) fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|kv| 2 * kv.kv_heads() * kv.tokens() * kv.head_dim() * size_of::<f16>())
-            .sum()
+    /// The memory the rows take and the block caches' lookups so far.
+    pub(crate) fn footprint(&self) -> GpuFootprint {
+        let mut footprint = GpuFootprint::default();
+        for layer in self.layers.iter().flatten() {
+            match layer {
+                CorpusLayer::Resident(kv) => {
+                    footprint.gpu_bytes +=
+                        2 * kv.kv_heads() * kv.tokens() * kv.head_dim() * size_of::<f16>();
+                }
+                CorpusLayer::Host(host) => {
+                    // A query that panicked holding the lock left the tables as they were:
+                    // their sizes and counts are still right.
+                    let host = host.lock().unwrap_or_else(|p| p.into_inner());
+                    footprint.gpu_bytes += host.cache.bytes();
+                    footprint.host_bytes += host.cache.host().bytes();
+                    let stats = host.cache.stats();
+                    footprint.cache.hits += stats.hits;
+                    footprint.cache.misses += stats.misses;
+                    footprint.cache.bytes_copied += stats.bytes_copied;
+                }
+            }
+        }
+        footprint
     }
 }
 
@@ -620,6 +737,11 @@ impl<'c, 'm> GpuSession<'c, 'm> {
             });
         }
         let kv = corpus.gpu_kv(model, gpu)?;
+        if session.full_attention() && kv.in_host_memory() {
+            return Err(Error::FullAttentionFromHost {
+                corpus: kv.corpus.clone(),
+            });
+        }
         let config = model.model.config();
         let n = corpus.manifest().tokens;
         let ropes = (0..config.n_layers())
@@ -704,14 +826,24 @@ impl<'c, 'm> GpuSession<'c, 'm> {
         let q = h * d;
         let n = self.n;
         let gpu = call.gpu;
-        let corpus = self
-            .kv
+        // The session's own handle: a layer's rows stay borrowed while `self` changes.
+        let kv = self.kv.clone();
+        let layer_rows = kv
             .layers
             .get(call.layer)
             .and_then(Option::as_ref)
             .ok_or_else(|| {
-                Error::Internal(format!("layer {} has no keys on the GPU", call.layer))
+                Error::Internal(format!("layer {} has no keys for the GPU", call.layer))
             })?;
+        // Attending in place (full attention, routing) needs the rows on the GPU; `open`
+        // refused full attention and routing over rows in host memory.
+        let resident = || match layer_rows {
+            CorpusLayer::Resident(kv) => Ok(kv),
+            CorpusLayer::Host(_) => Err(Error::Internal(format!(
+                "layer {} is in host memory: it cannot be attended in place",
+                call.layer
+            ))),
+        };
         let capacity = call.tail.tokens();
         let first = call.positions.start;
         let mut routed = self.routes.as_mut().and_then(|routes| {
@@ -753,6 +885,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                     .write_lists(gpu, &vec![rows; kv_heads])
                     .map_err(ModelError::from)?;
                 let all = 0..n as u32;
+                let corpus = resident()?;
                 let dense = Dense {
                     kv: corpus,
                     runs: std::slice::from_ref(&all),
@@ -791,6 +924,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                         position,
                         candidates: policy.candidates(position),
                     };
+                    let corpus = resident()?;
                     let workspace = &mut self.workspace;
                     StageTimer::time(&mut self.timer, gpu, "routing and attention", || {
                         partition.route_and_attend(
@@ -819,6 +953,26 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                                 .collect()
                         })
                         .collect();
+                    let corpus = match layer_rows {
+                        CorpusLayer::Resident(corpus) => corpus,
+                        CorpusLayer::Host(host) => {
+                            let attended = Attended {
+                                query,
+                                dense,
+                                counts_mass: self.session.counts_mass_at(position),
+                            };
+                            let session = SessionParts {
+                                workspace: &mut self.workspace,
+                                provenance: &mut self.provenance,
+                                timer: &mut self.timer,
+                                n,
+                                corpus: &kv.corpus,
+                            };
+                            let rows = (&**host, lists, &corpus_runs[..]);
+                            attend_from_host(gpu, call.layer, rows, attended, session, &mut out)?;
+                            continue;
+                        }
+                    };
                     self.lists
                         .write_lists(gpu, &lists)
                         .map_err(ModelError::from)?;
@@ -844,6 +998,82 @@ impl<'c, 'm> GpuSession<'c, 'm> {
         }
         Ok(())
     }
+}
+
+/// What one position of a retrieval layer attends besides the corpus (its query and the
+/// tail's rows), and whether its attention counts towards provenance.
+struct Attended<'a> {
+    query: Query<'a, f16>,
+    dense: Dense<'a, f16>,
+    counts_mass: bool,
+}
+
+/// The parts of a [`GpuSession`] a retrieval from host memory uses, borrowed apart from its
+/// routes.
+struct SessionParts<'s> {
+    workspace: &'s mut Workspace,
+    provenance: &'s mut Option<Provenance>,
+    timer: &'s mut Option<StageTimer>,
+    /// Corpus tokens.
+    n: usize,
+    /// The corpus's name.
+    corpus: &'s str,
+}
+
+/// One position's retrieval from a layer kept in host memory (`host`, with the selected ids
+/// per KV head and the corpus's dense runs, sinks and window): the ids and the runs gathered
+/// into the layer's block cache, attended with the tail, and the provenance mass added on
+/// the model's stream, so that the cache's `released` event, recorded after, covers every
+/// launch that reads its slots.
+fn attend_from_host(
+    gpu: &kvdb_model::Gpu,
+    layer: usize,
+    (host, mut lists, corpus_runs): (&Mutex<HostLayer>, Vec<Vec<u32>>, &[Range<u32>]),
+    attended: Attended<'_>,
+    session: SessionParts<'_>,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    for list in &mut lists {
+        list.extend(corpus_runs.iter().cloned().flatten());
+    }
+    let mut host = host
+        .lock()
+        .map_err(|_| Error::Internal("an earlier query panicked at a block cache".into()))?;
+    let HostLayer { cache, released } = &mut *host;
+    gpu.wait(released).map_err(ModelError::from)?;
+    let gathered = StageTimer::time(session.timer, gpu, "block cache", || {
+        cache.gather(gpu, &lists)
+    });
+    let part = match gathered {
+        Err(Error::Model(ModelError::Gpu(KernelError::CacheTooSmall { needed, slots }))) => {
+            return Err(Error::GpuCacheTooSmall {
+                corpus: session.corpus.to_string(),
+                layer,
+                needed,
+                slots,
+            })
+        }
+        gathered => gathered?,
+    };
+    let Attended {
+        query,
+        dense,
+        counts_mass,
+    } = attended;
+    let workspace = &mut *session.workspace;
+    StageTimer::time(session.timer, gpu, "attention", || {
+        retrieval_attention(gpu, workspace, query, dense, part, out)
+    })?;
+    if counts_mass {
+        let provenance = match session.provenance {
+            Some(provenance) => provenance,
+            empty => empty.insert(Provenance::new(gpu, session.n)?),
+        };
+        let part = ListPart::Selected(part);
+        provenance.add(gpu, true, session.timer, session.workspace, part)?;
+    }
+    gpu.record(released).map_err(ModelError::from)?;
+    Ok(())
 }
 
 /// The call's pre-RoPE queries, keys and values on the host, as the CPU session's step.

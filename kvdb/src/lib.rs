@@ -74,12 +74,12 @@ pub use saap_training::{
 
 // Questions over a stored corpus.
 pub use ram_tier::TierStats;
-#[cfg(feature = "gpu")]
-pub use session::GpuUpload;
 pub use session::{
-    Answer, AskOptions, AttentionMode, Corpus, DocumentShare, PassageShare, Provenance, Retrieval,
-    RetrievalStats, Session, Timings, Together, DEFAULT_K, PASSAGE_TOKENS,
+    Answer, AskOptions, AttentionMode, Corpus, DocumentShare, GpuKv, PassageShare, Provenance,
+    Retrieval, RetrievalStats, Session, Timings, Together, DEFAULT_K, PASSAGE_TOKENS,
 };
+#[cfg(feature = "gpu")]
+pub use session::{GpuFootprint, GpuUpload};
 
 // Generation, and the limits the CLI and the server check options against.
 pub use generate::{

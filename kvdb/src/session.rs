@@ -21,7 +21,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::generate::{continue_generation, BatchSteps, GenerateOptions, Generation, StopReason};
 #[cfg(feature = "gpu")]
-pub use crate::gpu_session::GpuUpload;
+pub use crate::gpu_session::{GpuFootprint, GpuUpload};
 use crate::indexes::{load_indexes, IndexSet, LayerIndexes};
 use crate::ingest::{check_model, ModelRef};
 use crate::ram_tier::{RamTier, TierStats};
@@ -212,6 +212,26 @@ pub struct Answer {
     pub timings: Timings,
 }
 
+/// Where a corpus's retrieval layers' keys and values are kept for questions decoded on a
+/// GPU (they are uploaded by the first GPU question, or by [`Corpus::upload_to_gpu`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum GpuKv {
+    /// On the GPU when they fit its free memory (a sixteenth kept spare), else as
+    /// [`GpuKv::Host`] with a cache of half the free memory.
+    #[default]
+    Auto,
+    /// On the GPU, read in place by every step; the upload fails when they do not fit.
+    Resident,
+    /// In pinned host memory, each step's selected blocks copied into a GPU cache of hot
+    /// blocks of `cache_bytes` in all (`None`: half the GPU's free memory), split evenly over
+    /// the retrieval layers: for corpora larger than the GPU. Questions must retrieve (full
+    /// attention reads every key), and bucket indexes are searched on the CPU.
+    Host {
+        /// GPU memory of the caches, all layers together.
+        cache_bytes: Option<usize>,
+    },
+}
+
 /// A corpus opened for queries: its manifest, documents, RAM tier, stored sliding windows
 /// and indexes (the default one loaded on open, others on first use). Shared by concurrent
 /// queries.
@@ -231,6 +251,8 @@ pub struct Corpus {
     /// The retrieval layers' keys and values on the GPU, uploaded by the first GPU query.
     #[cfg(feature = "gpu")]
     gpu_kv: Mutex<Option<Arc<crate::gpu_session::GpuCorpusKv>>>,
+    /// Where they are kept for GPU questions.
+    gpu_placement: GpuKv,
 }
 
 impl Corpus {
@@ -291,9 +313,22 @@ impl Corpus {
             indexes: Mutex::default(),
             #[cfg(feature = "gpu")]
             gpu_kv: Mutex::default(),
+            gpu_placement: GpuKv::default(),
         };
         corpus.index(model, &corpus.default_index()?)?;
         Ok(corpus)
+    }
+
+    /// The same corpus, its keys and values kept for GPU questions as `placement` says
+    /// (default [`GpuKv::Auto`]); set before the first GPU question, which uploads them.
+    pub fn with_gpu_kv(mut self, placement: GpuKv) -> Self {
+        self.gpu_placement = placement;
+        self
+    }
+
+    /// Where the corpus's keys and values are kept for GPU questions.
+    pub fn gpu_placement(&self) -> GpuKv {
+        self.gpu_placement
     }
 
     /// The spec queries use when they name none: the corpus's first index.
@@ -343,6 +378,7 @@ impl Corpus {
             gpu,
             &self.retrieval_layers,
             self.manifest.tokens,
+            self.gpu_placement,
         )?);
         *cached = Some(kv.clone());
         Ok(kv)
@@ -359,14 +395,16 @@ impl Corpus {
         }
     }
 
-    /// Bytes of keys and values the corpus holds on the GPU (0 before its first GPU query).
+    /// What the corpus holds for the GPU (nothing before its first GPU query): bytes of GPU
+    /// memory (keys and values, or the block caches in front of host memory), bytes of
+    /// pinned host memory, and the block caches' lookups so far.
     #[cfg(feature = "gpu")]
-    pub fn gpu_bytes(&self) -> usize {
+    pub fn gpu_footprint(&self) -> GpuFootprint {
         self.gpu_kv
             .lock()
             .ok()
-            .and_then(|kv| kv.as_ref().map(|kv| kv.bytes()))
-            .unwrap_or(0)
+            .and_then(|kv| kv.as_ref().map(|kv| kv.footprint()))
+            .unwrap_or_default()
     }
 
     /// Rows `range` of `layer`'s keys and values, f16 `[n_kv_heads, rows, head_dim]` each,
@@ -1132,6 +1170,12 @@ impl<'c> QueryState<'c> {
     /// Whether `layer` retrieves (else it attends densely, or to the whole corpus).
     pub(crate) fn retrieves(&self, layer: usize) -> bool {
         self.retriever.is_some() && matches!(self.layers.get(layer), Some(LayerState::Retrieval(_)))
+    }
+
+    /// Whether the query attends to every key (no retrieval).
+    #[cfg(feature = "gpu")]
+    pub(crate) fn full_attention(&self) -> bool {
+        self.retriever.is_none()
     }
 
     /// The dense part of a query at `position` (`None` under full attention).

@@ -229,6 +229,12 @@ impl From<kvdb::Error> for ApiError {
             E::NotOnGpu { what } => Self::invalid(format!(
                 "{what} is not available on this server's GPU yet: ask without it"
             )),
+            // Likewise: the engine's text names CLI options a client does not have.
+            E::FullAttentionFromHost { corpus } => Self::invalid(format!(
+                "full attention reads every key of corpus `{}`, which this server's GPU reads \
+                 from host memory: ask with an index",
+                echo(corpus)
+            )),
             E::NotBucketIndex { spec } => {
                 Self::invalid(E::NotBucketIndex { spec: echo(spec) }.to_string())
             }
@@ -253,9 +259,10 @@ impl From<kvdb::Error> for ApiError {
             ),
             E::Index(spec @ kvdb_index::IndexError::Spec { .. }) => Self::from(spec),
             // The server's GPU cannot hold the corpus: not the request's fault.
-            E::StoreBusy { .. } | E::StoreOwned { .. } | E::GpuMemory { .. } => {
-                Self::unavailable(e.to_string())
-            }
+            E::StoreBusy { .. }
+            | E::StoreOwned { .. }
+            | E::GpuMemory { .. }
+            | E::GpuCacheTooSmall { .. } => Self::unavailable(e.to_string()),
             _ => Self::internal(e),
         }
     }
@@ -444,6 +451,22 @@ mod tests {
             free: 1 << 30,
         };
         assert_eq!(status(too_big), 503);
+        let small_caches = E::GpuCacheTooSmall {
+            corpus: "c".into(),
+            layer: 3,
+            needed: 900,
+            slots: 800,
+        };
+        assert_eq!(status(small_caches), 503);
+        // Full attention over keys in host memory: the client asks with an index instead,
+        // and hears nothing of the CLI's options.
+        let full = ApiError::from(E::FullAttentionFromHost { corpus: "c".into() });
+        assert_eq!(full.status.as_u16(), 422);
+        assert!(
+            full.message.contains("ask with an index") && !full.message.contains("--"),
+            "{}",
+            full.message
+        );
         let bug = ApiError::from(E::Internal("the model returned no logits".into()));
         assert_eq!(bug.status.as_u16(), 500);
         assert!(!bug.message.contains("logits"), "{}", bug.message);

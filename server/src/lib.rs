@@ -131,6 +131,8 @@ pub struct Config {
     /// Where models run ingest's forward passes and queries' decoding (`cuda` needs a build
     /// with feature `gpu`).
     pub device: ComputeDevice,
+    /// Where open corpora keep their keys and values for GPU questions.
+    pub gpu_kv: kvdb::GpuKv,
 }
 
 impl Config {
@@ -155,6 +157,7 @@ impl Config {
             header_read_timeout: Duration::from_secs(20),
             body_read_timeout: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(10),
+            gpu_kv: kvdb::GpuKv::Auto,
         }
     }
 }

@@ -147,7 +147,8 @@ impl AppState {
             name,
             LoadedModel::as_ref(&model),
             self.config.ram_budget,
-        )?;
+        )?
+        .with_gpu_kv(self.config.gpu_kv);
         let open = Arc::new(OpenCorpus { corpus, model });
         let mut cache = self.lock_cache()?;
         if cache.generation.get(name).copied().unwrap_or(0) == generation {
