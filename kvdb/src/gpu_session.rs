@@ -610,6 +610,19 @@ impl Provenance {
         })
     }
 
+    /// The session's provenance, started (for `n` corpus tokens) by the first answer token
+    /// that counts.
+    fn started<'p>(
+        slot: &'p mut Option<Self>,
+        gpu: &kvdb_model::Gpu,
+        n: usize,
+    ) -> Result<&'p mut Self> {
+        Ok(match slot {
+            Some(provenance) => provenance,
+            empty => empty.insert(Self::new(gpu, n)?),
+        })
+    }
+
     /// Makes what `gpu` queues from now on wait for the last mass launch.
     fn join(&mut self, gpu: &kvdb_model::Gpu) -> Result<()> {
         if std::mem::take(&mut self.pending) {
@@ -989,10 +1002,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
             };
             // Provenance: the weight each corpus token received from this answer token.
             if self.session.counts_mass_at(position) {
-                let provenance = match &mut self.provenance {
-                    Some(provenance) => provenance,
-                    empty => empty.insert(Provenance::new(gpu, n)?),
-                };
+                let provenance = Provenance::started(&mut self.provenance, gpu, n)?;
                 provenance.add(gpu, call.own_stream, &mut self.timer, &self.workspace, part)?;
             }
         }
@@ -1065,10 +1075,7 @@ fn attend_from_host(
         retrieval_attention(gpu, workspace, query, dense, part, out)
     })?;
     if counts_mass {
-        let provenance = match session.provenance {
-            Some(provenance) => provenance,
-            empty => empty.insert(Provenance::new(gpu, session.n)?),
-        };
+        let provenance = Provenance::started(session.provenance, gpu, session.n)?;
         let part = ListPart::Selected(part);
         provenance.add(gpu, true, session.timer, session.workspace, part)?;
     }
