@@ -20,10 +20,11 @@
 # number of questions sent at once to `kvdb serve --device cuda` on each GPU corpus afterwards
 # (each answer, the time they took and the server's count of batched questions go to serve.log);
 # DROP_CACHES=1 drops the OS's page cache before each decode-bench (as root), so that opening
-# the corpus reads the store from disk, as a first question after a restart would. GPU_KV a
-# placement to run decode-bench under again on the GPU (e.g. `host` or `host:16G`: the corpus's
-# keys and values in pinned host memory behind block caches; full attention is skipped there,
-# so its rows compare with the resident run before them).
+# the corpus reads the store from disk, as a first question after a restart would. GPU_KV
+# placements to run decode-bench under again on the GPU, separated by spaces (e.g. `host`,
+# `host:16G`, `host:0`: the corpus's keys and values in pinned host memory, read in place or
+# behind block caches; full attention is skipped there, so its rows compare with the resident
+# run before them).
 set -euo pipefail
 bundle=${1:?usage: gpu-query-bench.sh BUNDLE_DIR [WORK_DIR]}
 work=${2:-$(mktemp -d)}
@@ -105,15 +106,16 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
             --json "$out/decode-$preset-$device.json" 2>>"$out/stderr.log" | tee -a "$log" ||
             echo "FAILED (stderr.log says why)" | tee -a "$log"
         grep "^kvdb: \(loaded\|opened\)" "$out/stderr.log" | tail -n 2 | tee -a "$log"
-        if [ "$device" = cuda ] && [ -n "${GPU_KV:-}" ]; then
-            echo "$preset on $device, --gpu-kv $GPU_KV:" | tee -a "$log"
-            "$kvdb" decode-bench --device cuda --gpu-kv "$GPU_KV" --model "$model" \
+        [ "$device" = cuda ] || continue
+        for placement in ${GPU_KV:-}; do
+            echo "$preset on $device, --gpu-kv $placement:" | tee -a "$log"
+            "$kvdb" decode-bench --device cuda --gpu-kv "$placement" --model "$model" \
                 --store "$work/store-$preset" --corpus c "${modes[@]}" ${K:+--k "$K"} --tokens 32 \
                 --repeats "${REPEATS:-2}" --question "What does the license say about warranty?" \
-                --json "$out/decode-$preset-$device-gpu-kv.json" 2>>"$out/stderr.log" | tee -a "$log" ||
-                echo "FAILED (stderr.log says why)" | tee -a "$log"
+                --json "$out/decode-$preset-$device-gpu-kv-${placement//:/-}.json" 2>>"$out/stderr.log" |
+                tee -a "$log" || echo "FAILED (stderr.log says why)" | tee -a "$log"
             grep "^kvdb: \(loaded\|opened\)" "$out/stderr.log" | tail -n 2 | tee -a "$log"
-        fi
+        done
     done
     if [ -n "${SERVE:-}" ]; then
         serve_questions "$preset" "$model" "$work/store-$preset" "$SERVE" "${modes[-1]}"

@@ -133,9 +133,12 @@ pub(crate) struct OpenArgs {
     #[arg(long, default_value = "cpu")]
     pub(crate) device: ComputeDevice,
     /// Where a GPU keeps the corpus's keys and values: `resident` (on the GPU), `host`
-    /// (pinned host memory behind a GPU cache of hot blocks, half the free GPU memory; for
-    /// corpora larger than the GPU; questions must retrieve), `host:SIZE` (a cache of SIZE,
-    /// e.g. 8G), or `auto` (resident when they fit).
+    /// (pinned host memory, for corpora larger than the GPU; questions must retrieve: bucket
+    /// indexes routed on the GPU read their buckets' rows there in place, the other indexes'
+    /// selections go through a GPU cache of hot blocks of half the free GPU memory),
+    /// `host:SIZE` (a cache of SIZE, e.g. 8G; `host:0`: none, every row read in place),
+    /// `split:SIZE` (whole layers on the GPU up to SIZE, the rest as `host`), or `auto`
+    /// (resident when they fit, else split over most of the free GPU memory).
     #[arg(long, default_value = "auto", value_parser = crate::parse_gpu_kv)]
     pub(crate) gpu_kv: kvdb::GpuKv,
 }
@@ -196,15 +199,21 @@ pub(crate) fn open_for_questions<'i>(
     #[cfg(feature = "gpu")]
     {
         let upload = corpus.upload_to_gpu(model.as_ref())?;
-        let kept = match upload.host_bytes {
-            0 => format!("{} on the GPU", HumanBytes(upload.bytes as u64)),
-            host => format!(
-                "{} in pinned host memory behind {} of GPU block caches",
-                HumanBytes(host as u64),
-                HumanBytes(upload.bytes as u64)
-            ),
-        };
-        if upload.bytes > 0 {
+        let resident = upload.bytes - upload.cache_bytes;
+        let kept = [
+            (resident > 0).then(|| format!("{} on the GPU", HumanBytes(resident as u64))),
+            (upload.host_bytes > 0).then(|| {
+                format!(
+                    "{} in pinned host memory behind {} of GPU block caches",
+                    HumanBytes(upload.host_bytes as u64),
+                    HumanBytes(upload.cache_bytes as u64)
+                )
+            }),
+        ];
+        let kept: Vec<String> = kept.into_iter().flatten().collect();
+        // Nothing uploaded: the model is on the CPU.
+        if !kept.is_empty() {
+            let kept = kept.join(", ");
             eprintln!(
                 "kvdb: opened corpus `{}` and uploaded its retrieval layers ({kept}) in {:.1}s ({})",
                 target.corpus,

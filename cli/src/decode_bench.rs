@@ -8,8 +8,8 @@
 //! CUDA events on a GPU, says where the attention layers' GPU time goes.
 //!
 //! With the corpus in host memory (`--gpu-kv host`, or `auto` when it does not fit the GPU)
-//! full attention cannot run: the modes are compared with each other, and each row says how
-//! the layers' block caches did over its measured answers.
+//! full attention cannot run: the modes are compared with each other, and each row that went
+//! through the layers' block caches says how they did over its measured answers.
 //!
 //! `--concurrent 1,4,16` adds a second table: for each mode, that many questions answered
 //! together (`Corpus::ask_together`: on a GPU one batched step per answer token, the
@@ -177,15 +177,18 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
             eprintln!("kvdb: {name}: answer {} of {}", i + 1, args.repeats);
             answers.push(ask(&options)?);
         }
+        // None where no cache was used: resident rows, or host rows read in place.
         let cache = cache_before
             .zip(cache_stats(corpus))
-            .map(|(before, after)| {
+            .and_then(|(before, after)| {
                 let (hits, misses) = (after.hits - before.hits, after.misses - before.misses);
                 let mib = (after.bytes_copied - before.bytes_copied) as f64 / (1 << 20) as f64;
-                (
-                    hits as f64 / (hits + misses).max(1) as f64,
-                    mib / f64::from(args.repeats),
-                )
+                (hits + misses > 0).then(|| {
+                    (
+                        hits as f64 / (hits + misses) as f64,
+                        mib / f64::from(args.repeats),
+                    )
+                })
             });
         // Apart from the measured answers: the events it records add work to every layer.
         eprintln!("kvdb: {name}: profiled answer");

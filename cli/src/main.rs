@@ -199,21 +199,23 @@ pub(crate) fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
     Ok((number * scale) as usize)
 }
 
-/// `auto`, `resident`, `host` or `host:SIZE` (`--gpu-kv`).
+/// `auto`, `resident`, `split:SIZE`, `host` or `host:SIZE` (`--gpu-kv`).
 pub(crate) fn parse_gpu_kv(s: &str) -> std::result::Result<kvdb::GpuKv, String> {
     match s.trim() {
         "auto" => Ok(kvdb::GpuKv::Auto),
         "resident" => Ok(kvdb::GpuKv::Resident),
         "host" => Ok(kvdb::GpuKv::Host { cache_bytes: None }),
-        other => match other.strip_prefix("host:") {
-            Some(size) => match parse_bytes(size)? {
-                0 => Err("a block cache of 0 bytes holds nothing".into()),
-                bytes => Ok(kvdb::GpuKv::Host {
-                    cache_bytes: Some(bytes),
-                }),
-            },
-            None => Err(format!(
-                "`{s}`: use auto, resident, host or host:SIZE (e.g. host:8G)"
+        other => match (other.strip_prefix("host:"), other.strip_prefix("split:")) {
+            // 0: no cache, every row read in place.
+            (Some(size), _) => Ok(kvdb::GpuKv::Host {
+                cache_bytes: Some(parse_bytes(size)?),
+            }),
+            (_, Some(size)) => Ok(kvdb::GpuKv::Split {
+                gpu_bytes: parse_bytes(size)?,
+            }),
+            _ => Err(format!(
+                "`{s}`: use auto, resident, split:SIZE (e.g. split:40G), host or host:SIZE \
+                 (e.g. host:8G)"
             )),
         },
     }
@@ -406,7 +408,28 @@ mod tests {
                 cache_bytes: Some(8 << 30)
             })
         );
-        for bad in ["host:0", "host:", "host:lots", "gpu", "", "hostess"] {
+        assert_eq!(
+            parse_gpu_kv("host:0"),
+            Ok(GpuKv::Host {
+                cache_bytes: Some(0)
+            })
+        );
+        assert_eq!(
+            parse_gpu_kv("split:40G"),
+            Ok(GpuKv::Split {
+                gpu_bytes: 40 << 30
+            })
+        );
+        for bad in [
+            "host:",
+            "host:lots",
+            "host:-1",
+            "split",
+            "split:",
+            "gpu",
+            "",
+            "hostess",
+        ] {
             assert!(parse_gpu_kv(bad).is_err(), "{bad:?} parsed");
         }
     }

@@ -56,8 +56,9 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value = "cpu")]
     device: kvdb::ComputeDevice,
     /// Where a GPU keeps each open corpus's keys and values: `resident`, `host` (pinned host
-    /// memory behind a GPU cache of hot blocks; questions must retrieve), `host:SIZE`, or
-    /// `auto` (resident when they fit), as for `kvdb ask`.
+    /// memory, read in place or through a GPU cache of hot blocks; questions must retrieve),
+    /// `host:SIZE` (`host:0`: no cache), `split:SIZE` (whole layers on the GPU up to SIZE, the
+    /// rest as `host`), or `auto` (resident when they fit, else split), as for `kvdb ask`.
     #[arg(long, default_value = "auto", value_parser = crate::parse_gpu_kv)]
     gpu_kv: kvdb::GpuKv,
 }

@@ -158,13 +158,14 @@ mod on_gpu {
         }))
     }
 
-    /// The corpus kept in pinned host memory behind the GPU's block caches answers as the
-    /// resident one: the same logits but for summation order, the same answers, searches and
-    /// provenance through the indexes searched on the CPU, and the bucket indexes the
-    /// resident corpus routes on the GPU searched on the CPU instead; questions answered
-    /// together (each on a stream of its own, taking turns at the caches) as each alone; a
-    /// repeated question finds its blocks in the caches. Full attention and a step larger
-    /// than the caches are refused with errors that say what to do.
+    /// The corpus kept in pinned host memory answers as the resident one, behind the GPU's
+    /// block caches and without them (every row read in place): the same logits but for
+    /// summation order, the same answers, searches and provenance through every index, the
+    /// bucket indexes routed on the GPU as the resident corpus routes them (their rows read
+    /// in place), the rest searched on the CPU; questions answered together (each on a stream
+    /// of its own, taking turns at the caches) as each alone; a repeated question finds its
+    /// blocks in the caches. Full attention and a step larger than the caches are refused
+    /// with errors that say what to do.
     fn in_host_memory(
         gpu: &LoadedModel,
         resident: &Corpus,
@@ -183,6 +184,14 @@ mod on_gpu {
             upload.host_bytes > 0 && upload.bytes > 0,
             "not in host memory: {upload:?}"
         );
+        let in_place = open(GpuKv::Host {
+            cache_bytes: Some(0),
+        })?;
+        let bare = in_place.upload_to_gpu(gpu.as_ref())?;
+        ensure!(
+            bare.host_bytes == upload.host_bytes && bare.bytes == 0,
+            "a corpus without caches holds {bare:?}"
+        );
         let score = |corpus: &Corpus, mode| corpus.score(gpu.as_ref(), ids, mode);
         let everything = retrieval("flat", Some(n))?;
         let err = relative_max_error(
@@ -194,10 +203,15 @@ mod on_gpu {
             err < SAME_KEYS,
             "every token selected from host memory: {err}"
         );
-        for spec in SAME_ANSWER.iter().chain(ANSWERS) {
+        let placements = [(&on_host, "behind caches"), (&in_place, "in place")];
+        for ((corpus, placement), index) in placements
+            .iter()
+            .flat_map(|p| SAME_ANSWER.iter().chain(ANSWERS).map(move |i| (p, i)))
+        {
+            let spec = format!("{index} ({placement})");
             let (h, r) = (
-                ask(gpu, &on_host, retrieval(spec, None)?)?,
-                ask(gpu, resident, retrieval(spec, None)?)?,
+                ask(gpu, corpus, retrieval(index, None)?)?,
+                ask(gpu, resident, retrieval(index, None)?)?,
             );
             let (hs, rs) = (
                 h.retrieval.clone().unwrap_or_default(),
@@ -217,7 +231,10 @@ mod on_gpu {
                 (hs.searches, hs.eligible) == (rs.searches, rs.eligible),
                 "{spec}: searches counted differently: host {hs:?}, resident {rs:?}"
             );
-            ensure!(hs.transfer_seconds > 0.0, "{spec}: not searched on the CPU");
+            ensure!(
+                (hs.transfer_seconds > 0.0) == (rs.transfer_seconds > 0.0),
+                "{spec}: searched elsewhere than on the resident corpus: host {hs:?}, resident {rs:?}"
+            );
             ensure!(
                 !h.provenance.passages.is_empty()
                     && h.provenance.documents.first().map(|d| d.number)
@@ -271,6 +288,88 @@ mod on_gpu {
             .iter()
             .map(|p| p.document)
             .collect()
+    }
+
+    /// A corpus whose first retrieval layer is on the GPU and the second in pinned host
+    /// memory (`GpuKv::Split`, on a tiny llama: both layers retrieve) answers as the resident
+    /// one: the same logits with every token selected but for summation order, the same
+    /// answers through an index searched on the CPU and one routed on the GPU; full
+    /// attention is refused.
+    #[test]
+    fn split_layers_answer_as_resident() -> Result<()> {
+        let test = "split_layers_answer_as_resident";
+        let file = kvdb_tests::TinyModel {
+            context_length: 32768,
+            ..kvdb_tests::TinyModel::llama()
+        }
+        .write_temp()?;
+        let load = |device| kvdb::load_model(Some(file.path()), &Default::default(), device);
+        let gpu = match load(ComputeDevice::Cuda { ordinal: 0 }) {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                skip(test, &e.to_string());
+                return Ok(());
+            }
+        };
+        let cpu = load(ComputeDevice::Cpu)?;
+        let dir = tempfile::tempdir()?;
+        let docs = read_documents(&write_documents(&dir.path().join("docs"), 3, 1500, 5)?)?;
+        let store = Arc::new(Store::open(dir.path().join("s"), Access::Write)?);
+        ingest(&store, "c", cpu.as_ref(), &docs, &mut |_| {})?;
+        let specs = ["flat", "ivf16,np4,norope,all"];
+        let parsed = specs
+            .iter()
+            .map(|s| s.parse::<IndexSpec>())
+            .collect::<Result<Vec<_>, _>>()?;
+        kvdb::update_indexes(&store, "c", cpu.as_ref(), &parsed, None, &mut |_| {})?;
+        let open = |placement| -> Result<Corpus> {
+            Ok(Corpus::open(store.clone(), "c", gpu.as_ref(), 1 << 30)?.with_gpu_kv(placement))
+        };
+        let resident = open(GpuKv::Resident)?;
+        let all = resident.upload_to_gpu(gpu.as_ref())?;
+        let split = open(GpuKv::Split {
+            gpu_bytes: all.bytes / 2,
+        })?;
+        let halves = split.upload_to_gpu(gpu.as_ref())?;
+        println!("resident {all:?}, split {halves:?}");
+        ensure!(
+            halves.bytes - halves.cache_bytes == all.bytes / 2
+                && halves.cache_bytes > 0
+                && halves.host_bytes >= all.bytes / 2,
+            "not one layer on the GPU and one in host memory: {halves:?} (all {all:?})"
+        );
+        let n = resident.manifest().tokens;
+        let ids = gpu.tokenizer.encode(
+            "the old town by the river was quiet",
+            EncodeOptions {
+                add_bos: false,
+                add_eos: false,
+                parse_special: false,
+            },
+        )?;
+        let everything = retrieval("flat", Some(n))?;
+        let score = |corpus: &Corpus| corpus.score(gpu.as_ref(), &ids, everything.clone());
+        let err = relative_max_error(&score(&split)?, &score(&resident)?)?;
+        println!("split, every token selected, against resident: {err:.2e}");
+        ensure!(err < SAME_KEYS, "every token selected, split: {err}");
+        for spec in specs {
+            let (s, r) = (
+                ask(&gpu, &split, retrieval(spec, None)?)?,
+                ask(&gpu, &resident, retrieval(spec, None)?)?,
+            );
+            println!("{spec} split: {:?}, resident {:?}", s.answer, r.answer);
+            ensure!(s.tokens == r.tokens, "{spec}: split answers differently");
+        }
+        let full = ask(&gpu, &split, AttentionMode::Full);
+        ensure!(
+            matches!(
+                full.as_ref().map_err(|e| e.downcast_ref::<kvdb::Error>()),
+                Err(Some(kvdb::Error::FullAttentionFromHost { .. }))
+            ),
+            "full attention with a layer in host memory: {:?}",
+            full.map(|a| a.answer)
+        );
+        Ok(())
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The launchers: [`flash_decode`], [`retrieval_attention`] and [`bucket_attention`], all
 //! one launch of `attend.cu`.
 
+use std::marker::PhantomData;
 use std::ops::Range;
 
 use cudarc::driver::{
@@ -113,21 +114,56 @@ impl Workspace {
 }
 
 /// Where rows of keys and values come from: KV head `h`'s row `r` is row
-/// `h * head_stride + r` of the buffers, and `rows` rows exist per head.
+/// `h * head_stride + r` of the buffers, and `rows` rows exist per head. The buffers are in
+/// GPU memory ([`KvCache`], a block cache's slots) or in pinned host memory mapped into the
+/// GPU's address space ([`crate::HostKv`]: the kernels read its rows over PCIe, in place).
 #[derive(Debug)]
-pub(crate) struct KvRows<'a, T> {
-    pub(crate) keys: &'a CudaSlice<T>,
-    pub(crate) values: &'a CudaSlice<T>,
+pub struct KvRows<'a, T> {
+    pub(crate) keys: Buffer<'a, T>,
+    pub(crate) values: Buffer<'a, T>,
     pub(crate) head_stride: u64,
     pub(crate) rows: usize,
     pub(crate) head_dim: usize,
 }
 
+impl<T> KvRows<'_, T> {
+    /// Rows (tokens) per KV head.
+    pub fn tokens(&self) -> usize {
+        self.rows
+    }
+}
+
+/// One buffer of a [`KvRows`].
+#[derive(Debug)]
+pub(crate) enum Buffer<'a, T> {
+    /// GPU memory.
+    Device(&'a CudaSlice<T>),
+    /// The device address of pinned host memory that outlives `'a`.
+    Mapped(u64, PhantomData<&'a T>),
+}
+
+impl<T> Clone for Buffer<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Buffer<'_, T> {}
+
+impl<T> Buffer<'_, T> {
+    /// The address the kernels read.
+    pub(crate) fn address(&self, gpu: &Gpu) -> u64 {
+        match self {
+            Buffer::Device(slice) => gpu.address(*slice),
+            Buffer::Mapped(address, _) => *address,
+        }
+    }
+}
+
 impl<'a, T> From<&'a KvCache<T>> for KvRows<'a, T> {
     fn from(kv: &'a KvCache<T>) -> Self {
         Self {
-            keys: &kv.keys,
-            values: &kv.values,
+            keys: Buffer::Device(&kv.keys),
+            values: Buffer::Device(&kv.values),
             head_stride: kv.tokens() as u64,
             rows: kv.tokens(),
             head_dim: kv.head_dim(),
@@ -157,10 +193,11 @@ pub(crate) struct SlotTokens<'a> {
 }
 
 impl<'a, T> Selected<'a, T> {
-    /// Token ids `lists` (one list per KV head) of `kv`. Ids must be deduplicated and
-    /// cleared of the dense part's ids by the caller, as `kvdb-attention` does; they are
-    /// checked against `kv`'s length at launch.
-    pub fn resident(kv: &'a KvCache<T>, lists: &'a Csr) -> Self {
+    /// Token ids `lists` (one list per KV head) of `kv` (a [`KvCache`], or a
+    /// [`crate::HostKv`] read in place). Ids must be deduplicated and cleared of the dense
+    /// part's ids by the caller, as `kvdb-attention` does; they are checked against `kv`'s
+    /// length at launch.
+    pub fn resident(kv: impl Into<KvRows<'a, T>>, lists: &'a Csr) -> Self {
         Self {
             rows: kv.into(),
             lists,
@@ -177,13 +214,13 @@ impl<'a, T> Selected<'a, T> {
     }
 }
 
-/// Every key of each KV head's visited buckets, rows of a [`KvCache`] (a stored corpus), with
-/// up to two runs of its rows (sinks and window) attended whole and skipped inside the
-/// buckets, so that no token counts twice.
+/// Every key of each KV head's visited buckets, rows of a stored corpus (a [`KvCache`], or a
+/// [`crate::HostKv`] read in place), with up to two runs of its rows (sinks and window)
+/// attended whole and skipped inside the buckets, so that no token counts twice.
 #[derive(Debug)]
 pub struct Buckets<'a, T> {
     /// Where the rows are.
-    pub kv: &'a KvCache<T>,
+    pub kv: KvRows<'a, T>,
     /// Disjoint runs of rows, at most two, attended whole.
     pub runs: &'a [Range<u32>],
     /// Each bucket's token ids, ascending (CSR; the buckets of all KV heads numbered
@@ -427,7 +464,7 @@ pub fn attention_mass<T: KvElement>(
         .map_or((0, 0), |b| (gpu.address(&b.offsets), gpu.address(&b.items)));
     let (q, keys, lse) = (
         gpu.address(&workspace.queries),
-        gpu.address(rows.rows.keys),
+        rows.rows.keys.address(gpu),
         gpu.address(&workspace.lse),
     );
     let scale_log2 = last.scale * std::f32::consts::LOG2_E;
@@ -525,8 +562,7 @@ fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
             tokens: selected.tokens,
         }),
         ListPart::Buckets(b) => {
-            b.ids
-                .check("bucket token ids", b.ids.lists(), b.kv.tokens())?;
+            b.ids.check("bucket token ids", b.ids.lists(), b.kv.rows)?;
             if b.visited.longest() > MAX_VISITED_BUCKETS {
                 return Err(KernelError::Unsupported {
                     what: "buckets a KV head visits in one launch",
@@ -535,8 +571,8 @@ fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
                 });
             }
             Ok(Rows {
-                rows: b.kv.into(),
-                runs: runs_of(b.runs, b.kv.tokens())?,
+                rows: b.kv,
+                runs: runs_of(b.runs, b.kv.rows)?,
                 lists: Some(b.visited),
                 buckets: Some(b.ids),
                 count: b.count,
@@ -721,8 +757,8 @@ fn launch<T: KvElement>(
     let list = launch.list.unwrap_or(none);
     let (list_keys, list_values, list_stride) = match launch.list {
         Some(l) => (
-            gpu.address(l.rows.keys),
-            gpu.address(l.rows.values),
+            l.rows.keys.address(gpu),
+            l.rows.values.address(gpu),
             l.rows.head_stride,
         ),
         None => (0, 0, 0),
@@ -736,8 +772,8 @@ fn launch<T: KvElement>(
     let args = Args {
         q: launch.query.heads.device_ptr(gpu.stream()).0,
         scale_log2: launch.query.scale * std::f32::consts::LOG2_E,
-        dense_keys: gpu.address(launch.dense.keys),
-        dense_values: gpu.address(launch.dense.values),
+        dense_keys: launch.dense.keys.address(gpu),
+        dense_values: launch.dense.values.address(gpu),
         dense_stride: launch.dense.head_stride,
         runs: launch.runs,
         dense_chunk: chunk_u32,

@@ -1,12 +1,15 @@
 //! Keys and values in pinned host memory ([`HostKv`]) behind a GPU cache of hot blocks
 //! ([`BlockCache`]): the path for corpora larger than the GPU's memory.
 
+use std::marker::PhantomData;
+use std::sync::Arc;
+
 use cudarc::driver::sys::{
     cuMemHostGetDevicePointer_v2, CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_WRITECOMBINED,
 };
 use cudarc::driver::{CudaSlice, LaunchConfig, PinnedHostSlice, PushKernelArg};
 
-use crate::attention::{KvRows, Selected, SlotTokens};
+use crate::attention::{Buffer, KvRows, Selected, SlotTokens};
 use crate::buffers::{write_into, Csr, KvCache};
 use crate::error::{driver, length, KernelError, Result};
 use crate::gpu::{Gpu, KvElement};
@@ -213,6 +216,19 @@ fn pinned<T: KvElement>(gpu: &Gpu, len: usize) -> Result<(PinnedHostSlice<T>, u6
     Ok((pinned, device))
 }
 
+impl<'a, T> From<&'a HostKv<T>> for KvRows<'a, T> {
+    /// The rows in place: the kernels read them over PCIe.
+    fn from(host: &'a HostKv<T>) -> Self {
+        Self {
+            keys: Buffer::Mapped(host.device.0, PhantomData),
+            values: Buffer::Mapped(host.device.1, PhantomData),
+            head_stride: (host.blocks() * host.block_tokens) as u64,
+            rows: host.tokens,
+            head_dim: host.head_dim,
+        }
+    }
+}
+
 impl<T> HostKv<T> {
     /// Blocks per KV head.
     fn blocks(&self) -> usize {
@@ -262,7 +278,8 @@ const NONE: u32 = u32::MAX;
 /// array lookups each (the block's slot, the slot's last step), since a step of a long corpus
 /// selects tens of thousands of ids per layer and the GPU waits for it.
 pub struct BlockCache<T> {
-    host: HostKv<T>,
+    /// Shared: other launches may read the same rows in place.
+    host: Arc<HostKv<T>>,
     keys: CudaSlice<T>,
     values: CudaSlice<T>,
     slots: usize,
@@ -305,7 +322,8 @@ impl<T> std::fmt::Debug for BlockCache<T> {
 
 impl<T: KvElement> BlockCache<T> {
     /// An empty cache of `capacity_bytes` of GPU memory in front of `host`.
-    pub fn new(gpu: &Gpu, host: HostKv<T>, capacity_bytes: usize) -> Result<Self> {
+    pub fn new(gpu: &Gpu, host: impl Into<Arc<HostKv<T>>>, capacity_bytes: usize) -> Result<Self> {
+        let host = host.into();
         let block = host.block_tokens * host.head_dim;
         let slots = capacity_bytes / (2 * block * size_of::<T>());
         if slots == 0 || u32::try_from(slots * host.block_tokens).is_err() {
@@ -436,8 +454,8 @@ impl<T: KvElement> BlockCache<T> {
         }
         Ok(Selected {
             rows: KvRows {
-                keys: &self.keys,
-                values: &self.values,
+                keys: Buffer::Device(&self.keys),
+                values: Buffer::Device(&self.values),
                 head_stride: 0,
                 rows: self.slots * self.host.block_tokens,
                 head_dim: self.host.head_dim,

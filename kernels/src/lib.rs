@@ -59,8 +59,8 @@ mod route;
 
 #[cfg(feature = "gpu")]
 pub use attention::{
-    attention_mass, bucket_attention, flash_decode, retrieval_attention, Buckets, Dense, ListPart,
-    Query, Selected, Workspace, MAX_VISITED_BUCKETS,
+    attention_mass, bucket_attention, flash_decode, retrieval_attention, Buckets, Dense, KvRows,
+    ListPart, Query, Selected, Workspace, MAX_VISITED_BUCKETS,
 };
 #[cfg(feature = "gpu")]
 pub use buffers::{Csr, KvCache};

@@ -8,9 +8,10 @@ use std::ops::Range;
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 
 use crate::attention::{
-    bucket_attention_after_route, lanes_of, Buckets, Dense, Query, Workspace, MAX_VISITED_BUCKETS,
+    bucket_attention_after_route, lanes_of, Buckets, Dense, KvRows, Query, Workspace,
+    MAX_VISITED_BUCKETS,
 };
-use crate::buffers::{Csr, KvCache};
+use crate::buffers::Csr;
 use crate::error::{driver, length, KernelError, Result};
 use crate::gpu::{param, Gpu, KvElement};
 use crate::ops::RopePairs;
@@ -395,17 +396,18 @@ impl Partition {
         })
     }
 
-    /// The list part of a bucket launch over `visits` of this partition, rows of `kv` with
+    /// The list part of a bucket launch over `visits` of this partition, rows of `kv` (a
+    /// [`KvCache`], or a [`crate::HostKv`] read in place) with
     /// `runs` (sinks and window) attended whole: the launch counts what it attends in
     /// [`Visits::selected`].
     pub fn list_part<'a, T>(
         &'a self,
         visits: &'a Visits,
-        kv: &'a KvCache<T>,
+        kv: impl Into<KvRows<'a, T>>,
         runs: &'a [Range<u32>],
     ) -> Buckets<'a, T> {
         Buckets {
-            kv,
+            kv: kv.into(),
             runs,
             ids: &self.ids,
             visited: &visits.visited,
@@ -616,7 +618,7 @@ impl Partition {
     /// calls; everything the attention reads but the visits (queries, rows, workspace) must
     /// be ready before this call, as for them.
     #[allow(clippy::too_many_arguments)]
-    pub fn route_and_attend<T: KvElement>(
+    pub fn route_and_attend<'k, T: KvElement>(
         &self,
         gpu: &Gpu,
         route_queries: &CudaView<'_, f32>,
@@ -625,12 +627,12 @@ impl Partition {
         workspace: &mut Workspace,
         query: Query<'_, T>,
         dense: Dense<'_, T>,
-        kv: &KvCache<T>,
+        kv: impl Into<KvRows<'k, T>>,
         runs: &[Range<u32>],
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         self.route(gpu, route_queries, step, visits)?;
-        let part = self.list_part(visits, kv, runs);
+        let part = self.list_part(visits, kv.into(), runs);
         bucket_attention_after_route(gpu, workspace, query, dense, part, out)
     }
 }

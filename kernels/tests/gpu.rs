@@ -557,7 +557,7 @@ mod on_gpu {
             };
             let counted: CudaSlice<u64> = gpu.upload(&[7])?;
             let part = Buckets {
-                kv: &corpus,
+                kv: (&corpus).into(),
                 runs: &runs,
                 ids: &buckets,
                 visited: &visited_csr,
@@ -713,7 +713,7 @@ mod on_gpu {
             let mut workspace = Workspace::new(gpu)?.with_tensor_cores(tensor_cores);
             let mut out = poisoned(gpu, layer.queries.len())?;
             let part = Buckets {
-                kv: &kv,
+                kv: (&kv).into(),
                 runs: &runs,
                 ids: &buckets,
                 visited: &visited_csr,
@@ -1163,10 +1163,12 @@ mod on_gpu {
     }
 
     /// `Partition::route_and_attend` (routing, then the attention launched to overlap it on
-    /// Hopper) gives the outputs, visits and count of `route` then `bucket_attention`, bit
-    /// for bit, and the reference's attention over what it visited: GQA groups 1/4/7/8,
-    /// head dims 64/128 (tensor cores) and 256 (scalar), f16 and bf16, ragged buckets, a
-    /// query's tail in another buffer, two steps in a row on the same workspace.
+    /// Hopper) over the corpus in pinned host memory (read in place, over PCIe) gives the
+    /// outputs, visits and count of `route` then `bucket_attention` over the resident
+    /// corpus, bit for bit, its attention mass (added up in any order), and the reference's
+    /// attention over what it visited: GQA groups 1/4/7/8, head dims 64/128 (tensor cores)
+    /// and 256 (scalar), f16 and bf16, ragged buckets, a query's tail in another buffer, two
+    /// steps in a row on the same workspace.
     #[test]
     fn route_and_attend_matches_route_then_attend() -> Result<()> {
         let Some((gpu, mut rng)) = start("route_and_attend_matches_route_then_attend") else {
@@ -1201,6 +1203,8 @@ mod on_gpu {
         let tail = rng.random_range(0..=40.min(tokens - 1));
         let n = tokens - tail;
         let corpus = cache_of(gpu, &layer, 0..n)?;
+        // Blocks of 16 tokens: the host rows' head stride is the padded length, not `n`.
+        let host = HostKv::from_device(gpu, &corpus, 16)?;
         let ring = cache_of(gpu, &layer, n..tokens)?;
         let tail_runs: Vec<Range<u32>> = std::iter::once(0..tail as u32)
             .filter(|r| !r.is_empty())
@@ -1243,11 +1247,16 @@ mod on_gpu {
                 &mut ws_b,
                 query,
                 dense,
-                &corpus,
+                &host,
                 &runs,
                 &mut out_b.as_view_mut(),
             )?;
             let (got_a, got_b) = (written(gpu, &out_a)?, written(gpu, &out_b)?);
+            let (mut mass_a, mut mass_b) = (gpu.zeros::<f32>(n)?, gpu.zeros::<f32>(n)?);
+            let part = partition.list_part(&visits_a, &corpus, &runs);
+            attention_mass(gpu, &ws_a, ListPart::Buckets(part), &mut mass_a)?;
+            let part = partition.list_part(&visits_b, &host, &runs);
+            attention_mass(gpu, &ws_b, ListPart::Buckets(part), &mut mass_b)?;
             let what = format!("route_and_attend {:?} {shape:?} {buckets} buckets, {probes} probed, tail {tail}, step {step}", T::DTYPE);
             let visited = visits_b.visited().to_lists(gpu)?;
             ensure!(
@@ -1268,6 +1277,10 @@ mod on_gpu {
                 same,
                 "{what}: outputs differ from route then bucket_attention"
             );
+            // The KV heads add to a token's mass in any order.
+            let mass_a: Vec<f64> = gpu.download(&mass_a)?.iter().map(|&m| m.into()).collect();
+            let mass = format!("{what}: mass from host memory");
+            close(&mass, &gpu.download(&mass_b)?, &mass_a, 1e-6)?;
             let attended: Vec<Vec<u32>> = visited
                 .iter()
                 .map(|bs| {
@@ -1283,8 +1296,9 @@ mod on_gpu {
         Ok(())
     }
 
-    /// Through the pinned-host block cache the outputs and the attention mass equal the
-    /// resident ones, a repeated step hits every block, and evictions keep it right: with the
+    /// Through the pinned-host block cache, and reading the host rows in place, the outputs
+    /// and the attention mass equal the resident ones; a repeated step hits every block in
+    /// the cache, and evictions keep it right: with the
     /// host memory copied from host slices (blocks of 64 tokens) and from the GPU (blocks of
     /// 16).
     #[test]
@@ -1365,6 +1379,16 @@ mod on_gpu {
                     .iter()
                     .map(|&x| x.into())
                     .collect();
+                // The host rows read in place, without the cache.
+                let what = format!("{source} in place, step {step}");
+                let in_place = Selected::resident(cache.host(), &ids);
+                let mut got = poisoned(&gpu, layer.queries.len())?;
+                let mut out = got.as_view_mut();
+                retrieval_attention(&gpu, &mut workspace, query, dense, in_place, &mut out)?;
+                close(&what, &written(&gpu, &got)?, &want, 1e-6)?;
+                let mut mass = gpu.zeros::<f32>(tokens)?;
+                attention_mass(&gpu, &workspace, ListPart::Selected(in_place), &mut mass)?;
+                close(&what, &gpu.download(&mass)?, &want_mass, 1e-6)?;
                 for pass in ["cold", "warm"] {
                     let what = format!("block cache from {source}, step {step} {pass}");
                     let before = cache.stats();
@@ -1529,7 +1553,7 @@ mod on_gpu {
         let buckets = Csr::from_lists(&gpu, &[vec![1u32, 2], vec![3]])?;
         let visited = Csr::from_lists(&gpu, &[vec![0u32], vec![2]])?;
         let part = Buckets {
-            kv: &kv,
+            kv: (&kv).into(),
             runs: &[],
             ids: &buckets,
             visited: &visited,
@@ -1553,7 +1577,7 @@ mod on_gpu {
             query,
             dense,
             Buckets {
-                kv: &kv,
+                kv: (&kv).into(),
                 runs: &[],
                 ids: &buckets,
                 visited: &visited,

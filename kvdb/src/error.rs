@@ -77,9 +77,9 @@ pub enum Error {
     },
     /// Full attention on a GPU over a corpus kept in host memory.
     #[error(
-        "full attention reads every key of corpus `{corpus}`, whose keys and values are in host \
-         memory behind the GPU's block cache: ask with retrieval (an index), keep the corpus on \
-         the GPU (`--gpu-kv resident`, where it fits) or use `--device cpu`"
+        "full attention reads every key of corpus `{corpus}`, whose keys and values are (some \
+         layers' or all) in host memory: ask with retrieval (an index), keep the corpus on the \
+         GPU (`--gpu-kv resident`, where it fits) or use `--device cpu`"
     )]
     FullAttentionFromHost {
         /// The corpus.
@@ -88,8 +88,9 @@ pub enum Error {
     /// A step selected more blocks of a layer than its GPU block cache holds.
     #[error(
         "layer {layer} of corpus `{corpus}` selected {needed} blocks of its keys in one step and \
-         its GPU block cache holds {slots}: give the caches more memory (`--gpu-kv host:SIZE`) \
-         or retrieve fewer keys (`--k`)"
+         its GPU block cache holds {slots}: give the caches more memory (`--gpu-kv host:SIZE`), \
+         read the rows in place without them (`--gpu-kv host:0`) or retrieve fewer keys \
+         (`--k`)"
     )]
     GpuCacheTooSmall {
         /// The corpus.

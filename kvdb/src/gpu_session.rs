@@ -4,13 +4,17 @@
 //! the query's own tail, which the sequence keeps. The selection statistics and the dense
 //! policy are the CPU's ([`QueryState`]).
 //!
-//! The corpus's rows are resident on the GPU when they fit (or as [`GpuKv`] says); else each
-//! retrieval layer keeps them in pinned host memory behind a GPU cache of hot blocks
-//! (`BlockCache`): every step's selected ids and the corpus's sinks and window are gathered
-//! into it (the missing blocks copied straight from mapped host memory in one launch) and
-//! attended from there. Queries take turns at a layer's cache. Such a corpus is searched on
-//! the CPU (bucket routing on the GPU attends to keys in place) and cannot be attended in
-//! full.
+//! The corpus's rows are resident on the GPU when they fit (or as [`GpuKv`] says); else the
+//! first retrieval layers that fit are, and each other retrieval layer keeps its rows in
+//! pinned host memory mapped into the GPU's address space
+//! (`HostKv`). Routing on the GPU then reads the visited buckets' rows there in place, over
+//! PCIe: an inverted list's ids are scattered over the corpus, so a cache of token blocks
+//! would copy mostly rows nobody asked for. A selection searched on the CPU goes through a
+//! GPU cache of hot blocks (`BlockCache`): every step's selected ids and the corpus's sinks
+//! and window are gathered into it (the missing blocks copied straight from mapped host
+//! memory in one launch) and attended from there; queries take turns at a layer's cache. With
+//! no cache (`GpuKv::Host` of 0 bytes) those rows are read in place too. Such a corpus cannot
+//! be attended in full.
 //!
 //! How a retrieval layer selects depends on the index:
 //! - an index that says how to route on the GPU (`BucketIndex::gpu_routing`: `ivf…,norope,all`
@@ -44,8 +48,8 @@ use kvdb_kernels::cudarc::driver::CudaViewMut;
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
     attention_mass, retrieval_attention, BlockCache, CacheStats, ClassifierHead, Csr, Dense,
-    HostKv, KernelError, KvCache, ListPart, Partition, Query, RouteRope, RouteStep, Selected,
-    Visits, Workspace, MAX_VISITED_BUCKETS,
+    HostKv, KernelError, KvCache, KvRows, ListPart, Partition, Query, RouteRope, RouteStep,
+    Selected, Visits, Workspace, MAX_VISITED_BUCKETS,
 };
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
@@ -86,12 +90,26 @@ pub(crate) struct GpuCorpusKv {
 enum CorpusLayer {
     /// On the GPU.
     Resident(KvCache<f16>),
-    /// In pinned host memory behind a GPU block cache, which queries take turns at (boxed:
-    /// the cache's tables are large next to a resident layer's handles).
-    Host(Box<Mutex<HostLayer>>),
+    /// In pinned host memory, read in place, and behind a GPU block cache for selections
+    /// searched on the CPU unless the caches have no memory. Queries take turns at the cache
+    /// (boxed: its tables are large next to a resident layer's handles).
+    Host {
+        rows: Arc<HostKv<f16>>,
+        cache: Option<Box<Mutex<HostLayer>>>,
+    },
 }
 
-/// A layer's rows in host memory and the GPU cache in front of them.
+impl CorpusLayer {
+    /// The rows as the kernels read them: on the GPU, or in place in host memory.
+    fn rows(&self) -> KvRows<'_, f16> {
+        match self {
+            CorpusLayer::Resident(kv) => kv.into(),
+            CorpusLayer::Host { rows, .. } => (&**rows).into(),
+        }
+    }
+}
+
+/// A layer's GPU cache in front of its rows in host memory.
 struct HostLayer {
     cache: BlockCache<f16>,
     /// Recorded after the last query's launches that read the cache: the next query's stream
@@ -105,8 +123,11 @@ struct HostLayer {
 /// one before is copied).
 #[derive(Debug, Clone, Default)]
 pub struct GpuUpload {
-    /// Bytes of GPU memory: the keys and values, or the block caches in front of host memory.
+    /// Bytes of GPU memory: the resident layers' keys and values and the block caches in
+    /// front of the rest.
     pub bytes: usize,
+    /// The block caches' part of `bytes`.
+    pub cache_bytes: usize,
     /// Bytes of keys and values in pinned host memory (0 when they are on the GPU).
     pub host_bytes: usize,
     /// Seconds per stage, in order.
@@ -116,8 +137,11 @@ pub struct GpuUpload {
 /// What a corpus holds for GPU questions, and what its block caches did so far.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GpuFootprint {
-    /// Bytes of GPU memory: the keys and values, or the block caches in front of host memory.
+    /// Bytes of GPU memory: the resident layers' keys and values and the block caches in
+    /// front of the rest.
     pub gpu_bytes: usize,
+    /// The block caches' part of `gpu_bytes`.
+    pub cache_bytes: usize,
     /// Bytes of keys and values in pinned host memory (0 when they are on the GPU).
     pub host_bytes: usize,
     /// The block caches' lookups, all layers together (none when the rows are on the GPU).
@@ -256,22 +280,31 @@ impl GpuCorpusKv {
         let (kv_heads, d) = (config.n_kv_heads, config.head_dim);
         // Said before anything is read, rather than as the driver's out-of-memory error
         // halfway through; the rest of the query needs far less than the 1/16 kept free.
-        let needed = retrieval_layers.len() * 2 * kv_heads * n * d * size_of::<f16>();
+        let layer_bytes = 2 * kv_heads * n * d * size_of::<f16>();
+        let (layers_in_all, needed) =
+            (retrieval_layers.len(), retrieval_layers.len() * layer_bytes);
         let free = gpu.gpu().free_memory().map_err(ModelError::from)?;
-        let fits = needed <= free - free / 16;
-        // GPU memory of the block caches when the rows stay in host memory.
-        let caches = match placement {
-            GpuKv::Resident if !fits => {
+        let usable = free - free / 16;
+        // The first layers that fit in `budget` on the GPU, and the GPU memory of the block
+        // caches in front of the rest: half of what is left.
+        let split = |budget: usize| {
+            let on_gpu = (budget.min(usable) / layer_bytes.max(1)).min(layers_in_all);
+            (on_gpu, (usable - on_gpu * layer_bytes) / 2)
+        };
+        // Layers kept on the GPU, and the block caches' memory.
+        let (on_gpu, caches) = match placement {
+            GpuKv::Resident if needed > usable => {
                 return Err(Error::GpuMemory {
                     corpus: corpus.manifest().name.clone(),
                     needed,
                     free,
                 })
             }
-            GpuKv::Resident => None,
-            GpuKv::Auto if fits => None,
-            GpuKv::Auto => Some(free / 2),
-            GpuKv::Host { cache_bytes } => Some(cache_bytes.unwrap_or(free / 2)),
+            GpuKv::Resident => (layers_in_all, 0),
+            GpuKv::Auto if needed <= usable => (layers_in_all, 0),
+            GpuKv::Auto => split(usable - usable / 8),
+            GpuKv::Split { gpu_bytes } => split(gpu_bytes),
+            GpuKv::Host { cache_bytes } => (0, cache_bytes.unwrap_or(free / 2)),
         };
         // One thread reads the layers from the store (each by every core, f16 as stored)
         // while this one uploads the layer read before and the GPU rotates its keys: at most
@@ -298,11 +331,11 @@ impl GpuCorpusKv {
                 let (keys, values) = rows?;
                 let started = Instant::now();
                 let kv = gpu.rotated_kv(layer, &keys, &values, 0..n)?;
-                match caches {
-                    None => resident.push((layer, kv)),
+                match resident.len() < on_gpu {
+                    true => resident.push((layer, kv)),
                     // Rotated on the GPU, then back to the host: one layer on the GPU at a
                     // time.
-                    Some(_) => hosted.push((
+                    false => hosted.push((
                         layer,
                         HostKv::from_device(gpu.gpu(), &kv, HOST_BLOCK_TOKENS)
                             .map_err(ModelError::from)?,
@@ -319,18 +352,24 @@ impl GpuCorpusKv {
         for (layer, kv) in resident {
             layers[layer] = Some(CorpusLayer::Resident(kv));
         }
-        let per_layer = caches.unwrap_or(0) / hosted.len().max(1);
+        let per_layer = caches / hosted.len().max(1);
         for (layer, host) in hosted {
+            let rows = Arc::new(host);
             // No more than the layer's rows: a larger cache only makes its tables larger.
-            let bytes = per_layer.min(host.bytes());
-            let cache = BlockCache::new(gpu.gpu(), host, bytes).map_err(ModelError::from)?;
-            let released = gpu.gpu().event().map_err(ModelError::from)?;
-            let host = Mutex::new(HostLayer { cache, released });
-            layers[layer] = Some(CorpusLayer::Host(Box::new(host)));
+            let cache = match per_layer.min(rows.bytes()) {
+                0 => None,
+                bytes => {
+                    let cache = BlockCache::new(gpu.gpu(), rows.clone(), bytes)
+                        .map_err(ModelError::from)?;
+                    let released = gpu.gpu().event().map_err(ModelError::from)?;
+                    Some(Box::new(Mutex::new(HostLayer { cache, released })))
+                }
+            };
+            layers[layer] = Some(CorpusLayer::Host { rows, cache });
         }
-        let copied = match caches {
-            None => "copying to the GPU",
-            Some(_) => "copying to the GPU and back to pinned host memory",
+        let copied = match on_gpu < layers_in_all {
+            false => "copying to the GPU",
+            true => "copying to the GPU and back to pinned host memory",
         };
         Ok(Self {
             corpus: corpus.manifest().name.clone(),
@@ -344,12 +383,12 @@ impl GpuCorpusKv {
         })
     }
 
-    /// Whether the rows are in host memory (behind block caches) rather than on the GPU.
+    /// Whether any layer's rows are in host memory rather than on the GPU.
     fn in_host_memory(&self) -> bool {
         self.layers
             .iter()
             .flatten()
-            .any(|layer| matches!(layer, CorpusLayer::Host(_)))
+            .any(|layer| matches!(layer, CorpusLayer::Host { .. }))
     }
 
     /// `set`'s bucket partitions on the GPU when the set routes there, built on first use.
@@ -367,10 +406,6 @@ impl GpuCorpusKv {
         if let Some(partitions) = cached.get(&spec) {
             return Ok(partitions.clone());
         }
-        // Routing on the GPU attends to every key of the visited buckets in place.
-        if self.in_host_memory() {
-            return Ok(None);
-        }
         let partitions = GpuPartitions::build(set, &self.gpu, ropes, group, d)?.map(Arc::new);
         cached.insert(spec, partitions.clone());
         Ok(partitions)
@@ -386,6 +421,7 @@ impl GpuCorpusKv {
         let footprint = self.footprint();
         GpuUpload {
             bytes: footprint.gpu_bytes,
+            cache_bytes: footprint.cache_bytes,
             host_bytes: footprint.host_bytes,
             stages: self.stages.clone(),
         }
@@ -400,12 +436,14 @@ impl GpuCorpusKv {
                     footprint.gpu_bytes +=
                         2 * kv.kv_heads() * kv.tokens() * kv.head_dim() * size_of::<f16>();
                 }
-                CorpusLayer::Host(host) => {
+                CorpusLayer::Host { rows, cache } => {
+                    footprint.host_bytes += rows.bytes();
+                    let Some(cache) = cache else { continue };
                     // A query that panicked holding the lock left the tables as they were:
                     // their sizes and counts are still right.
-                    let host = host.lock().unwrap_or_else(|p| p.into_inner());
+                    let host = cache.lock().unwrap_or_else(|p| p.into_inner());
                     footprint.gpu_bytes += host.cache.bytes();
-                    footprint.host_bytes += host.cache.host().bytes();
+                    footprint.cache_bytes += host.cache.bytes();
                     let stats = host.cache.stats();
                     footprint.cache.hits += stats.hits;
                     footprint.cache.misses += stats.misses;
@@ -848,12 +886,12 @@ impl<'c, 'm> GpuSession<'c, 'm> {
             .ok_or_else(|| {
                 Error::Internal(format!("layer {} has no keys for the GPU", call.layer))
             })?;
-        // Attending in place (full attention, routing) needs the rows on the GPU; `open`
-        // refused full attention and routing over rows in host memory.
+        // Full attention needs the rows on the GPU; `open` refused it over rows in host
+        // memory.
         let resident = || match layer_rows {
             CorpusLayer::Resident(kv) => Ok(kv),
-            CorpusLayer::Host(_) => Err(Error::Internal(format!(
-                "layer {} is in host memory: it cannot be attended in place",
+            CorpusLayer::Host { .. } => Err(Error::Internal(format!(
+                "layer {} is in host memory: it cannot be attended in full",
                 call.layer
             ))),
         };
@@ -937,7 +975,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                         position,
                         candidates: policy.candidates(position),
                     };
-                    let corpus = resident()?;
+                    let corpus = layer_rows.rows();
                     let workspace = &mut self.workspace;
                     StageTimer::time(&mut self.timer, gpu, "routing and attention", || {
                         partition.route_and_attend(
@@ -955,7 +993,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                     })?;
                     self.session
                         .record_routed(position, kv_heads, partition.buckets());
-                    ListPart::Buckets(partition.list_part(visits, corpus, &corpus_runs))
+                    ListPart::Buckets(partition.list_part(visits, layer_rows.rows(), &corpus_runs))
                 }
                 (None, Some(found)) => {
                     let lists: Vec<Vec<u32>> = found
@@ -967,8 +1005,9 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                         })
                         .collect();
                     let corpus = match layer_rows {
-                        CorpusLayer::Resident(corpus) => corpus,
-                        CorpusLayer::Host(host) => {
+                        CorpusLayer::Host {
+                            cache: Some(host), ..
+                        } => {
                             let attended = Attended {
                                 query,
                                 dense,
@@ -985,6 +1024,8 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                             attend_from_host(gpu, call.layer, rows, attended, session, &mut out)?;
                             continue;
                         }
+                        // On the GPU, or read in place from host memory.
+                        layer_rows => layer_rows.rows(),
                     };
                     self.lists
                         .write_lists(gpu, &lists)

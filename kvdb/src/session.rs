@@ -217,15 +217,25 @@ pub struct Answer {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum GpuKv {
     /// On the GPU when they fit its free memory (a sixteenth kept spare), else as
-    /// [`GpuKv::Host`] with a cache of half the free memory.
+    /// [`GpuKv::Split`] over seven eighths of that memory.
     #[default]
     Auto,
     /// On the GPU, read in place by every step; the upload fails when they do not fit.
     Resident,
-    /// In pinned host memory, each step's selected blocks copied into a GPU cache of hot
-    /// blocks of `cache_bytes` in all (`None`: half the GPU's free memory), split evenly over
-    /// the retrieval layers: for corpora larger than the GPU. Questions must retrieve (full
-    /// attention reads every key), and bucket indexes are searched on the CPU.
+    /// Whole retrieval layers on the GPU, the first ones, while they fit in `gpu_bytes` (and
+    /// in its free memory); the rest as [`GpuKv::Host`], behind caches of half the GPU memory
+    /// left. A step then reads most layers at GPU speed and only the rest over PCIe; full
+    /// attention needs every layer on the GPU.
+    Split {
+        /// GPU memory for the resident layers.
+        gpu_bytes: usize,
+    },
+    /// In pinned host memory mapped into the GPU's address space, for corpora larger than the
+    /// GPU; questions must retrieve (full attention reads every key). Bucket indexes the GPU
+    /// routes read the visited buckets' rows in place, over PCIe; indexes searched on the CPU
+    /// copy each step's selected blocks into a GPU cache of hot blocks of `cache_bytes` in all
+    /// (`None`: half the GPU's free memory; `Some(0)`: no cache, their rows read in place as
+    /// well), split evenly over the retrieval layers.
     Host {
         /// GPU memory of the caches, all layers together.
         cache_bytes: Option<usize>,
@@ -396,8 +406,8 @@ impl Corpus {
     }
 
     /// What the corpus holds for the GPU (nothing before its first GPU query): bytes of GPU
-    /// memory (keys and values, or the block caches in front of host memory), bytes of
-    /// pinned host memory, and the block caches' lookups so far.
+    /// memory (resident layers' keys and values, and the block caches in front of the rest),
+    /// bytes of pinned host memory, and the block caches' lookups so far.
     #[cfg(feature = "gpu")]
     pub fn gpu_footprint(&self) -> GpuFootprint {
         self.gpu_kv
