@@ -65,7 +65,7 @@ impl<T: KvElement> HostKv<T> {
         }
         length("host values", keys.len(), values.len())?;
         let tokens = keys.len() / row;
-        Self::check(row, tokens, head_dim, block_tokens)?;
+        Self::check(kv_heads, tokens, head_dim, block_tokens)?;
         let (keys_of, values_of) = (keys, values);
         Self::filled(
             gpu,
@@ -85,7 +85,7 @@ impl<T: KvElement> HostKv<T> {
     /// large for the GPU keeps on the host, moved without a detour through pageable memory.
     pub fn from_device(gpu: &Gpu, kv: &KvCache<T>, block_tokens: usize) -> Result<Self> {
         let (kv_heads, tokens, head_dim) = (kv.kv_heads(), kv.tokens(), kv.head_dim());
-        Self::check(kv_heads * head_dim, tokens, head_dim, block_tokens)?;
+        Self::check(kv_heads, tokens, head_dim, block_tokens)?;
         let copied = Self::filled(
             gpu,
             (kv_heads, tokens, head_dim),
@@ -104,9 +104,9 @@ impl<T: KvElement> HostKv<T> {
         Ok(copied)
     }
 
-    /// Checks the shape: `row` (KV heads × head dim) elements per token, `tokens` of them, and
-    /// blocks of `block_tokens` that the fill kernel copies as whole 16-byte vectors.
-    fn check(row: usize, tokens: usize, head_dim: usize, block_tokens: usize) -> Result<()> {
+    /// Checks the shape: `kv_heads` heads of `tokens` rows of `head_dim`, in blocks of
+    /// `block_tokens` that the fill kernel copies as whole 16-byte vectors.
+    fn check(kv_heads: usize, tokens: usize, head_dim: usize, block_tokens: usize) -> Result<()> {
         // Block numbers come from shifts: a division per selected id was most of the cache's
         // CPU time.
         if !block_tokens.is_power_of_two() {
@@ -131,7 +131,7 @@ impl<T: KvElement> HostKv<T> {
             });
         }
         // The fill kernel numbers blocks of all heads with a u32.
-        let blocks = (row / head_dim.max(1)) * tokens.div_ceil(block_tokens);
+        let blocks = kv_heads * tokens.div_ceil(block_tokens);
         if u32::try_from(blocks).is_err() {
             return Err(KernelError::TooLarge {
                 what: "host blocks",
