@@ -253,31 +253,35 @@ mod on_gpu {
             after.hits > before.hits && after.misses == before.misses,
             "a repeated question missed blocks: before {before:?}, after {after:?}"
         );
-        let full = ask(gpu, &on_host, AttentionMode::Full);
-        ensure!(
-            matches!(
-                full.as_ref().map_err(|e| e.downcast_ref::<kvdb::Error>()),
-                Err(Some(kvdb::Error::FullAttentionFromHost { .. }))
-            ),
-            "full attention from host memory: {:?}",
-            full.map(|a| a.answer)
-        );
+        refused(
+            ask(gpu, &on_host, AttentionMode::Full),
+            |e| matches!(e, kvdb::Error::FullAttentionFromHost { .. }),
+            "full attention from host memory",
+        )?;
         // Caches of a 64th of each layer's rows: every token selected does not fit.
         let small = open(GpuKv::Host {
             cache_bytes: Some(upload.host_bytes / 64),
         })?;
-        let refused = ask(gpu, &small, retrieval("flat", Some(n))?);
-        ensure!(
-            matches!(
-                refused
-                    .as_ref()
-                    .map_err(|e| e.downcast_ref::<kvdb::Error>()),
-                Err(Some(kvdb::Error::GpuCacheTooSmall { .. }))
+        refused(
+            ask(gpu, &small, retrieval("flat", Some(n))?),
+            |e| matches!(e, kvdb::Error::GpuCacheTooSmall { .. }),
+            "a step larger than the caches",
+        )
+    }
+
+    /// Checks that a question failed with the error `expected` accepts.
+    fn refused(
+        asked: Result<Answer>,
+        expected: fn(&kvdb::Error) -> bool,
+        what: &str,
+    ) -> Result<()> {
+        match asked {
+            Err(e) if e.downcast_ref::<kvdb::Error>().is_some_and(expected) => Ok(()),
+            other => anyhow::bail!(
+                "{what}: not refused as expected: {:?}",
+                other.map(|a| a.answer)
             ),
-            "a step larger than the caches: {:?}",
-            refused.map(|a| a.answer)
-        );
-        Ok(())
+        }
     }
 
     /// The documents of the top passages of an answer's provenance.
@@ -360,16 +364,11 @@ mod on_gpu {
             println!("{spec} split: {:?}, resident {:?}", s.answer, r.answer);
             ensure!(s.tokens == r.tokens, "{spec}: split answers differently");
         }
-        let full = ask(&gpu, &split, AttentionMode::Full);
-        ensure!(
-            matches!(
-                full.as_ref().map_err(|e| e.downcast_ref::<kvdb::Error>()),
-                Err(Some(kvdb::Error::FullAttentionFromHost { .. }))
-            ),
-            "full attention with a layer in host memory: {:?}",
-            full.map(|a| a.answer)
-        );
-        Ok(())
+        refused(
+            ask(&gpu, &split, AttentionMode::Full),
+            |e| matches!(e, kvdb::Error::FullAttentionFromHost { .. }),
+            "full attention with a layer in host memory",
+        )
     }
 
     #[test]
@@ -571,17 +570,11 @@ mod on_gpu {
             ),
         ];
         for (what, asked) in lacking {
-            let refused = ask(&gpu, &on_gpu, AttentionMode::Retrieval(asked));
-            ensure!(
-                matches!(
-                    refused
-                        .as_ref()
-                        .map_err(|e| e.downcast_ref::<kvdb::Error>()),
-                    Err(Some(kvdb::Error::NotOnGpu { .. }))
-                ),
-                "{what} on the GPU: {:?}",
-                refused.map(|a| a.answer)
-            );
+            refused(
+                ask(&gpu, &on_gpu, AttentionMode::Retrieval(asked)),
+                |e| matches!(e, kvdb::Error::NotOnGpu { .. }),
+                &format!("{what} on the GPU"),
+            )?;
         }
         Ok(())
     }
