@@ -6,15 +6,14 @@
 //!
 //! The corpus's rows are resident on the GPU when they fit (or as [`GpuKv`] says); else the
 //! first retrieval layers that fit are, and each other retrieval layer keeps its rows in
-//! pinned host memory mapped into the GPU's address space
-//! (`HostKv`). Routing on the GPU then reads the visited buckets' rows there in place, over
-//! PCIe: an inverted list's ids are scattered over the corpus, so a cache of token blocks
-//! would copy mostly rows nobody asked for. A selection searched on the CPU goes through a
-//! GPU cache of hot blocks (`BlockCache`): every step's selected ids and the corpus's sinks
-//! and window are gathered into it (the missing blocks copied straight from mapped host
-//! memory in one launch) and attended from there; queries take turns at a layer's cache. With
-//! no cache (`GpuKv::Host` of 0 bytes) those rows are read in place too. Such a corpus cannot
-//! be attended in full.
+//! pinned host memory mapped into the GPU's address space (`HostKv`). Routing on the GPU
+//! then reads the visited buckets' rows there in place, over PCIe: an inverted list's ids
+//! are scattered over the corpus, so a cache of token blocks would copy mostly rows nobody
+//! asked for. A selection searched on the CPU goes through a GPU cache of hot blocks
+//! (`BlockCache`): every step's selected ids and the corpus's sinks and window are gathered
+//! into it (the missing blocks copied straight from mapped host memory in one launch) and
+//! attended from there; queries take turns at a layer's cache. With no cache (`GpuKv::Host`
+//! of 0 bytes) those rows are read in place too. Such a corpus cannot be attended in full.
 //!
 //! How a retrieval layer selects depends on the index:
 //! - an index that says how to route on the GPU (`BucketIndex::gpu_routing`: `ivf…,norope,all`
