@@ -275,7 +275,7 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         args.open.target.corpus, opened.model.record.name, args.open.device, args.repeats
     )?;
     let reference = match in_host {
-        true => "the first mode (keys and values in host memory)",
+        true => "the first mode (keys and values of some or all layers in host memory)",
         false => "full",
     };
     writeln!(
