@@ -138,7 +138,10 @@ struct RadiusOnly {
 ///   of the graph (its links and augmented keys, about the keys' f32 size again), so that
 ///   opening a corpus reads the graph instead of building it again (85 s for 30K tokens of
 ///   the default model on 2 cores); saves that hold `R` alone (version 1) re-insert the
-///   keys, which gives the same graph.
+///   keys, which gives the same graph. One thing a dump does not keep is the level
+///   generator's state: a reloaded graph restarts it, so keys added after a reopen get other
+///   levels than the same `add` before the save would have given them, and the two graphs
+///   answer nearly, not exactly, alike (the `hnsw` tests bound how nearly).
 /// - **Cost.** [`Found::scored`] counts every distance the graph searches evaluated (the
 ///   distance counts its calls) plus the keys re-scored.
 pub struct HnswIndex {
