@@ -9,7 +9,9 @@
 # Usage (on the GPU machine, from the unpacked bundle of scripts/gpu-bundle.sh):
 #   scripts/gpu-query-bench.sh /tmp/kvdb [WORK_DIR]
 # COPIES_GEMMA / COPIES_LLAMA / COPIES_QWEN set how many copies of the text each corpus holds
-# (0: skip; Qwen is skipped unless asked); IVF_LLAMA / IVF_QWEN an IVF spec for those models too
+# (0: skip; Qwen is skipped unless asked), PART_BYTES the bytes of the text's start that one
+# more, partial copy holds (to reach a length between whole copies: a copy is about 29,900
+# tokens, so 4 copies and PART_BYTES=13700 make about 131,072); IVF_LLAMA / IVF_QWEN an IVF spec for those models too
 # (its build takes minutes: 32 layers x 8 KV heads for Llama; with it, the model skips flat
 # top-k, whose search on the CPU takes a fifth of a second a token there, and its index); K the
 # keys flat top-k retrieves (default: 1% of the corpus); GEMMA_DEVICES the devices Gemma is asked
@@ -74,6 +76,9 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         for i in $(seq "$copies"); do
             { echo "Copy $i of the license."; cat "$text"; } >"$work/docs-$preset/copy-$i.txt"
         done
+        if [ "${PART_BYTES:-0}" -gt 0 ]; then
+            { echo "Part of the license."; head -c "$PART_BYTES" "$text"; } >"$work/docs-$preset/part.txt"
+        fi
         # The IVF index first: the corpus's default, which opening the corpus loads.
         indexes=()
         [ "$ivf" = none ] || indexes+=(--index "$ivf")

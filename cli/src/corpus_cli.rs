@@ -203,11 +203,15 @@ pub(crate) fn open_for_questions<'i>(
         let kept = [
             (resident > 0).then(|| format!("{} on the GPU", HumanBytes(resident as u64))),
             (upload.host_bytes > 0).then(|| {
-                format!(
-                    "{} in pinned host memory behind {} of GPU block caches",
-                    HumanBytes(upload.host_bytes as u64),
-                    HumanBytes(upload.cache_bytes as u64)
-                )
+                let host = HumanBytes(upload.host_bytes as u64);
+                match upload.cache_budget {
+                    0 => format!("{host} in pinned host memory, read in place"),
+                    budget => format!(
+                        "{host} in pinned host memory behind {} of GPU block caches, taken \
+                         when a question searched on the CPU first needs them",
+                        HumanBytes(budget as u64)
+                    ),
+                }
             }),
         ];
         let kept: Vec<String> = kept.into_iter().flatten().collect();

@@ -181,15 +181,22 @@ mod on_gpu {
         })?;
         let upload = on_host.upload_to_gpu(gpu.as_ref())?;
         ensure!(
-            upload.host_bytes > 0 && upload.bytes > 0,
-            "not in host memory: {upload:?}"
+            upload.host_bytes > 0 && upload.bytes == 0 && upload.cache_budget > 0,
+            "not in host memory behind caches allocated on first use: {upload:?}"
+        );
+        // Routed on the GPU, a question reads the rows in place: no cache is allocated.
+        ask(gpu, &on_host, retrieval("ivf16,np4,norope,all", None)?)?;
+        let routed = on_host.gpu_footprint();
+        ensure!(
+            routed.gpu_bytes == 0,
+            "a question routed on the GPU allocated caches: {routed:?}"
         );
         let in_place = open(GpuKv::Host {
             cache_bytes: Some(0),
         })?;
         let bare = in_place.upload_to_gpu(gpu.as_ref())?;
         ensure!(
-            bare.host_bytes == upload.host_bytes && bare.bytes == 0,
+            bare.host_bytes == upload.host_bytes && bare.bytes == 0 && bare.cache_budget == 0,
             "a corpus without caches holds {bare:?}"
         );
         let score = |corpus: &Corpus, mode| corpus.score(gpu.as_ref(), ids, mode);
@@ -202,6 +209,13 @@ mod on_gpu {
         ensure!(
             err < SAME_KEYS,
             "every token selected from host memory: {err}"
+        );
+        // Searched on the CPU, the question took every layer's cache.
+        let searched = on_host.gpu_footprint();
+        ensure!(
+            searched.gpu_bytes == searched.cache_bytes
+                && searched.cache_bytes == upload.cache_budget,
+            "the caches were not allocated by a question searched on the CPU: {searched:?}"
         );
         let placements = [(&on_host, "behind caches"), (&in_place, "in place")];
         for ((corpus, placement), index) in placements
@@ -337,8 +351,9 @@ mod on_gpu {
         let halves = split.upload_to_gpu(gpu.as_ref())?;
         println!("resident {all:?}, split {halves:?}");
         ensure!(
-            halves.bytes - halves.cache_bytes == all.bytes / 2
-                && halves.cache_bytes > 0
+            halves.bytes == all.bytes / 2
+                && halves.cache_bytes == 0
+                && halves.cache_budget > 0
                 && halves.host_bytes >= all.bytes / 2,
             "not one layer on the GPU and one in host memory: {halves:?} (all {all:?})"
         );

@@ -325,13 +325,7 @@ impl<T: KvElement> BlockCache<T> {
     pub fn new(gpu: &Gpu, host: impl Into<Arc<HostKv<T>>>, capacity_bytes: usize) -> Result<Self> {
         let host = host.into();
         let block = host.block_tokens * host.head_dim;
-        let slots = capacity_bytes / (2 * block * size_of::<T>());
-        if slots == 0 || u32::try_from(slots * host.block_tokens).is_err() {
-            return Err(KernelError::TooLarge {
-                what: "cache slots (or zero)",
-                value: slots,
-            });
-        }
+        let slots = Self::slots_for(&host, capacity_bytes)?;
         let blocks = host.kv_heads * host.blocks();
         Ok(Self {
             keys: gpu.zeros(slots * block)?,
@@ -351,6 +345,19 @@ impl<T: KvElement> BlockCache<T> {
             stats: CacheStats::default(),
             host,
         })
+    }
+
+    /// The blocks a cache of `capacity_bytes` in front of `host` holds: an error when that is
+    /// none, or more slots' rows than a row number counts.
+    pub fn slots_for(host: &HostKv<T>, capacity_bytes: usize) -> Result<usize> {
+        let slots = capacity_bytes / (2 * host.block_tokens * host.head_dim * size_of::<T>());
+        if slots == 0 || u32::try_from(slots * host.block_tokens).is_err() {
+            return Err(KernelError::TooLarge {
+                what: "cache slots (or zero)",
+                value: slots,
+            });
+        }
+        Ok(slots)
     }
 
     /// Makes the blocks of `selected` (token ids, one list per KV head, as for

@@ -102,6 +102,23 @@ pub enum Error {
         /// Blocks the layer's cache holds.
         slots: usize,
     },
+    /// A layer's GPU block cache could not be allocated when a question first needed it.
+    #[error(
+        "layer {layer} of corpus `{corpus}` needs {bytes} bytes of GPU memory for its block \
+         cache and {free} are free now: give the caches less memory (`--gpu-kv host:SIZE`), \
+         read the rows in place without them (`--gpu-kv host:0`) or ask with an index routed \
+         on the GPU (`ivf…,norope,all`, saap), which needs no cache"
+    )]
+    GpuCacheMemory {
+        /// The corpus.
+        corpus: String,
+        /// The layer.
+        layer: usize,
+        /// Bytes the cache takes.
+        bytes: usize,
+        /// Bytes free on the device.
+        free: usize,
+    },
     /// A query option the GPU path does not have yet.
     #[error("{what} is not available on the GPU yet: use `--device cpu` for it")]
     NotOnGpu {

@@ -10,9 +10,10 @@
 //! then reads the visited buckets' rows there in place, over PCIe: an inverted list's ids
 //! are scattered over the corpus, so a cache of token blocks would copy mostly rows nobody
 //! asked for. A selection searched on the CPU goes through a GPU cache of hot blocks
-//! (`BlockCache`): every step's selected ids and the corpus's sinks and window are gathered
-//! into it (the missing blocks copied straight from mapped host memory in one launch) and
-//! attended from there; queries take turns at a layer's cache. With no cache (`GpuKv::Host`
+//! (`BlockCache`, allocated by the first question that needs it): every step's selected ids
+//! and the corpus's sinks and window are gathered into it (the missing blocks copied straight
+//! from mapped host memory in one launch) and attended from there; queries take turns at a
+//! layer's cache. With no cache (`GpuKv::Host`
 //! of 0 bytes) those rows are read in place too. Such a corpus cannot be attended in full.
 //!
 //! How a retrieval layer selects depends on the index:
@@ -42,7 +43,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use half::f16;
 use kvdb_index::BucketScores;
-use kvdb_kernels::cudarc::driver::sys::CUevent_flags;
+use kvdb_kernels::cudarc::driver::sys::{CUevent_flags, CUresult};
 use kvdb_kernels::cudarc::driver::CudaViewMut;
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
@@ -90,11 +91,11 @@ enum CorpusLayer {
     /// On the GPU.
     Resident(KvCache<f16>),
     /// In pinned host memory, read in place, and behind a GPU block cache for selections
-    /// searched on the CPU unless the caches have no memory. Queries take turns at the cache
-    /// (boxed: its tables are large next to a resident layer's handles).
+    /// searched on the CPU unless the caches have no memory (boxed: its tables are large
+    /// next to a resident layer's handles).
     Host {
         rows: Arc<HostKv<f16>>,
-        cache: Option<Box<Mutex<HostLayer>>>,
+        cache: Option<Box<LazyCache>>,
     },
 }
 
@@ -105,6 +106,72 @@ impl CorpusLayer {
             CorpusLayer::Resident(kv) => kv.into(),
             CorpusLayer::Host { rows, .. } => (&**rows).into(),
         }
+    }
+}
+
+/// A layer's GPU block cache, allocated by the first question that searches the layer on
+/// the CPU: questions routed on the GPU read the rows in place and never use it, so a corpus
+/// only they ask keeps that GPU memory free. Questions take turns at the cache.
+struct LazyCache {
+    /// The layer's rows, which the cache holds blocks of.
+    rows: Arc<HostKv<f16>>,
+    /// The GPU memory the cache takes.
+    bytes: usize,
+    /// `None` until a question needs the cache.
+    layer: Mutex<Option<HostLayer>>,
+}
+
+impl LazyCache {
+    /// Runs `use_cache` on the layer's cache, allocated (on `gpu`) if this is its first use;
+    /// the cache is locked meanwhile.
+    fn with<R>(
+        &self,
+        gpu: &kvdb_model::Gpu,
+        (corpus, layer): (&str, usize),
+        use_cache: impl FnOnce(&mut HostLayer) -> Result<R>,
+    ) -> Result<R> {
+        let mut slot = self
+            .layer
+            .lock()
+            .map_err(|_| Error::Internal("an earlier query panicked at a block cache".into()))?;
+        let host = match &mut *slot {
+            Some(host) => host,
+            empty => {
+                let allocated =
+                    BlockCache::new(gpu, self.rows.clone(), self.bytes).and_then(|cache| {
+                        // Allocated (and zeroed) on `gpu`'s stream: done before any other
+                        // question's stream may use it.
+                        gpu.synchronize()?;
+                        Ok(HostLayer {
+                            cache,
+                            released: gpu.event()?,
+                        })
+                    });
+                match allocated {
+                    Ok(host) => empty.insert(host),
+                    Err(KernelError::Driver { source, .. })
+                        if source.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY =>
+                    {
+                        return Err(Error::GpuCacheMemory {
+                            corpus: corpus.to_string(),
+                            layer,
+                            bytes: self.bytes,
+                            free: gpu.free_memory().unwrap_or(0),
+                        })
+                    }
+                    Err(e) => return Err(ModelError::from(e).into()),
+                }
+            }
+        };
+        use_cache(host)
+    }
+
+    /// The cache as it is now (`None` before its first use), for its sizes and counts.
+    fn peek<R>(&self, look: impl FnOnce(&HostLayer) -> R) -> Option<R> {
+        // A query that panicked holding the lock left the tables as they were: their sizes
+        // and counts are still right.
+        let slot = self.layer.lock().unwrap_or_else(|p| p.into_inner());
+        slot.as_ref().map(look)
     }
 }
 
@@ -123,10 +190,13 @@ struct HostLayer {
 #[derive(Debug, Clone, Default)]
 pub struct GpuUpload {
     /// Bytes of GPU memory: the resident layers' keys and values and the block caches in
-    /// front of the rest.
+    /// front of the rest allocated so far.
     pub bytes: usize,
     /// The block caches' part of `bytes`.
     pub cache_bytes: usize,
+    /// Bytes of GPU memory the block caches take once allocated: each by the first question
+    /// that searches its layer on the CPU (questions routed on the GPU need none).
+    pub cache_budget: usize,
     /// Bytes of keys and values in pinned host memory (0 when they are on the GPU).
     pub host_bytes: usize,
     /// Seconds per stage, in order.
@@ -137,10 +207,12 @@ pub struct GpuUpload {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GpuFootprint {
     /// Bytes of GPU memory: the resident layers' keys and values and the block caches in
-    /// front of the rest.
+    /// front of the rest allocated so far.
     pub gpu_bytes: usize,
     /// The block caches' part of `gpu_bytes`.
     pub cache_bytes: usize,
+    /// Bytes of GPU memory the block caches take once allocated ([`GpuUpload::cache_budget`]).
+    pub cache_budget: usize,
     /// Bytes of keys and values in pinned host memory (0 when they are on the GPU).
     pub host_bytes: usize,
     /// The block caches' lookups, all layers together (none when the rows are on the GPU).
@@ -355,13 +427,16 @@ impl GpuCorpusKv {
         for (layer, host) in hosted {
             let rows = Arc::new(host);
             // No more than the layer's rows: a larger cache only makes its tables larger.
+            // Checked now, allocated by the first question that needs it.
             let cache = match per_layer.min(rows.bytes()) {
                 0 => None,
                 bytes => {
-                    let cache = BlockCache::new(gpu.gpu(), rows.clone(), bytes)
-                        .map_err(ModelError::from)?;
-                    let released = gpu.gpu().event().map_err(ModelError::from)?;
-                    Some(Box::new(Mutex::new(HostLayer { cache, released })))
+                    BlockCache::slots_for(&rows, bytes).map_err(ModelError::from)?;
+                    Some(Box::new(LazyCache {
+                        rows: rows.clone(),
+                        bytes,
+                        layer: Mutex::new(None),
+                    }))
                 }
             };
             layers[layer] = Some(CorpusLayer::Host { rows, cache });
@@ -421,6 +496,7 @@ impl GpuCorpusKv {
         GpuUpload {
             bytes: footprint.gpu_bytes,
             cache_bytes: footprint.cache_bytes,
+            cache_budget: footprint.cache_budget,
             host_bytes: footprint.host_bytes,
             stages: self.stages.clone(),
         }
@@ -438,12 +514,14 @@ impl GpuCorpusKv {
                 CorpusLayer::Host { rows, cache } => {
                     footprint.host_bytes += rows.bytes();
                     let Some(cache) = cache else { continue };
-                    // A query that panicked holding the lock left the tables as they were:
-                    // their sizes and counts are still right.
-                    let host = cache.lock().unwrap_or_else(|p| p.into_inner());
-                    footprint.gpu_bytes += host.cache.bytes();
-                    footprint.cache_bytes += host.cache.bytes();
-                    let stats = host.cache.stats();
+                    footprint.cache_budget += cache.bytes;
+                    let Some((bytes, stats)) =
+                        cache.peek(|host| (host.cache.bytes(), host.cache.stats()))
+                    else {
+                        continue;
+                    };
+                    footprint.gpu_bytes += bytes;
+                    footprint.cache_bytes += bytes;
                     footprint.cache.hits += stats.hits;
                     footprint.cache.misses += stats.misses;
                     footprint.cache.bytes_copied += stats.bytes_copied;
@@ -1005,7 +1083,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                         .collect();
                     let corpus = match layer_rows {
                         CorpusLayer::Host {
-                            cache: Some(host), ..
+                            cache: Some(cache), ..
                         } => {
                             let attended = Attended {
                                 query,
@@ -1019,7 +1097,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                                 n,
                                 corpus: &kv.corpus,
                             };
-                            let rows = (&**host, lists, &corpus_runs[..]);
+                            let rows = (&**cache, lists, &corpus_runs[..]);
                             attend_from_host(gpu, call.layer, rows, attended, session, &mut out)?;
                             continue;
                         }
@@ -1070,15 +1148,15 @@ struct SessionParts<'s> {
     corpus: &'s str,
 }
 
-/// One position's retrieval from a layer kept in host memory (`host`, with the selected ids
-/// per KV head and the corpus's dense runs, sinks and window): the ids and the runs gathered
-/// into the layer's block cache, attended with the tail, and the provenance mass added on
-/// the model's stream, so that the cache's `released` event, recorded after, covers every
-/// launch that reads its slots.
+/// One position's retrieval from a layer kept in host memory (its block `cache`, with the
+/// selected ids per KV head and the corpus's dense runs, sinks and window): the ids and the
+/// runs gathered into the layer's block cache, attended with the tail, and the provenance
+/// mass added on the model's stream, so that the cache's `released` event, recorded after,
+/// covers every launch that reads its slots.
 fn attend_from_host(
     gpu: &kvdb_model::Gpu,
     layer: usize,
-    (host, mut lists, corpus_runs): (&Mutex<HostLayer>, Vec<Vec<u32>>, &[Range<u32>]),
+    (cache, mut lists, corpus_runs): (&LazyCache, Vec<Vec<u32>>, &[Range<u32>]),
     attended: Attended<'_>,
     session: SessionParts<'_>,
     out: &mut CudaViewMut<'_, f32>,
@@ -1086,13 +1164,26 @@ fn attend_from_host(
     for list in &mut lists {
         list.extend(corpus_runs.iter().cloned().flatten());
     }
-    let mut host = host
-        .lock()
-        .map_err(|_| Error::Internal("an earlier query panicked at a block cache".into()))?;
-    let HostLayer { cache, released } = &mut *host;
+    let corpus = session.corpus;
+    cache.with(gpu, (corpus, layer), |host| {
+        attend_cached(gpu, layer, host, &lists, attended, session, out)
+    })
+}
+
+/// [`attend_from_host`] once the layer's cache is allocated and locked.
+fn attend_cached(
+    gpu: &kvdb_model::Gpu,
+    layer: usize,
+    host: &mut HostLayer,
+    lists: &[Vec<u32>],
+    attended: Attended<'_>,
+    session: SessionParts<'_>,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    let HostLayer { cache, released } = host;
     gpu.wait(released).map_err(ModelError::from)?;
     let gathered = StageTimer::time(session.timer, gpu, "block cache", || {
-        cache.gather(gpu, &lists)
+        cache.gather(gpu, lists)
     });
     let part = match gathered {
         Err(Error::Model(ModelError::Gpu(KernelError::CacheTooSmall { needed, slots }))) => {

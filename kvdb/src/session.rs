@@ -235,7 +235,8 @@ pub enum GpuKv {
     /// routes read the visited buckets' rows in place, over PCIe; indexes searched on the CPU
     /// copy each step's selected blocks into a GPU cache of hot blocks of `cache_bytes` in all
     /// (`None`: half the GPU's free memory; `Some(0)`: no cache, their rows read in place as
-    /// well), split evenly over the retrieval layers.
+    /// well), split evenly over the retrieval layers; a layer's cache is allocated by the
+    /// first question that searches it on the CPU.
     Host {
         /// GPU memory of the caches, all layers together.
         cache_bytes: Option<usize>,

@@ -262,7 +262,8 @@ impl From<kvdb::Error> for ApiError {
             E::StoreBusy { .. }
             | E::StoreOwned { .. }
             | E::GpuMemory { .. }
-            | E::GpuCacheTooSmall { .. } => Self::unavailable(e.to_string()),
+            | E::GpuCacheTooSmall { .. }
+            | E::GpuCacheMemory { .. } => Self::unavailable(e.to_string()),
             _ => Self::internal(e),
         }
     }
@@ -458,6 +459,13 @@ mod tests {
             slots: 800,
         };
         assert_eq!(status(small_caches), 503);
+        let no_cache_memory = E::GpuCacheMemory {
+            corpus: "c".into(),
+            layer: 3,
+            bytes: 8 << 30,
+            free: 1 << 30,
+        };
+        assert_eq!(status(no_cache_memory), 503);
         // Full attention over keys in host memory: the client asks with an index instead,
         // and hears nothing of the CLI's options.
         let full = ApiError::from(E::FullAttentionFromHost { corpus: "c".into() });
