@@ -153,13 +153,32 @@ fn context_markdown(s: &mut String, c: &ContextResult) {
     );
     let _ = writeln!(
         s,
-        "| spec @budget | attended | scored | mass recall | random | top-k recall | output error | random | p50 µs | p99 µs |\n|---|---|---|---|---|---|---|---|---|---|"
+        "*of flat's*: the mass recall as a share of flat top-k's at the same share of keys \
+         attended (interpolated between the flat budgets measured; `-` outside them).\n"
     );
+    let _ = writeln!(
+        s,
+        "| spec @budget | attended | scored | mass recall | of flat's | random | top-k recall | output error | random | p50 µs | p99 µs |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    let mut flat: Vec<(f64, f64)> = c
+        .quality
+        .iter()
+        .filter(|(point, _)| point.kind == "flat")
+        .map(|(_, heads)| {
+            let q = overall(heads);
+            (q.selectivity, q.mass_recall)
+        })
+        .collect();
+    flat.sort_by(|a, b| a.0.total_cmp(&b.0));
     for (point, heads) in &c.quality {
         let q = overall(heads);
+        let of_flat = match flat_mass_at(&flat, q.selectivity) {
+            Some(m) if m > 0.0 => format!("{:.0}%", 100.0 * q.mass_recall / m),
+            _ => "-".to_string(),
+        };
         let _ = writeln!(
             s,
-            "| `{}` | {:.2}% | {:.1}% | {:.3} | {:.3} | {:.3} | {:.4} | {:.4} | {:.0} | {:.0} |",
+            "| `{}` | {:.2}% | {:.1}% | {:.3} | {of_flat} | {:.3} | {:.3} | {:.4} | {:.4} | {:.0} | {:.0} |",
             point.label(),
             q.selectivity * 100.0,
             q.scored * 100.0,
@@ -209,6 +228,22 @@ fn context_markdown(s: &mut String, c: &ContextResult) {
         }
     }
     let _ = writeln!(s);
+}
+
+/// Flat top-k's mass recall at `share` of the keys attended, from its points `flat`
+/// ((attended, mass recall), by attended share): a point's own within 2% of the share (a
+/// top-k index at flat's budget attends that share up to rounding), else interpolated
+/// linearly between the two around it; `None` outside them.
+fn flat_mass_at(flat: &[(f64, f64)], share: f64) -> Option<f64> {
+    if let Some(&(_, mass)) = flat
+        .iter()
+        .find(|&&(at, _)| (share - at).abs() <= 0.02 * at)
+    {
+        return Some(mass);
+    }
+    let after = flat.iter().position(|&(at, _)| at > share)?;
+    let ((a, ma), (b, mb)) = (*flat.get(after.checked_sub(1)?)?, flat[after]);
+    Some(ma + (mb - ma) * (share - a) / (b - a))
 }
 
 fn mib(bytes: usize) -> String {
@@ -480,4 +515,24 @@ fn needle_heatmap(result: &BenchResult, path: &Path) -> Result<()> {
         root.present().map_err(|e| e.to_string())
     };
     draw().map_err(plot_error(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::flat_mass_at;
+
+    #[test]
+    fn flat_mass_is_read_at_its_budgets_and_interpolated_between() {
+        let flat = [(0.01, 0.4), (0.05, 0.8)];
+        // A top-k index at flat's budget attends its share up to rounding.
+        assert_eq!(flat_mass_at(&flat, 0.0101), Some(0.4));
+        assert_eq!(flat_mass_at(&flat, 0.05), Some(0.8));
+        let between = flat_mass_at(&flat, 0.03).unwrap_or(f64::NAN);
+        assert!((between - 0.6).abs() < 1e-12, "{between}");
+        for outside in [0.005, 0.06] {
+            assert_eq!(flat_mass_at(&flat, outside), None, "{outside}");
+        }
+        assert_eq!(flat_mass_at(&[], 0.01), None);
+        assert_eq!(flat_mass_at(&[(0.01, 0.4)], 0.02), None);
+    }
 }
