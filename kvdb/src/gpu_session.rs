@@ -402,15 +402,16 @@ impl GpuCorpusKv {
                 let (keys, values) = rows?;
                 let started = Instant::now();
                 let kv = gpu.rotated_kv(layer, &keys, &values, 0..n)?;
-                match resident.len() < on_gpu {
-                    true => resident.push((layer, kv)),
+                if resident.len() < on_gpu {
+                    resident.push((layer, kv));
+                } else {
                     // Rotated on the GPU, then back to the host: one layer on the GPU at a
                     // time.
-                    false => hosted.push((
+                    hosted.push((
                         layer,
                         HostKv::from_device(gpu.gpu(), &kv, HOST_BLOCK_TOKENS)
                             .map_err(ModelError::from)?,
-                    )),
+                    ));
                 }
                 gpu.gpu().synchronize().map_err(ModelError::from)?;
                 copying += started.elapsed();
@@ -441,9 +442,10 @@ impl GpuCorpusKv {
             };
             layers[layer] = Some(CorpusLayer::Host { rows, cache });
         }
-        let copied = match on_gpu < layers_in_all {
-            false => "copying to the GPU",
-            true => "copying to the GPU and back to pinned host memory",
+        let copied = if on_gpu < layers_in_all {
+            "copying to the GPU and back to pinned host memory"
+        } else {
+            "copying to the GPU"
         };
         Ok(Self {
             corpus: corpus.manifest().name.clone(),
