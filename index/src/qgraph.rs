@@ -45,7 +45,13 @@ const CELL_FACTOR: f64 = 1.0;
 /// Query routes are about `√(sampled query heads)`, at most this many.
 const MAX_ROUTES: usize = 256;
 /// Routes a search starts from, per query head.
-const ROUTE_PROBES: usize = 2;
+const ROUTE_PROBES: usize = 1;
+/// Keys a route keeps (its sampled queries' most frequent top keys) and a search starts from.
+/// Each costs a score per query head before the walk starts, and the walk reaches the rest
+/// through their shortcuts: on the Debian Reference at 16K tokens (`qgraph64,ef128`), 8
+/// keys of one route scored 8.1% of the keys for 86% of flat top-k's mass, against 10.7% for
+/// the same recall with 64 keys of two routes (docs/benchmarks.md, "Fewer route seeds").
+const ROUTE_KEYS: usize = 8;
 /// Lloyd iterations of the cells' k-means.
 const KMEANS_ITERATIONS: usize = 8;
 /// The most query-key products the projection computes: sampled queries beyond it are thinned
@@ -338,10 +344,7 @@ impl QgraphIndex {
             .map(|count| {
                 let mut ids: Vec<(u32, u32)> = count.into_iter().collect();
                 ids.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-                ids.into_iter()
-                    .take(self.spec.links)
-                    .map(|(id, _)| id)
-                    .collect()
+                ids.into_iter().take(ROUTE_KEYS).map(|(id, _)| id).collect()
             })
             .collect();
         self.graph.routes = centroids;
@@ -377,7 +380,8 @@ impl QgraphIndex {
                 .collect();
             crate::common::keep_top(&mut near, ROUTE_PROBES);
             for (_, r) in near {
-                seeds.extend(&self.graph.route_keys[r as usize]);
+                // Saves written before ROUTE_KEYS kept `links` keys a route.
+                seeds.extend(self.graph.route_keys[r as usize].iter().take(ROUTE_KEYS));
             }
         }
         (seeds, routes)
