@@ -274,8 +274,8 @@ fn fitted_routing_covers_at_least_the_centroids_mass() -> anyhow::Result<()> {
 /// built without it, for each of three build seeds. Measured (seed 0): mass 0.543 / 0.131 /
 /// 0.139 in layers 5 / 11 / 17 (without the sample 0.526 / 0.077 / 0.099; flat's exact
 /// top-64 0.614 / 0.173 / 0.289), 4.0-5.5% of the keys scored; over the three seeds the
-/// sampled graph covered 1.14-1.20 times the mass without the sample (summed over the layers). `QGRAPH_GRID="spec;spec"`
-/// prints other specs.
+/// sampled graph covered 1.14-1.20 times the mass without the sample (summed over the
+/// layers). `QGRAPH_GRID="spec;spec"` prints other specs.
 #[test]
 fn qgraph_covers_more_mass_with_the_query_sample() -> anyhow::Result<()> {
     let layers = real_kv_whole()?;
