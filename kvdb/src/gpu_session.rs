@@ -113,8 +113,6 @@ impl CorpusLayer {
 /// the CPU: questions routed on the GPU read the rows in place and never use it, so a corpus
 /// only they ask keeps that GPU memory free. Questions take turns at the cache.
 struct LazyCache {
-    /// The layer's rows, which the cache holds blocks of.
-    rows: Arc<HostKv<f16>>,
     /// The GPU memory the cache takes.
     bytes: usize,
     /// `None` until a question needs the cache.
@@ -122,11 +120,12 @@ struct LazyCache {
 }
 
 impl LazyCache {
-    /// Runs `use_cache` on the layer's cache, allocated (on `gpu`) if this is its first use;
-    /// the cache is locked meanwhile.
+    /// Runs `use_cache` on the layer's cache, allocated (on `gpu`, in front of the layer's
+    /// `rows`) if this is its first use; the cache is locked meanwhile.
     fn with<R>(
         &self,
         gpu: &kvdb_model::Gpu,
+        rows: &Arc<HostKv<f16>>,
         (corpus, layer): (&str, usize),
         use_cache: impl FnOnce(&mut HostLayer) -> Result<R>,
     ) -> Result<R> {
@@ -137,16 +136,15 @@ impl LazyCache {
         let host = match &mut *slot {
             Some(host) => host,
             empty => {
-                let allocated =
-                    BlockCache::new(gpu, self.rows.clone(), self.bytes).and_then(|cache| {
-                        // Allocated (and zeroed) on `gpu`'s stream: done before any other
-                        // question's stream may use it.
-                        gpu.synchronize()?;
-                        Ok(HostLayer {
-                            cache,
-                            released: gpu.event()?,
-                        })
-                    });
+                let allocated = BlockCache::new(gpu, rows.clone(), self.bytes).and_then(|cache| {
+                    // Allocated (and zeroed) on `gpu`'s stream: done before any other
+                    // question's stream may use it.
+                    gpu.synchronize()?;
+                    Ok(HostLayer {
+                        cache,
+                        released: gpu.event()?,
+                    })
+                });
                 match allocated {
                     Ok(host) => empty.insert(host),
                     Err(KernelError::Driver { source, .. })
@@ -434,7 +432,6 @@ impl GpuCorpusKv {
                 bytes => {
                     BlockCache::slots_for(&rows, bytes).map_err(ModelError::from)?;
                     Some(Box::new(LazyCache {
-                        rows: rows.clone(),
                         bytes,
                         layer: Mutex::new(None),
                     }))
@@ -1085,7 +1082,8 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                         .collect();
                     let corpus = match layer_rows {
                         CorpusLayer::Host {
-                            cache: Some(cache), ..
+                            rows: host_rows,
+                            cache: Some(cache),
                         } => {
                             let attended = Attended {
                                 query,
@@ -1099,8 +1097,11 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                                 n,
                                 corpus: &kv.corpus,
                             };
-                            let rows = (&**cache, lists, &corpus_runs[..]);
-                            attend_from_host(gpu, call.layer, rows, attended, session, &mut out)?;
+                            let layer_kv = (host_rows, &**cache);
+                            let selection = (lists, &corpus_runs[..]);
+                            attend_from_host(
+                                gpu, call.layer, layer_kv, selection, attended, session, &mut out,
+                            )?;
                             continue;
                         }
                         // On the GPU, or read in place from host memory.
@@ -1150,15 +1151,16 @@ struct SessionParts<'s> {
     corpus: &'s str,
 }
 
-/// One position's retrieval from a layer kept in host memory (its block `cache`, with the
-/// selected ids per KV head and the corpus's dense runs, sinks and window): the ids and the
+/// One position's retrieval from a layer kept in host memory (its `rows` and their block
+/// `cache`, with the selected ids per KV head and the corpus's dense runs, sinks and window): the ids and the
 /// runs gathered into the layer's block cache, attended with the tail, and the provenance
 /// mass added on the model's stream, so that the cache's `released` event, recorded after,
 /// covers every launch that reads its slots.
 fn attend_from_host(
     gpu: &kvdb_model::Gpu,
     layer: usize,
-    (cache, mut lists, corpus_runs): (&LazyCache, Vec<Vec<u32>>, &[Range<u32>]),
+    (rows, cache): (&Arc<HostKv<f16>>, &LazyCache),
+    (mut lists, corpus_runs): (Vec<Vec<u32>>, &[Range<u32>]),
     attended: Attended<'_>,
     session: SessionParts<'_>,
     out: &mut CudaViewMut<'_, f32>,
@@ -1167,7 +1169,7 @@ fn attend_from_host(
         list.extend(corpus_runs.iter().cloned().flatten());
     }
     let corpus = session.corpus;
-    cache.with(gpu, (corpus, layer), |host| {
+    cache.with(gpu, rows, (corpus, layer), |host| {
         attend_cached(gpu, layer, host, &lists, attended, session, out)
     })
 }
