@@ -158,6 +158,25 @@ mod on_gpu {
         }))
     }
 
+    /// The specs asked through with `follow`: searched on the CPU, a bucket index routed on
+    /// the GPU otherwise, and a hierarchical one.
+    const FOLLOWED: &[&str] = &["flat", "ivf16,np4,norope,all", "hip:k16,bq1,bk4"];
+
+    /// Retrieval through `spec` following the `follow` most attended tokens of each step.
+    fn following(spec: &str, follow: usize) -> Result<AttentionMode> {
+        Ok(AttentionMode::Retrieval(Retrieval {
+            index: Some(spec.parse::<IndexSpec>()?),
+            follow,
+            policy: POLICY,
+            ..Retrieval::default()
+        }))
+    }
+
+    /// Whether `a` and `b` are within 5% of `a`.
+    fn near(a: usize, b: usize) -> bool {
+        (a as f64 - b as f64).abs() <= 0.05 * a as f64
+    }
+
     /// The corpus kept in pinned host memory answers as the resident one, behind the GPU's
     /// block caches and without them (every row read in place): the same logits but for
     /// summation order, the same answers, searches and provenance through every index, the
@@ -259,6 +278,25 @@ mod on_gpu {
             );
         }
         together_as_alone(gpu, &on_host, retrieval("flat", None)?)?;
+        // Following, the selection is weighed in the block cache's rows.
+        for spec in FOLLOWED {
+            let (h, r) = (
+                ask(gpu, &on_host, following(spec, 4)?)?,
+                ask(gpu, resident, following(spec, 4)?)?,
+            );
+            let (hs, rs) = (
+                h.retrieval.clone().unwrap_or_default(),
+                r.retrieval.clone().unwrap_or_default(),
+            );
+            println!(
+                "{spec} following 4 from host memory: {:?} ({} selected), resident {:?} ({})",
+                h.answer, hs.selected, r.answer, rs.selected
+            );
+            ensure!(
+                h.tokens == r.tokens && near(rs.selected, hs.selected),
+                "{spec} following 4: host memory answers differently"
+            );
+        }
         let before = on_host.gpu_footprint().cache;
         ask(gpu, &on_host, retrieval("flat", None)?)?;
         let after = on_host.gpu_footprint().cache;
@@ -531,7 +569,6 @@ mod on_gpu {
                 "{spec}: routed on the GPU {routed}, queries copied to the host for {} s",
                 gs.transfer_seconds
             );
-            let near = |a: usize, b: usize| (a as f64 - b as f64).abs() <= 0.05 * a as f64;
             ensure!(
                 near(cs.scored, gs.scored) && near(cs.selected, gs.selected),
                 "{spec}: CPU scored {} and selected {}, GPU {} and {}",
@@ -562,35 +599,53 @@ mod on_gpu {
             ensure!(stats.searches > 0, "{spec}: nothing searched");
             ensure!(!g.provenance.passages.is_empty(), "{spec}: no provenance");
         }
+        // Following the most attended tokens: the GPU weighs each step's selection and the
+        // next search adds the successors of the most attended, as the CPU does, so both
+        // answer alike and select as many keys, more than without following.
+        for spec in FOLLOWED {
+            let (c, g, plain) = (
+                ask(&cpu, &on_cpu, following(spec, 4)?)?,
+                ask(&gpu, &on_gpu, following(spec, 4)?)?,
+                ask(&gpu, &on_gpu, following(spec, 0)?)?,
+            );
+            let (cs, gs, ps) = (
+                c.retrieval.clone().unwrap_or_default(),
+                g.retrieval.clone().unwrap_or_default(),
+                plain.retrieval.clone().unwrap_or_default(),
+            );
+            println!(
+                "{spec} following 4: CPU {:?} ({} selected), GPU {:?} ({} selected; {} without \
+                 following)",
+                c.answer, cs.selected, g.answer, gs.selected, ps.selected
+            );
+            ensure!(
+                c.tokens == g.tokens,
+                "{spec} following 4: the devices answer differently"
+            );
+            ensure!(
+                near(cs.selected, gs.selected) && gs.selected > ps.selected,
+                "{spec} following 4: GPU selected {}, CPU {}, GPU without following {}",
+                gs.selected,
+                cs.selected,
+                ps.selected
+            );
+            ensure!(
+                gs.transfer_seconds > 0.0,
+                "{spec} following 4: not searched on the CPU"
+            );
+        }
         in_host_memory(&gpu, &on_gpu, store, &ids, n)?;
         // What the GPU path lacks says so.
-        let lacking = [
-            (
-                "estimation",
-                Retrieval {
-                    index: Some("ivf16,np4".parse()?),
-                    estimate: true,
-                    policy: POLICY,
-                    ..Retrieval::default()
-                },
-            ),
-            (
-                "following the most attended tokens",
-                Retrieval {
-                    index: Some("flat".parse()?),
-                    follow: 4,
-                    policy: POLICY,
-                    ..Retrieval::default()
-                },
-            ),
-        ];
-        for (what, asked) in lacking {
-            refused(
-                ask(&gpu, &on_gpu, AttentionMode::Retrieval(asked)),
-                |e| matches!(e, kvdb::Error::NotOnGpu { .. }),
-                &format!("{what} on the GPU"),
-            )?;
-        }
-        Ok(())
+        let estimating = Retrieval {
+            index: Some("ivf16,np4".parse()?),
+            estimate: true,
+            policy: POLICY,
+            ..Retrieval::default()
+        };
+        refused(
+            ask(&gpu, &on_gpu, AttentionMode::Retrieval(estimating)),
+            |e| matches!(e, kvdb::Error::NotOnGpu { .. }),
+            "estimation on the GPU",
+        )
     }
 }

@@ -38,7 +38,9 @@
 // attention each stored token received: what provenance ranks passages by. `attend` keeps
 // its queries in `q_keep` and its log-sum-exp in `lse` for it. Rows of a block cache are
 // slots' rows, not tokens: there `slot_token[row >> slot_shift] + (row & slot mask)` is the
-// token (`slot_token` null: the row is the token).
+// token (`slot_token` null: the row is the token). `attention_weights` walks a selection's
+// lists the same way and writes each item's weight at its place in them instead: what a
+// query that follows its most attended tokens ranks them by.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -847,15 +849,15 @@ attend(const u16* __restrict__ q, float scale_log2,
     }
 }
 
-// Adds to mass[row] the attention weight of each row of the list part (rows row_of(0..n) of
-// keys k), summed over the group's heads: exp2(logit - lse) for each, as `attend` weighed it.
-// Rows are token ids, so every KV head adds to the same `mass`. Pipelined as attend_rows:
-// UNROLL rows a team in flight, the next iteration's row numbers loaded ahead.
-template <class RowOf>
-__device__ __forceinline__ void mass_rows(const RowOf& row_of, u32 n, const u16* __restrict__ k,
-                                          const float (&qf)[GROUP][8], const float (&lse)[GROUP],
-                                          float* __restrict__ mass,
-                                          const u32* __restrict__ slot_token, u32 slot_shift) {
+// Calls put(t, row, w) with the attention weight w of each row of the list part (rows
+// row_of(0..n) of keys k; t < n, NO_ROW rows left out), summed over the group's heads:
+// exp2(logit - lse) for each, as `attend` weighed it. Pipelined as attend_rows: UNROLL rows a
+// team in flight, the next iteration's row numbers loaded ahead; one lane of the row's team
+// calls put.
+template <class RowOf, class Put>
+__device__ __forceinline__ void weigh_rows(const RowOf& row_of, u32 n, const u16* __restrict__ k,
+                                           const float (&qf)[GROUP][8], const float (&lse)[GROUP],
+                                           const Put& put) {
     const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
     u32 next[UNROLL];
     first_rows(row_of, n, next);
@@ -880,28 +882,45 @@ __device__ __forceinline__ void mass_rows(const RowOf& row_of, u32 n, const u16*
             float w = 0.f;
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) w += exp2f(s[u][g] - lse[g]);
-            if (rows[u] != NO_ROW && lane == 0) {
-                const u32 r = rows[u];
-                const u32 token = slot_token == nullptr
-                                      ? r
-                                      : slot_token[r >> slot_shift] + (r & ((1u << slot_shift) - 1u));
-                atomicAdd(mass + token, w);
-            }
+            if (rows[u] != NO_ROW && lane == 0) put(base + u * TEAMS + team, rows[u], w);
         }
     }
 }
 
-// ListPart::item's visitor for `attention_mass`.
-struct MassVisit {
-    const u16* k;
-    const float (*qf)[GROUP][8];
-    const float (*lse)[GROUP];
+// The queries of KV head h and their log-sum-exp, as `attend` kept them.
+struct HeadWeights {
+    float qf[GROUP][8];
+    float lse[GROUP];
+    __device__ __forceinline__ HeadWeights(const u16* __restrict__ q, u32 h, float scale_log2,
+                                           const float* __restrict__ all_lse) {
+        load_queries(q, h, scale_log2, qf);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) lse[g] = all_lse[(u64)h * GROUP + g];
+    }
+};
+
+// Adds a row's weight to the mass of the token it holds (rows are token ids, or a block
+// cache's slot rows when slot_token is set), so every KV head adds to the same `mass`.
+struct AddMass {
     float* mass;
     const u32* slot_token;
     u32 slot_shift;
+    __device__ __forceinline__ void operator()(u32, u32 r, float w) const {
+        const u32 token = slot_token == nullptr
+                              ? r
+                              : slot_token[r >> slot_shift] + (r & ((1u << slot_shift) - 1u));
+        atomicAdd(mass + token, w);
+    }
+};
+
+// ListPart::item's visitor for `attention_mass`.
+struct MassVisit {
+    const u16* k;
+    const HeadWeights* head;
+    AddMass add;
     template <class RowOf>
     __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
-        mass_rows(rows, n, k, *qf, *lse, mass, slot_token, slot_shift);
+        weigh_rows(rows, n, k, head->qf, head->lse, add);
     }
 };
 
@@ -913,14 +932,46 @@ attention_mass(const u16* __restrict__ q, float scale_log2, const u16* __restric
                const u32* __restrict__ bucket_ids, const float* __restrict__ lse,
                float* __restrict__ mass, const u32* __restrict__ slot_token, u32 slot_shift) {
     const u32 h = blockIdx.y;
-    float qf[GROUP][8];
-    load_queries(q, h, scale_log2, qf);
-    float head_lse[GROUP];
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) head_lse[g] = lse[(u64)h * GROUP + g];
+    const HeadWeights head(q, h, scale_log2, lse);
     const ListPart part = {lrun0_row, lrun0_len,  lrun1_row, lrun1_len, lrun_chunk, lrun_items,
                            list_off,  list,       list_chunk, bucket_off, bucket_ids,
                            gridDim.x};
-    const u64 head = (u64)h * l_stride * HEAD_DIM;
-    part.item(blockIdx.x, h, MassVisit{lk + head, &qf, &head_lse, mass, slot_token, slot_shift});
+    const u64 at = (u64)h * l_stride * HEAD_DIM;
+    part.item(blockIdx.x, h, MassVisit{lk + at, &head, {mass, slot_token, slot_shift}});
+}
+
+// Writes a list row's weight at its place in the lists.
+struct PutWeight {
+    float* at;
+    __device__ __forceinline__ void operator()(u32 t, u32, float w) const { at[t] = w; }
+};
+
+// ListPart::item's visitor for `attention_weights`: a slice of a head's list writes its
+// rows' weights where the slice starts in the lists; `attention_weights` launches no run or
+// bucket items.
+struct WeightVisit {
+    const u16* k;
+    const HeadWeights* head;
+    const u32* list;
+    float* weights;
+    __device__ __forceinline__ void operator()(const ListRows& rows, u32 n) const {
+        weigh_rows(rows, n, k, head->qf, head->lse, PutWeight{weights + (rows.rows - list)});
+    }
+    template <class RowOf>
+    __device__ __forceinline__ void operator()(const RowOf&, u32) const {}
+};
+
+// `weights[i]` = the attention weight list item i (of every head's list, in CSR order)
+// received in the workspace's last launch, summed over its KV head's group: what a query
+// following its most attended tokens ranks them by.
+extern "C" __global__ void __launch_bounds__(THREADS)
+attention_weights(const u16* __restrict__ q, float scale_log2, const u16* __restrict__ lk,
+                  u64 l_stride, const u32* __restrict__ list_off, const u32* __restrict__ list,
+                  u32 list_chunk, const float* __restrict__ lse, float* __restrict__ weights) {
+    const u32 h = blockIdx.y;
+    const HeadWeights head(q, h, scale_log2, lse);
+    const ListPart part = {0u, 0u, 0u, 0u, list_chunk, 0u, list_off, list, list_chunk,
+                           nullptr, nullptr, gridDim.x};
+    const u64 at = (u64)h * l_stride * HEAD_DIM;
+    part.item(blockIdx.x, h, WeightVisit{lk + at, &head, list, weights});
 }

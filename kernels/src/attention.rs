@@ -429,20 +429,7 @@ pub fn attention_mass<T: KvElement>(
         rows.tokens.map_or(rows.rows.rows, |t| t.tokens),
         mass.len(),
     )?;
-    let last = workspace
-        .last
-        .filter(|l| {
-            l.kv_heads == kv_heads && l.variant.head_dim == head_dim && l.variant.dtype == T::DTYPE
-        })
-        .ok_or_else(|| KernelError::NotLastLaunch {
-            asked: format!("{kv_heads} KV heads of {head_dim} {:?}", T::DTYPE),
-            last: workspace.last.map_or("none".into(), |l| {
-                format!(
-                    "{} KV heads of {} {:?}",
-                    l.kv_heads, l.variant.head_dim, l.variant.dtype
-                )
-            }),
-        })?;
+    let last = last_launch::<T>(workspace, kv_heads, head_dim)?;
     let run_items = rows.run_rows().div_ceil(MASS_CHUNK);
     let items = run_items + rows.list_items(MASS_CHUNK);
     if items == 0 {
@@ -505,6 +492,99 @@ pub fn attention_mass<T: KvElement>(
     // `slot_token`, which the cache's fills wrote for every slot a row of the lists is in).
     unsafe { builder.launch(config) }.map_err(driver("launching attention_mass"))?;
     Ok(())
+}
+
+/// Writes to `weights[i]` the attention weight that item `i` of `selected`'s lists (every KV
+/// head's list, in order; `weights` holds at least one float per item) received in the workspace's last launch, summed over its KV head's
+/// query heads: how much each retrieved token mattered to the step, which a query that
+/// follows its most attended tokens ranks them by. `selected` must be the last launch's list
+/// part; its runs are not weighed. Like [`attention_mass`], it may run on another stream
+/// that waits for the launch.
+pub fn attention_weights<T: KvElement>(
+    gpu: &Gpu,
+    workspace: &Workspace,
+    selected: Selected<'_, T>,
+    weights: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let rows = list_rows(ListPart::Selected(selected))?;
+    let lists = selected.lists;
+    let (kv_heads, head_dim) = (lists.lists(), rows.rows.head_dim);
+    check_rows(&rows, kv_heads)?;
+    if weights.len() < lists.total() {
+        return Err(KernelError::Length {
+            what: "weights (at least one per list item)",
+            expected: lists.total(),
+            found: weights.len(),
+        });
+    }
+    let last = last_launch::<T>(workspace, kv_heads, head_dim)?;
+    let items = lists.longest().div_ceil(MASS_CHUNK);
+    if items == 0 {
+        return Ok(());
+    }
+    let scalar = Variant {
+        tensor_cores: false,
+        ..last.variant
+    };
+    let function = gpu.attend_source_kernel(scalar, "attention_weights")?;
+    let items_u32 = u32::try_from(items).map_err(|_| KernelError::TooLarge {
+        what: "weight work items",
+        value: items,
+    })?;
+    let heads_u32 = heads_u32(kv_heads)?;
+    let (q, keys, lse) = (
+        gpu.address(&workspace.queries),
+        rows.rows.keys.address(gpu),
+        gpu.address(&workspace.lse),
+    );
+    let (list_off, list) = (gpu.address(&lists.offsets), gpu.address(&lists.items));
+    let scale_log2 = last.scale * std::f32::consts::LOG2_E;
+    let chunk = MASS_CHUNK as u32;
+    let out = gpu.address(weights);
+    let mut builder = gpu.stream().launch_builder(&function);
+    builder
+        .arg(&q)
+        .arg(&scale_log2)
+        .arg(&keys)
+        .arg(&rows.rows.head_stride)
+        .arg(&list_off)
+        .arg(&list)
+        .arg(&chunk)
+        .arg(&lse)
+        .arg(&out);
+    let config = LaunchConfig {
+        grid_dim: (items_u32, heads_u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // Safety: the arguments match `attention_weights`'s signature in order and type; every
+    // address is of a live buffer whose length was checked against what the kernel reads
+    // (the lists against the rows, `weights` against the lists' items).
+    unsafe { builder.launch(config) }.map_err(driver("launching attention_weights"))?;
+    Ok(())
+}
+
+/// The workspace's last launch, if it attended `kv_heads` heads of `head_dim` elements of
+/// `T`: what [`attention_mass`] and [`attention_weights`] weigh.
+fn last_launch<T: KvElement>(
+    workspace: &Workspace,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<Launched> {
+    workspace
+        .last
+        .filter(|l| {
+            l.kv_heads == kv_heads && l.variant.head_dim == head_dim && l.variant.dtype == T::DTYPE
+        })
+        .ok_or_else(|| KernelError::NotLastLaunch {
+            asked: format!("{kv_heads} KV heads of {head_dim} {:?}", T::DTYPE),
+            last: workspace.last.map_or("none".into(), |l| {
+                format!(
+                    "{} KV heads of {} {:?}",
+                    l.kv_heads, l.variant.head_dim, l.variant.dtype
+                )
+            }),
+        })
 }
 
 fn heads_u32(kv_heads: usize) -> Result<u32> {

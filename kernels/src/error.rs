@@ -135,11 +135,13 @@ pub enum KernelError {
         /// Blocks the cache holds.
         slots: usize,
     },
-    /// `attention_mass` weighs the rows of the workspace's last attention launch: there was
-    /// none, or it attended another shape or element type.
-    #[error("attention mass over {asked}, but the workspace's last attention launch was {last}")]
+    /// `attention_mass` and `attention_weights` weigh the rows of the workspace's last
+    /// attention launch: there was none, or it attended another shape or element type.
+    #[error(
+        "attention weights over {asked}, but the workspace's last attention launch was {last}"
+    )]
     NotLastLaunch {
-        /// What the mass was asked over (KV heads, head dim, element type).
+        /// What the weights were asked over (KV heads, head dim, element type).
         asked: String,
         /// What the last launch attended, or "none".
         last: String,

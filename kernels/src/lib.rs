@@ -17,6 +17,7 @@
 //! | `retrieval_attention` | dense part (sinks + window) plus each KV head's selected ids, merged in one launch |
 //! | `bucket_attention` | dense part plus every key of each head's visited buckets, which its work items share evenly |
 //! | `attention_mass` | the attention each stored row received in the workspace's last launch (from the queries and log-sum-exp it kept), added up: provenance on the GPU, on any stream |
+//! | `attention_weights` | the same weights per item of the last launch's selection, in list order: what a query following its most attended tokens ranks them by |
 //! | `Partition`, `Visits` | a bucket index's centroids and buckets on the GPU; routing a step's queries to buckets there, and the ids the bucket attention then attended |
 //! | `HostKv`, `BlockCache` | keys and values in pinned host memory behind an LRU GPU cache of blocks |
 //! | `Gemm` | the model's matrix products: cuBLASLt, and a matrix-vector kernel (`cuda/gemv.cu`) for a decode step's one row |
@@ -59,8 +60,8 @@ mod route;
 
 #[cfg(feature = "gpu")]
 pub use attention::{
-    attention_mass, bucket_attention, flash_decode, retrieval_attention, Buckets, Dense, KvRows,
-    ListPart, Query, Selected, Workspace, MAX_VISITED_BUCKETS,
+    attention_mass, attention_weights, bucket_attention, flash_decode, retrieval_attention,
+    Buckets, Dense, KvRows, ListPart, Query, Selected, Workspace, MAX_VISITED_BUCKETS,
 };
 #[cfg(feature = "gpu")]
 pub use buffers::{Csr, KvCache};

@@ -21,10 +21,10 @@ mod on_gpu {
     use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
     use kvdb_kernels::ops::RopePairs;
     use kvdb_kernels::{
-        attention_mass, bucket_attention, flash_decode, retrieval_attention, BlockCache, Buckets,
-        ClassifierHead, Csr, Dense, Gpu, HostKv, KernelError, KvCache, KvElement, ListPart,
-        Partition, Query, RouteRope, RouteStep, Selected, Workspace, MAX_ROUTED_BUCKETS,
-        MAX_VISITED_BUCKETS,
+        attention_mass, attention_weights, bucket_attention, flash_decode, retrieval_attention,
+        BlockCache, Buckets, ClassifierHead, Csr, Dense, Gpu, HostKv, KernelError, KvCache,
+        KvElement, ListPart, Partition, Query, RouteRope, RouteStep, Selected, Workspace,
+        MAX_ROUTED_BUCKETS, MAX_VISITED_BUCKETS,
     };
     use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
     use rand::rngs::StdRng;
@@ -139,29 +139,38 @@ mod on_gpu {
             Ok(out)
         }
 
+        /// The attention weight each of `ids` received from KV head `h`'s query heads over
+        /// them, summed over the group (exact, f64): what `attention_weights` writes.
+        fn head_weights(&self, h: usize, ids: &[u32]) -> Vec<f64> {
+            let d = self.head_dim;
+            let key = |id: u32| &self.keys_f32[(h * self.tokens + id as usize) * d..][..d];
+            let mut weights = vec![0f64; ids.len()];
+            for g in 0..self.group {
+                let q = &self.queries_f32[(h * self.group + g) * d..][..d];
+                let logits: Vec<f64> = ids
+                    .iter()
+                    .map(|&id| {
+                        let dot: f64 = q.iter().zip(key(id)).map(|(a, b)| f64::from(a * b)).sum();
+                        dot * f64::from(self.scale)
+                    })
+                    .collect();
+                let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+                for (w, l) in weights.iter_mut().zip(&logits) {
+                    *w += (l - max).exp() / sum;
+                }
+            }
+            weights
+        }
+
         /// The attention weight each of the first `n` rows received from every query head
         /// over `ids[h]`, summed over the heads (exact, f64): what `attention_mass` adds up.
         fn mass(&self, ids: &[Vec<u32>], n: usize) -> Result<Vec<f64>> {
-            let d = self.head_dim;
             let mut mass = vec![0f64; n];
             for (h, ids) in ids.iter().enumerate() {
-                let key = |id: u32| &self.keys_f32[(h * self.tokens + id as usize) * d..][..d];
-                for g in 0..self.group {
-                    let q = &self.queries_f32[(h * self.group + g) * d..][..d];
-                    let logits: Vec<f64> = ids
-                        .iter()
-                        .map(|&id| {
-                            let dot: f64 =
-                                q.iter().zip(key(id)).map(|(a, b)| f64::from(a * b)).sum();
-                            dot * f64::from(self.scale)
-                        })
-                        .collect();
-                    let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
-                    for (&id, l) in ids.iter().zip(&logits) {
-                        if (id as usize) < n {
-                            mass[id as usize] += (l - max).exp() / sum;
-                        }
+                for (&id, w) in ids.iter().zip(self.head_weights(h, ids)) {
+                    if (id as usize) < n {
+                        mass[id as usize] += w;
                     }
                 }
             }
@@ -414,6 +423,23 @@ mod on_gpu {
             close(
                 &format!("{what}: mass"),
                 &gpu.download(&mass)?,
+                &want,
+                TOLERANCE,
+            )?;
+            // Each selected row's weight at its place in the lists (the runs' rows left out).
+            let mut weights = gpu.zeros::<f32>(ids.total().max(1))?;
+            attention_weights(gpu, &workspace, Selected::resident(&kv, &ids), &mut weights)?;
+            let want: Vec<f64> = attended
+                .iter()
+                .enumerate()
+                .flat_map(|(h, ids)| {
+                    let runs = ids.len() - lists[h].len();
+                    layer.head_weights(h, ids).split_off(runs)
+                })
+                .collect();
+            close(
+                &format!("{what}: weights"),
+                &gpu.download(&weights)?[..ids.total()],
                 &want,
                 TOLERANCE,
             )?;

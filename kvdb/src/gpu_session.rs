@@ -47,9 +47,9 @@ use kvdb_kernels::cudarc::driver::sys::{CUevent_flags, CUresult};
 use kvdb_kernels::cudarc::driver::CudaViewMut;
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
-    attention_mass, retrieval_attention, BlockCache, CacheStats, ClassifierHead, Csr, Dense,
-    HostKv, KernelError, KvCache, KvRows, ListPart, Partition, Query, RouteRope, RouteStep,
-    Selected, Visits, Workspace, MAX_VISITED_BUCKETS,
+    attention_mass, attention_weights, retrieval_attention, BlockCache, CacheStats, ClassifierHead,
+    Csr, Dense, HostKv, KernelError, KvCache, KvRows, ListPart, Partition, Query, RouteRope,
+    RouteStep, Selected, Visits, Workspace, MAX_VISITED_BUCKETS,
 };
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
@@ -695,6 +695,66 @@ struct GpuSession<'c, 'm> {
     heads: (usize, usize, usize),
     /// Events around each stage's launches, when the query is profiled.
     timer: Option<StageTimer>,
+    /// Per layer of the model, when the query follows its most attended tokens: the last
+    /// step's selection and the weights its attention gave it, which the layer's next
+    /// search reads.
+    weighed: Vec<Option<Weighed>>,
+}
+
+/// A retrieval layer's selection at a step's last position and the weight each selected
+/// token received there, summed over each KV head's group ([`attention_weights`]): on the
+/// GPU until the layer's next step, whose search follows the most attended
+/// ([`crate::Retrieval::follow`]). Read then, after the step's queries have come to the host,
+/// so that the weights cost no wait of their own.
+struct Weighed {
+    /// Each KV head's selected ids, in the order the attention's lists held them.
+    selected: Vec<Vec<u32>>,
+    /// Where each KV head's weights start: a block cache's lists hold the dense runs after
+    /// the selection.
+    starts: Vec<usize>,
+    /// One weight per item of the attention's lists.
+    weights: CudaSlice<f32>,
+}
+
+impl Weighed {
+    /// Weighs `part`, the workspace's last launch's selection: lists that hold each of
+    /// `selected` followed by `extra` more ids.
+    fn launch(
+        gpu: &kvdb_model::Gpu,
+        workspace: &Workspace,
+        part: Selected<'_, f16>,
+        selected: Vec<Vec<u32>>,
+        extra: usize,
+    ) -> Result<Self> {
+        let mut starts = Vec::with_capacity(selected.len());
+        let mut total = 0;
+        for ids in &selected {
+            starts.push(total);
+            total += ids.len() + extra;
+        }
+        let mut weights = gpu.zeros::<f32>(total.max(1)).map_err(ModelError::from)?;
+        attention_weights(gpu, workspace, part, &mut weights).map_err(ModelError::from)?;
+        Ok(Self {
+            selected,
+            starts,
+            weights,
+        })
+    }
+
+    /// Each KV head's selected ids with their weights (waits for the weights).
+    fn read(self, gpu: &kvdb_model::Gpu) -> Result<Vec<Vec<(f32, u32)>>> {
+        let weights = download(gpu, &self.weights.as_view())?;
+        gpu.synchronize().map_err(ModelError::from)?;
+        Ok(self
+            .selected
+            .into_iter()
+            .zip(self.starts)
+            .map(|(ids, start)| {
+                let weights = weights.get(start..start + ids.len()).unwrap_or_default();
+                weights.iter().copied().zip(ids).collect()
+            })
+            .collect())
+    }
 }
 
 /// Provenance: the attention mass each corpus token received, added up by `attention_mass`
@@ -858,11 +918,6 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                 what: "estimating unvisited buckets (`estimate`)",
             });
         }
-        if session.follows() {
-            return Err(Error::NotOnGpu {
-                what: "following the most attended tokens (`follow`)",
-            });
-        }
         let kv = corpus.gpu_kv(model, gpu)?;
         if session.full_attention() && kv.in_host_memory() {
             return Err(Error::FullAttentionFromHost {
@@ -875,7 +930,9 @@ impl<'c, 'm> GpuSession<'c, 'm> {
             .map(|l| model.model.rope(l))
             .collect::<Option<Vec<&Rope>>>()
             .ok_or_else(|| Error::Internal("a layer of the model has no RoPE".into()))?;
-        let routes = match session.index_set() {
+        // A query that follows its most attended tokens searches on the CPU, where its
+        // selections gain them (`QueryState::select`): no bucket launch attends a list too.
+        let routes = match session.index_set().filter(|_| !session.follows()) {
             Some(set) => match kv.partitions(
                 set,
                 &ropes,
@@ -899,6 +956,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
             heads: (config.n_heads, config.n_kv_heads, config.head_dim),
             provenance: None,
             timer: profile.then(StageTimer::default),
+            weighed: (0..config.n_layers()).map(|_| None).collect(),
         })
     }
 
@@ -986,6 +1044,11 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                 true => {
                     let started = std::time::Instant::now();
                     let step = host_step(&call, &self.ropes, self.heads, self.n)?;
+                    let weighed = self.weighed.get_mut(call.layer).and_then(Option::take);
+                    if let Some(weighed) = weighed {
+                        let weighted = weighed.read(gpu)?;
+                        self.session.follow_weighted(call.layer, weighted, n)?;
+                    }
                     self.session.add_transfer(started.elapsed().as_secs_f64());
                     Some(self.session.select(&step)?.ok_or_else(|| {
                         Error::Internal("a retrieval layer selected nothing".into())
@@ -1072,6 +1135,8 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                     ListPart::Buckets(partition.list_part(visits, layer_rows.rows(), &corpus_runs))
                 }
                 (None, Some(found)) => {
+                    // The step's last position decides what the layer's next search follows.
+                    let weigh = self.session.follows() && i + 1 == call.positions.len();
                     let lists: Vec<Vec<u32>> = found
                         .iter()
                         .map(|per_token| {
@@ -1089,6 +1154,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                                 query,
                                 dense,
                                 counts_mass: self.session.counts_mass_at(position),
+                                weigh: weigh.then(|| lists.clone()),
                             };
                             let session = SessionParts {
                                 workspace: &mut self.workspace,
@@ -1099,9 +1165,12 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                             };
                             let layer_kv = (host_rows, &**cache);
                             let selection = (lists, &corpus_runs[..]);
-                            attend_from_host(
+                            let weighed = attend_from_host(
                                 gpu, call.layer, layer_kv, selection, attended, session, &mut out,
                             )?;
+                            if weighed.is_some() {
+                                self.weighed[call.layer] = weighed;
+                            }
                             continue;
                         }
                         // On the GPU, or read in place from host memory.
@@ -1115,6 +1184,10 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                     StageTimer::time(&mut self.timer, gpu, "attention", || {
                         retrieval_attention(gpu, workspace, query, dense, part, &mut out)
                     })?;
+                    if weigh {
+                        let weighed = Weighed::launch(gpu, &self.workspace, part, lists, 0)?;
+                        self.weighed[call.layer] = Some(weighed);
+                    }
                     ListPart::Selected(part)
                 }
                 (None, None) => {
@@ -1132,11 +1205,13 @@ impl<'c, 'm> GpuSession<'c, 'm> {
 }
 
 /// What one position of a retrieval layer attends besides the corpus (its query and the
-/// tail's rows), and whether its attention counts towards provenance.
+/// tail's rows), whether its attention counts towards provenance, and the selection to
+/// weigh for the next step to follow, if any ([`Weighed`]).
 struct Attended<'a> {
     query: Query<'a, f16>,
     dense: Dense<'a, f16>,
     counts_mass: bool,
+    weigh: Option<Vec<Vec<u32>>>,
 }
 
 /// The parts of a [`GpuSession`] a retrieval from host memory uses, borrowed apart from its
@@ -1154,8 +1229,8 @@ struct SessionParts<'s> {
 /// One position's retrieval from a layer kept in host memory (its `rows` and their block
 /// `cache`, with the selected ids per KV head and the corpus's dense runs, sinks and window): the ids and the
 /// runs gathered into the layer's block cache, attended with the tail, and the provenance
-/// mass added on the model's stream, so that the cache's `released` event, recorded after,
-/// covers every launch that reads its slots.
+/// mass added (and the selection weighed, when asked) on the model's stream, so that the
+/// cache's `released` event, recorded after, covers every launch that reads its slots.
 fn attend_from_host(
     gpu: &kvdb_model::Gpu,
     layer: usize,
@@ -1164,7 +1239,7 @@ fn attend_from_host(
     attended: Attended<'_>,
     session: SessionParts<'_>,
     out: &mut CudaViewMut<'_, f32>,
-) -> Result<()> {
+) -> Result<Option<Weighed>> {
     for list in &mut lists {
         list.extend(corpus_runs.iter().cloned().flatten());
     }
@@ -1183,7 +1258,7 @@ fn attend_cached(
     attended: Attended<'_>,
     session: SessionParts<'_>,
     out: &mut CudaViewMut<'_, f32>,
-) -> Result<()> {
+) -> Result<Option<Weighed>> {
     let HostLayer { cache, released } = host;
     gpu.wait(released).map_err(ModelError::from)?;
     let gathered = StageTimer::time(session.timer, gpu, "block cache", || {
@@ -1204,18 +1279,29 @@ fn attend_cached(
         query,
         dense,
         counts_mass,
+        weigh,
     } = attended;
     let workspace = &mut *session.workspace;
     StageTimer::time(session.timer, gpu, "attention", || {
         retrieval_attention(gpu, workspace, query, dense, part, out)
     })?;
+    let weighed = weigh
+        .map(|selected| {
+            // Every KV head's list holds the same dense runs after its selection.
+            let extra = match (lists.first(), selected.first()) {
+                (Some(list), Some(ids)) => list.len() - ids.len(),
+                _ => 0,
+            };
+            Weighed::launch(gpu, session.workspace, part, selected, extra)
+        })
+        .transpose()?;
     if counts_mass {
         let provenance = Provenance::started(session.provenance, gpu, session.n)?;
         let part = ListPart::Selected(part);
         provenance.add(gpu, true, session.timer, session.workspace, part)?;
     }
     gpu.record(released).map_err(ModelError::from)?;
-    Ok(())
+    Ok(weighed)
 }
 
 /// The call's pre-RoPE queries, keys and values on the host, as the CPU session's step.

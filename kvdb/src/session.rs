@@ -1213,6 +1213,26 @@ impl<'c> QueryState<'c> {
         self.retriever.as_ref().is_some_and(|r| r.budget.follow > 0)
     }
 
+    /// Sets what each KV head of retrieval layer `layer` follows at the next step from its
+    /// retrieved ids and the weights the GPU's attention gave them (`[kv head]`), as the
+    /// CPU's attention does from its own ([`Retrieval::follow`]).
+    #[cfg(feature = "gpu")]
+    pub(crate) fn follow_weighted(
+        &mut self,
+        layer: usize,
+        weighted: Vec<Vec<(f32, u32)>>,
+        n: usize,
+    ) -> Result<()> {
+        let follow = self.retriever.as_ref().map_or(0, |r| r.budget.follow);
+        let Some(LayerState::Retrieval(heads)) = self.layers.get_mut(layer) else {
+            return Err(Error::Internal(format!("layer {layer} does not retrieve")));
+        };
+        for (head, weighted) in heads.iter_mut().zip(weighted) {
+            head.followed = successors_of_most_attended(weighted, follow, n);
+        }
+        Ok(())
+    }
+
     /// A retrieval layer's chunk: its keys and values join the tail, and every KV head's
     /// searcher selects per token (`[kv head][token]`), counted in the statistics. `None` for
     /// a layer that does not retrieve.
@@ -1315,17 +1335,12 @@ impl<'c> QueryState<'c> {
             // The chunk's last token decides what the next step follows.
             let last = step.t - 1;
             for (g, head) in heads.iter_mut().enumerate() {
-                head.followed = most_attended(
+                let weighted = retrieved_weights(
                     &attended.0[last * step.n_kv + g],
                     &found[g][last].selection,
                     step.group,
-                    follow,
-                )
-                .into_iter()
-                .filter_map(|id| id.checked_add(1))
-                // The tail after the corpus is attended densely anyway.
-                .filter(|&id| (id as usize) < step.n)
-                .collect();
+                );
+                head.followed = successors_of_most_attended(weighted, follow, step.n);
             }
         }
         Ok(attended)
@@ -1611,24 +1626,31 @@ fn with_followed(mut found: Found, followed: &[u32], candidates: &Range<u32>) ->
     found
 }
 
-/// The `count` ids of `selection` (the retrieved ids, not the dense part) that `attended`
-/// weighted most, summed over the group's heads; ties go to the lower id.
-fn most_attended(
-    attended: &Attended,
-    selection: &Selection,
-    group: usize,
-    count: usize,
-) -> Vec<u32> {
+/// The ids of `selection` (the retrieved ids, not the dense part) that `attended` weighed,
+/// with their weight summed over the group's heads.
+fn retrieved_weights(attended: &Attended, selection: &Selection, group: usize) -> Vec<(f32, u32)> {
     let m = attended.ids.len();
-    let mut weighted: Vec<(f32, u32)> = attended
+    attended
         .ids
         .iter()
         .enumerate()
         .filter(|(_, &id)| selection.contains(id))
         .map(|(k, &id)| ((0..group).map(|h| attended.weights[h * m + k]).sum(), id))
-        .collect();
+        .collect()
+}
+
+/// The tokens after the `count` retrieved ids of `weighted` (id and weight) that were weighed
+/// most, ties to the lower id, inside a corpus of `n` tokens (the tail after it is attended
+/// densely anyway): what a KV head's next selection gains ([`Retrieval::follow`]), on the CPU
+/// and the GPU alike.
+fn successors_of_most_attended(mut weighted: Vec<(f32, u32)>, count: usize, n: usize) -> Vec<u32> {
     weighted.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    weighted.into_iter().take(count).map(|(_, id)| id).collect()
+    weighted
+        .into_iter()
+        .take(count)
+        .filter_map(|(_, id)| id.checked_add(1))
+        .filter(|&id| (id as usize) < n)
+        .collect()
 }
 
 /// Adds a chunk's searches to the query's statistics.
@@ -1715,9 +1737,13 @@ mod tests {
             ],
         };
         let selection = Selection::new(vec![10, 20, 30]);
-        assert_eq!(most_attended(&attended, &selection, 2, 2), vec![10, 30]);
-        assert_eq!(most_attended(&attended, &selection, 2, 9), vec![10, 30, 20]);
-        assert!(most_attended(&attended, &selection, 2, 0).is_empty());
+        let weighted = retrieved_weights(&attended, &selection, 2);
+        let follow = |count, n| successors_of_most_attended(weighted.clone(), count, n);
+        assert_eq!(follow(2, 100), vec![11, 31]);
+        assert_eq!(follow(9, 100), vec![11, 31, 21]);
+        assert!(follow(0, 100).is_empty());
+        // A successor past the corpus is the tail's, attended densely: not followed.
+        assert_eq!(follow(9, 31), vec![11, 21]);
     }
 
     #[test]

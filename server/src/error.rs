@@ -438,11 +438,11 @@ mod tests {
         }
         assert_eq!(status(E::Abandoned), 499);
         let gpu = ApiError::from(E::NotOnGpu {
-            what: "following the most attended tokens (`follow`)",
+            what: "estimating unvisited buckets (`estimate`)",
         });
         assert_eq!(gpu.status.as_u16(), 422);
         assert!(
-            gpu.message.contains("`follow`") && gpu.message.contains("ask without it"),
+            gpu.message.contains("`estimate`") && gpu.message.contains("ask without it"),
             "{}",
             gpu.message
         );
