@@ -14,7 +14,8 @@
 # tokens, so 4 copies and PART_BYTES=13700 make about 131,072); IVF_LLAMA / IVF_QWEN an IVF spec for those models too
 # (its build takes minutes: 32 layers x 8 KV heads for Llama; with it, the model skips flat
 # top-k, whose search on the CPU takes a fifth of a second a token there, and its index); K the
-# keys flat top-k retrieves (default: 1% of the corpus); GEMMA_DEVICES the devices Gemma is asked
+# keys flat top-k retrieves (default: 1% of the corpus); FOLLOW a number of most attended
+# tokens to follow in one more mode per index (decode-bench's `--follow`); GEMMA_DEVICES the devices Gemma is asked
 # on (default "cuda cpu"); REPEATS the measured answers per mode (default 2, after a warm-up);
 # WRAP a command that runs decode-bench (e.g. a profiler's); CONTEXT the context length the
 # random models declare (default 262,144: raise it for longer corpora); CONCURRENT numbers of
@@ -106,7 +107,7 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
             fi
         fi
         ${WRAP:-} "$kvdb" decode-bench --device "$device" --model "$model" --store "$work/store-$preset" \
-            --corpus c "${modes[@]}" ${K:+--k "$K"} --tokens 32 --repeats "${REPEATS:-2}" ${CONCURRENT:+--concurrent "$CONCURRENT"} \
+            --corpus c "${modes[@]}" ${K:+--k "$K"} ${FOLLOW:+--follow "$FOLLOW"} --tokens 32 --repeats "${REPEATS:-2}" ${CONCURRENT:+--concurrent "$CONCURRENT"} \
             --question "What does the license say about warranty?" \
             --json "$out/decode-$preset-$device.json" 2>>"$out/stderr.log" | tee -a "$log" ||
             echo "FAILED (stderr.log says why)" | tee -a "$log"
@@ -115,7 +116,7 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         for placement in ${GPU_KV:-}; do
             echo "$preset on $device, --gpu-kv $placement:" | tee -a "$log"
             "$kvdb" decode-bench --device cuda --gpu-kv "$placement" --model "$model" \
-                --store "$work/store-$preset" --corpus c "${modes[@]}" ${K:+--k "$K"} --tokens 32 \
+                --store "$work/store-$preset" --corpus c "${modes[@]}" ${K:+--k "$K"} ${FOLLOW:+--follow "$FOLLOW"} --tokens 32 \
                 --repeats "${REPEATS:-2}" --question "What does the license say about warranty?" \
                 --json "$out/decode-$preset-$device-gpu-kv-${placement//:/-}.json" 2>>"$out/stderr.log" |
                 tee -a "$log" || echo "FAILED (stderr.log says why)" | tee -a "$log"

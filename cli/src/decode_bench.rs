@@ -54,6 +54,10 @@ pub(crate) struct DecodeBenchArgs {
     /// `1,4,16`): the question numbered 1 to N, decoded as one batch on a GPU.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=256))]
     concurrent: Vec<u32>,
+    /// Also answer through each index following the N most attended tokens of each step
+    /// (`kvdb ask --follow`): one more mode per index, named `SPEC follow N`.
+    #[arg(long, default_value_t = 0, value_name = "N", value_parser = crate::retrieval_follow)]
+    follow: usize,
     /// Also write the rows as JSON here: `{"single": [...], "concurrent": [...]}`.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -122,6 +126,11 @@ struct Row {
     /// On a GPU, milliseconds of GPU time per position (question and answer) of each stage
     /// of the attention the query computes itself, from one more, profiled answer.
     gpu_ms_per_position: BTreeMap<String, f64>,
+    /// Milliseconds of host time per position (question and answer) of the last measured
+    /// answer spent searching on the CPU (`search`) and, on a GPU, waiting for the queries
+    /// to reach the host (`queries`, the GPU's work queued before them included); empty
+    /// under full attention.
+    host_ms_per_position: BTreeMap<String, f64>,
 }
 
 pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
@@ -137,12 +146,17 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         );
     }
     let full = (!in_host).then_some(AttentionMode::Full);
-    let modes = full.into_iter().chain(args.index.iter().map(|spec| {
-        AttentionMode::Retrieval(Retrieval {
-            index: Some(spec.clone()),
-            k: Some(k),
-            policy: DensePolicy::default(),
-            ..Retrieval::default()
+    let follows = [0, args.follow];
+    let follows = &follows[..if args.follow > 0 { 2 } else { 1 }];
+    let modes = full.into_iter().chain(args.index.iter().flat_map(|spec| {
+        follows.iter().map(|&follow| {
+            AttentionMode::Retrieval(Retrieval {
+                index: Some(spec.clone()),
+                k: Some(k),
+                follow,
+                policy: DensePolicy::default(),
+                ..Retrieval::default()
+            })
         })
     }));
     let mut rows: Vec<Row> = Vec::new();
@@ -152,7 +166,11 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         let name = match &mode {
             AttentionMode::Full => "full attention".to_string(),
             AttentionMode::Retrieval(r) => {
-                r.index.as_ref().map_or("flat".into(), |s| s.to_string())
+                let spec = r.index.as_ref().map_or("flat".into(), |s| s.to_string());
+                match r.follow {
+                    0 => spec,
+                    follow => format!("{spec} follow {follow}"),
+                }
             }
         };
         let options = AskOptions {
@@ -206,6 +224,14 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         let last = answers.last().context("no measured answer")?;
         let best = |f: fn(&Answer) -> f64| answers.iter().map(f).fold(f64::INFINITY, f64::min);
         let ms_per_token = best(|a| 1000.0 / a.timings.tokens_per_second.max(1e-9));
+        let host_ms_per_position = last.retrieval.as_ref().map_or_else(BTreeMap::new, |r| {
+            let per_position =
+                |s: f64| 1000.0 * s / (last.question_tokens + last.tokens.len()).max(1) as f64;
+            BTreeMap::from([
+                ("search".to_string(), per_position(r.search_seconds)),
+                ("queries".to_string(), per_position(r.transfer_seconds)),
+            ])
+        });
         let reference = reference.get_or_insert_with(|| last.tokens.clone());
         let full_ms = match in_host {
             true => None,
@@ -224,6 +250,7 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
             cache_hit_ratio: cache.map(|c| c.0),
             cache_mib_per_answer: cache.map(|c| c.1),
             gpu_ms_per_position,
+            host_ms_per_position,
         });
         for &count in &args.concurrent {
             let questions: Vec<String> = (1..=count)
@@ -280,17 +307,17 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
     };
     writeln!(
         out,
-        "| mode | first token (s) | ms/token | vs full | selected | scored | tokens | same answer as {reference} | warm-up first token (s) | block cache hits | MiB copied per answer | GPU ms/position by stage |"
+        "| mode | first token (s) | ms/token | vs full | selected | scored | tokens | same answer as {reference} | warm-up first token (s) | block cache hits | MiB copied per answer | GPU ms/position by stage | host ms/position |"
     )?;
     writeln!(
         out,
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|"
     )?;
     let share = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{:.2}%", 100.0 * x));
     for r in &rows {
         writeln!(
             out,
-            "| {} | {:.3} | {:.2} | {} | {} | {} | {} | {} | {:.2} | {} | {} | {} |",
+            "| {} | {:.3} | {:.2} | {} | {} | {} | {} | {} | {:.2} | {} | {} | {} | {} |",
             r.mode,
             r.first_token_seconds,
             r.ms_per_token,
@@ -303,7 +330,8 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
             share(r.cache_hit_ratio),
             r.cache_mib_per_answer
                 .map_or("-".into(), |m| format!("{m:.1}")),
-            stages(&r.gpu_ms_per_position)
+            stages(&r.gpu_ms_per_position),
+            stages(&r.host_ms_per_position)
         )?;
     }
     if !together.is_empty() {

@@ -1644,7 +1644,17 @@ fn retrieved_weights(attended: &Attended, selection: &Selection, group: usize) -
 /// densely anyway): what a KV head's next selection gains ([`Retrieval::follow`]), on the CPU
 /// and the GPU alike.
 fn successors_of_most_attended(mut weighted: Vec<(f32, u32)>, count: usize, n: usize) -> Vec<u32> {
-    weighted.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let order = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    // A selection holds thousands of ids (whole buckets) and a step follows a few: the
+    // `count` first found in linear time, then only they sorted.
+    if count == 0 {
+        return Vec::new();
+    }
+    if count < weighted.len() {
+        weighted.select_nth_unstable_by(count - 1, order);
+        weighted.truncate(count);
+    }
+    weighted.sort_by(order);
     weighted
         .into_iter()
         .take(count)
@@ -1744,6 +1754,19 @@ mod tests {
         assert!(follow(0, 100).is_empty());
         // A successor past the corpus is the tail's, attended densely: not followed.
         assert_eq!(follow(9, 31), vec![11, 21]);
+        // Many ids with ties: the same as sorting them all.
+        let many: Vec<(f32, u32)> = (0..5_000u32)
+            .map(|id| ((id.wrapping_mul(2_654_435_761) % 97) as f32, id))
+            .collect();
+        let mut sorted = many.clone();
+        sorted.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for count in [1, 8, 200, 4_999, 5_000] {
+            let want: Vec<u32> = sorted[..count].iter().map(|&(_, id)| id + 1).collect();
+            assert_eq!(
+                successors_of_most_attended(many.clone(), count, 10_000),
+                want
+            );
+        }
     }
 
     #[test]
