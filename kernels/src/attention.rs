@@ -495,11 +495,11 @@ pub fn attention_mass<T: KvElement>(
 }
 
 /// Writes to `weights[i]` the attention weight that item `i` of `selected`'s lists (every KV
-/// head's list, in order; `weights` holds at least one float per item) received in the workspace's last launch, summed over its KV head's
-/// query heads: how much each retrieved token mattered to the step, which a query that
-/// follows its most attended tokens ranks them by. `selected` must be the last launch's list
-/// part; its runs are not weighed. Like [`attention_mass`], it may run on another stream
-/// that waits for the launch.
+/// head's list, in order; `weights` holds at least one float per item) received in the
+/// workspace's last launch, summed over its KV head's query heads: how much each retrieved
+/// token mattered to the step, which a query that follows its most attended tokens ranks
+/// them by. `selected` must be the last launch's list part; its runs are not weighed. Like
+/// [`attention_mass`], it may run on another stream that waits for the launch.
 pub fn attention_weights<T: KvElement>(
     gpu: &Gpu,
     workspace: &Workspace,

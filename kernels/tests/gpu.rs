@@ -1636,8 +1636,22 @@ mod on_gpu {
         let two = Csr::from_lists(&gpu, &[vec![1u32], vec![2]])?;
         let part = ListPart::Selected(Selected::resident(&kv, &two));
         ensure!(not_last(attention_mass(&gpu, &fresh, part, &mut mass)));
+        // So do the weights, which also need a float per list item.
+        let mut weights = gpu.zeros::<f32>(2)?;
+        let selected = Selected::resident(&kv, &two);
+        ensure!(not_last(attention_weights(
+            &gpu,
+            &fresh,
+            selected,
+            &mut weights
+        )));
         flash_decode(&gpu, &mut fresh, query, &kv, 100, &mut out.as_view_mut())?;
         attention_mass(&gpu, &fresh, part, &mut mass)?;
+        attention_weights(&gpu, &fresh, selected, &mut weights)?;
+        let mut short = gpu.zeros::<f32>(1)?;
+        ensure!(wrong_length(attention_weights(
+            &gpu, &fresh, selected, &mut short
+        )));
         let zeros = vec![half::bf16::ZERO; 2 * 100 * 64];
         let bf16 = KvCache::upload(&gpu, &zeros, &zeros, 2, 64)?;
         let part = ListPart::Selected(Selected::resident(&bf16, &two));
