@@ -40,6 +40,24 @@ impl Selection {
         self.ids.binary_search(&id).is_ok()
     }
 
+    /// Adds `id` where it sorts, unless it is there already (whether it was added): a few
+    /// ids joining a large selection without sorting it again.
+    ///
+    /// ```
+    /// let mut s = kvdb_index::Selection::new(vec![9, 3]);
+    /// assert!(s.insert(5) && !s.insert(9));
+    /// assert_eq!(s.ids(), &[3, 5, 9]);
+    /// ```
+    pub fn insert(&mut self, id: u32) -> bool {
+        match self.ids.binary_search(&id) {
+            Ok(_) => false,
+            Err(at) => {
+                self.ids.insert(at, id);
+                true
+            }
+        }
+    }
+
     /// The ids, ascending, as a vector.
     pub fn into_ids(self) -> Vec<u32> {
         self.ids

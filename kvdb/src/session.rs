@@ -1615,13 +1615,8 @@ fn search(
 /// `found` with the `followed` ids among `candidates` added to its selection (nothing is
 /// scored for them).
 fn with_followed(mut found: Found, followed: &[u32], candidates: &Range<u32>) -> Found {
-    if followed
-        .iter()
-        .any(|id| candidates.contains(id) && !found.selection.contains(*id))
-    {
-        let mut ids = found.selection.ids().to_vec();
-        ids.extend(followed.iter().filter(|id| candidates.contains(id)));
-        found.selection = Selection::new(ids);
+    for &id in followed.iter().filter(|id| candidates.contains(id)) {
+        found.selection.insert(id);
     }
     found
 }
