@@ -5,7 +5,8 @@ use std::marker::PhantomData;
 use std::ops::Range;
 
 use cudarc::driver::{
-    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 
 use crate::buffers::{Csr, KvCache};
@@ -421,50 +422,33 @@ pub fn attention_mass<T: KvElement>(
     part: ListPart<'_, T>,
     mass: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let rows = list_rows(part)?;
-    let (kv_heads, head_dim) = (rows.lists.map_or(0, Csr::lists), rows.rows.head_dim);
-    check_rows(&rows, kv_heads)?;
+    let (rows, kv_heads) = weighed_rows(part)?;
     length(
         "mass (one per token of a KV head)",
         rows.tokens.map_or(rows.rows.rows, |t| t.tokens),
         mass.len(),
     )?;
-    let last = last_launch::<T>(workspace, kv_heads, head_dim)?;
     let run_items = rows.run_rows().div_ceil(MASS_CHUNK);
     let items = run_items + rows.list_items(MASS_CHUNK);
-    if items == 0 {
+    let Some(w) = weighing(gpu, workspace, "attention_mass", &rows, kv_heads, items)? else {
         return Ok(());
-    }
-    let scalar = Variant {
-        tensor_cores: false,
-        ..last.variant
     };
-    let function = gpu.attend_source_kernel(scalar, "attention_mass")?;
-    let too_large = |what, value| KernelError::TooLarge { what, value };
-    let items_u32 = u32::try_from(items).map_err(|_| too_large("mass work items", items))?;
-    let heads_u32 = heads_u32(kv_heads)?;
     let (list_off, list) = rows
         .lists
         .map_or((0, 0), |l| (gpu.address(&l.offsets), gpu.address(&l.items)));
     let (bucket_off, bucket_ids) = rows
         .buckets
         .map_or((0, 0), |b| (gpu.address(&b.offsets), gpu.address(&b.items)));
-    let (q, keys, lse) = (
-        gpu.address(&workspace.queries),
-        rows.rows.keys.address(gpu),
-        gpu.address(&workspace.lse),
-    );
-    let scale_log2 = last.scale * std::f32::consts::LOG2_E;
     let (chunk, run_items) = (MASS_CHUNK as u32, run_items as u32);
     let mass_ptr = gpu.address(mass);
     let (slot_token, slot_shift) = rows
         .tokens
         .map_or((0, 0), |t| (gpu.address(t.first), t.shift));
-    let mut builder = gpu.stream().launch_builder(&function);
+    let mut builder = gpu.stream().launch_builder(&w.function);
     builder
-        .arg(&q)
-        .arg(&scale_log2)
-        .arg(&keys)
+        .arg(&w.q)
+        .arg(&w.scale_log2)
+        .arg(&w.keys)
         .arg(&rows.rows.head_stride)
         .arg(&rows.runs[0].0)
         .arg(&rows.runs[0].1)
@@ -477,20 +461,15 @@ pub fn attention_mass<T: KvElement>(
         .arg(&chunk)
         .arg(&bucket_off)
         .arg(&bucket_ids)
-        .arg(&lse)
+        .arg(&w.lse)
         .arg(&mass_ptr)
         .arg(&slot_token)
         .arg(&slot_shift);
-    let config = LaunchConfig {
-        grid_dim: (items_u32, heads_u32, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
     // Safety: the arguments match `attention_mass`'s signature in order and type; every
     // address is of a live buffer whose length was checked against the rows the kernel
     // reads, and `mass` holds one float per token (a row, or a slot's row through
     // `slot_token`, which the cache's fills wrote for every slot a row of the lists is in).
-    unsafe { builder.launch(config) }.map_err(driver("launching attention_mass"))?;
+    unsafe { builder.launch(w.config) }.map_err(driver("launching attention_mass"))?;
     Ok(())
 }
 
@@ -506,10 +485,8 @@ pub fn attention_weights<T: KvElement>(
     selected: Selected<'_, T>,
     weights: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let rows = list_rows(ListPart::Selected(selected))?;
+    let (rows, kv_heads) = weighed_rows(ListPart::Selected(selected))?;
     let lists = selected.lists;
-    let (kv_heads, head_dim) = (lists.lists(), rows.rows.head_dim);
-    check_rows(&rows, kv_heads)?;
     if weights.len() < lists.total() {
         return Err(KernelError::Length {
             what: "weights (at least one per list item)",
@@ -517,51 +494,85 @@ pub fn attention_weights<T: KvElement>(
             found: weights.len(),
         });
     }
-    let last = last_launch::<T>(workspace, kv_heads, head_dim)?;
     let items = lists.longest().div_ceil(MASS_CHUNK);
-    if items == 0 {
+    let Some(w) = weighing(gpu, workspace, "attention_weights", &rows, kv_heads, items)? else {
         return Ok(());
+    };
+    let (list_off, list) = (gpu.address(&lists.offsets), gpu.address(&lists.items));
+    let chunk = MASS_CHUNK as u32;
+    let out = gpu.address(weights);
+    let mut builder = gpu.stream().launch_builder(&w.function);
+    builder
+        .arg(&w.q)
+        .arg(&w.scale_log2)
+        .arg(&w.keys)
+        .arg(&rows.rows.head_stride)
+        .arg(&list_off)
+        .arg(&list)
+        .arg(&chunk)
+        .arg(&w.lse)
+        .arg(&out);
+    // Safety: the arguments match `attention_weights`'s signature in order and type; every
+    // address is of a live buffer whose length was checked against what the kernel reads
+    // (the lists against the rows, `weights` against the lists' items).
+    unsafe { builder.launch(w.config) }.map_err(driver("launching attention_weights"))?;
+    Ok(())
+}
+
+/// The list part a weighing reads, checked, and its KV heads (one per list).
+fn weighed_rows<T>(part: ListPart<'_, T>) -> Result<(Rows<'_, T>, usize)> {
+    let rows = list_rows(part)?;
+    let kv_heads = rows.lists.map_or(0, Csr::lists);
+    check_rows(&rows, kv_heads)?;
+    Ok((rows, kv_heads))
+}
+
+/// What [`attention_mass`] and [`attention_weights`] launch with besides their own arguments:
+/// the entry compiled for the workspace's last launch, a grid of work items per KV head, and
+/// the queries, keys and log-sum-exp they read.
+struct Weighing {
+    function: CudaFunction,
+    config: LaunchConfig,
+    q: u64,
+    keys: u64,
+    lse: u64,
+    scale_log2: f32,
+}
+
+/// The [`Weighing`] of `items` work items per KV head of `rows` by `entry`, `None` when there
+/// are none; an error unless the workspace's last launch attended those rows' shape.
+fn weighing<T: KvElement>(
+    gpu: &Gpu,
+    workspace: &Workspace,
+    entry: &'static str,
+    rows: &Rows<'_, T>,
+    kv_heads: usize,
+    items: usize,
+) -> Result<Option<Weighing>> {
+    let last = last_launch::<T>(workspace, kv_heads, rows.rows.head_dim)?;
+    if items == 0 {
+        return Ok(None);
     }
     let scalar = Variant {
         tensor_cores: false,
         ..last.variant
     };
-    let function = gpu.attend_source_kernel(scalar, "attention_weights")?;
-    let items_u32 = u32::try_from(items).map_err(|_| KernelError::TooLarge {
-        what: "weight work items",
+    let items = u32::try_from(items).map_err(|_| KernelError::TooLarge {
+        what: "weighing work items",
         value: items,
     })?;
-    let heads_u32 = heads_u32(kv_heads)?;
-    let (q, keys, lse) = (
-        gpu.address(&workspace.queries),
-        rows.rows.keys.address(gpu),
-        gpu.address(&workspace.lse),
-    );
-    let (list_off, list) = (gpu.address(&lists.offsets), gpu.address(&lists.items));
-    let scale_log2 = last.scale * std::f32::consts::LOG2_E;
-    let chunk = MASS_CHUNK as u32;
-    let out = gpu.address(weights);
-    let mut builder = gpu.stream().launch_builder(&function);
-    builder
-        .arg(&q)
-        .arg(&scale_log2)
-        .arg(&keys)
-        .arg(&rows.rows.head_stride)
-        .arg(&list_off)
-        .arg(&list)
-        .arg(&chunk)
-        .arg(&lse)
-        .arg(&out);
-    let config = LaunchConfig {
-        grid_dim: (items_u32, heads_u32, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // Safety: the arguments match `attention_weights`'s signature in order and type; every
-    // address is of a live buffer whose length was checked against what the kernel reads
-    // (the lists against the rows, `weights` against the lists' items).
-    unsafe { builder.launch(config) }.map_err(driver("launching attention_weights"))?;
-    Ok(())
+    Ok(Some(Weighing {
+        function: gpu.attend_source_kernel(scalar, entry)?,
+        config: LaunchConfig {
+            grid_dim: (items, heads_u32(kv_heads)?, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        },
+        q: gpu.address(&workspace.queries),
+        keys: rows.rows.keys.address(gpu),
+        lse: gpu.address(&workspace.lse),
+        scale_log2: last.scale * std::f32::consts::LOG2_E,
+    }))
 }
 
 /// The workspace's last launch, if it attended `kv_heads` heads of `head_dim` elements of
