@@ -158,8 +158,8 @@ mod on_gpu {
         }))
     }
 
-    /// The specs asked through with `follow`: searched on the CPU, a bucket index routed on
-    /// the GPU otherwise, and a hierarchical one.
+    /// The specs asked through with `follow`: a flat scan and a hierarchical index searched on
+    /// the CPU, and a bucket index routed on the GPU, which follows there too.
     const FOLLOWED: &[&str] = &["flat", "ivf16,np4,norope,all", "hip:k16,bq1,bk4"];
 
     /// Retrieval through `spec` following the `follow` most attended tokens of each step.
@@ -278,7 +278,8 @@ mod on_gpu {
             );
         }
         together_as_alone(gpu, &on_host, retrieval("flat", None)?)?;
-        // Following, the selection is weighed in the block cache's rows.
+        // Following, the selection is weighed in the block cache's rows (a routed index's
+        // buckets and followed ids are read in place).
         for spec in FOLLOWED {
             let (h, r) = (
                 ask(gpu, &on_host, following(spec, 4)?)?,
@@ -588,6 +589,9 @@ mod on_gpu {
         for spec in SAME_ANSWER {
             together_as_alone(&gpu, &on_gpu, retrieval(spec, None)?)?;
         }
+        // Questions that follow, routed on the GPU and answered together: each ranks what it
+        // follows on its own stream.
+        together_as_alone(&gpu, &on_gpu, following("ivf16,np4,norope,all", 4)?)?;
         for spec in ANSWERS {
             let g = ask(&gpu, &on_gpu, retrieval(spec, None)?)?;
             let stats = g.retrieval.clone().unwrap_or_default();
@@ -600,8 +604,9 @@ mod on_gpu {
             ensure!(!g.provenance.passages.is_empty(), "{spec}: no provenance");
         }
         // Following the most attended tokens: the GPU weighs each step's selection and the
-        // next search adds the successors of the most attended, as the CPU does, so both
-        // answer alike and select as many keys, more than without following.
+        // next search adds the successors of the most attended, as the CPU does (a routed
+        // index ranks them and attends them on the GPU, with no query copied to the host),
+        // so both answer alike and select as many keys, more than without following.
         for spec in FOLLOWED {
             let (c, g, plain) = (
                 ask(&cpu, &on_cpu, following(spec, 4)?)?,
@@ -629,9 +634,11 @@ mod on_gpu {
                 cs.selected,
                 ps.selected
             );
+            let routed = spec.ends_with("norope,all");
             ensure!(
-                gs.transfer_seconds > 0.0,
-                "{spec} following 4: not searched on the CPU"
+                (gs.transfer_seconds > 0.0) != routed,
+                "{spec} following 4: {} s copying queries to the host (routed on the GPU: {routed})",
+                gs.transfer_seconds
             );
         }
         in_host_memory(&gpu, &on_gpu, store, &ids, n)?;

@@ -111,6 +111,15 @@ struct ListRows {
     __device__ __forceinline__ u32 operator()(u32 t) const { return rows[t]; }
 };
 
+// The list buffer's runs (sinks and window), attended whole: ids inside them are skipped
+// elsewhere in the list part.
+struct Runs {
+    u32 run0_row, run0_len, run1_row, run1_len;
+    __device__ __forceinline__ bool hold(u32 id) const {
+        return (id - run0_row < run0_len) || (id - run1_row < run1_len);
+    }
+};
+
 // Most buckets a KV head visits in one launch (`MAX_VISITED_BUCKETS` in attention.rs):
 // their starts and running sizes fill shared memory.
 #define MAX_VISITS 128
@@ -124,7 +133,7 @@ struct VisitedRows {
     const u32* first;
     const u32* before;
     u32 visits, start;
-    u32 run0_row, run0_len, run1_row, run1_len;
+    Runs runs;
     __device__ __forceinline__ u32 operator()(u32 t) const {
         const u32 at = start + t;
         // The visit holding `at`: before[lo] <= at < before[hi] throughout, so the search
@@ -135,13 +144,35 @@ struct VisitedRows {
             if (before[mid] <= at) lo = mid; else hi = mid;
         }
         const u32 id = bucket_ids[first[lo] + (at - before[lo])];
-        const bool dense = (id - run0_row < run0_len) || (id - run1_row < run1_len);
-        return dense ? NO_ROW : id;
+        return runs.hold(id) ? NO_ROW : id;
     }
 };
 
-// The list part of a launch, for one KV head: its runs, then its list or buckets. `items`
-// is the part's work items per head (runs' and list's).
+// Ids a KV head follows besides its visited buckets (the successors of the tokens its last
+// step attended most): ids[t], skipped where none (NO_ROW), past the rows, inside the list
+// buffer's runs or inside a visited bucket (bucket_of: one more than each row's bucket,
+// numbered as the visits are; 0 for none), so that no token counts twice.
+struct FollowRows {
+    const u32* ids;
+    const u32* bucket_of;
+    const u32* visited;
+    u32 visits, rows;
+    Runs runs;
+    __device__ __forceinline__ u32 operator()(u32 t) const {
+        const u32 id = ids[t];
+        if (id >= rows || runs.hold(id)) return NO_ROW;
+        const u32 bucket = bucket_of[id];
+        for (u32 k = 0; k < visits; ++k) {
+            if (visited[k] + 1 == bucket) return NO_ROW;
+        }
+        return id;
+    }
+};
+
+// The list part of a launch, for one KV head: its runs, then its list or buckets, then (with
+// buckets, when `follow` is set) the `follow_count` ids the head follows, one last item.
+// `items` is the part's work items per head (runs', list's and the followed ids');
+// `head_rows` the rows of a head, `bucket_of` each row's bucket (`[heads][head_rows]`).
 struct ListPart {
     u32 run0_row, run0_len, run1_row, run1_len, run_chunk, run_items;
     const u32* list_off;
@@ -150,6 +181,10 @@ struct ListPart {
     const u32* bucket_off;
     const u32* bucket_ids;
     u32 items;
+    const u32* follow;
+    u32 follow_count;
+    const u32* bucket_of;
+    u32 head_rows;
 
     // Calls visit(rows, n) with the rows of the list part's item i of head h (nothing for
     // an item past the head's list: heads' lists differ in length). Every thread of the
@@ -173,13 +208,24 @@ struct ListPart {
             }
             return;
         }
+        const u32 begin = list_off[h], end = list_off[h + 1];
+        const u32 visits = min_u32(end - begin, MAX_VISITS);
+        const u32 follows = follow != nullptr ? 1u : 0u;
+        if (follows && i == items - run_items - 1) {
+            const FollowRows rows = {follow + (u64)h * follow_count,
+                                     bucket_of + (u64)h * head_rows,
+                                     list + begin,
+                                     visits,
+                                     head_rows,
+                                     {run0_row, run0_len, run1_row, run1_len}};
+            visit(rows, follow_count);
+            return;
+        }
         // Buckets: the head's visited buckets' ids, read as one sequence, split evenly over
         // the items, so that the items stay balanced however unequal the buckets are (the
         // visits are chosen on the GPU: the launcher knows neither which nor their sizes).
         __shared__ u32 first[MAX_VISITS];
         __shared__ u32 before[MAX_VISITS + 1];
-        const u32 begin = list_off[h], end = list_off[h + 1];
-        const u32 visits = min_u32(end - begin, MAX_VISITS);
         if (threadIdx.x < 32) {
             // Warp 0 sums the visits' sizes, 32 at a time (an inclusive scan by shuffles).
             const u32 lane = threadIdx.x;
@@ -205,11 +251,11 @@ struct ListPart {
             if (lane == 0) before[visits] = carry;
         }
         __syncthreads();
-        const u32 total = before[visits], shares = items - run_items;
+        const u32 total = before[visits], shares = items - run_items - follows;
         const u32 share = (total + shares - 1) / shares, start = i * share;
         if (start < total) {
-            const VisitedRows rows = {bucket_ids, first, before, visits, start,
-                                      run0_row, run0_len, run1_row, run1_len};
+            const VisitedRows rows = {bucket_ids, first,  before, visits,
+                                      start,      {run0_row, run0_len, run1_row, run1_len}};
             visit(rows, min_u32(share, total - start));
         }
     }
@@ -683,6 +729,8 @@ attend(const u16* __restrict__ q, float scale_log2,
        u32 lrun0_len, u32 lrun1_row, u32 lrun1_len, u32 lrun_items,
        const u32* __restrict__ list_off, const u32* __restrict__ list, u32 list_chunk,
        const u32* __restrict__ bucket_off, const u32* __restrict__ bucket_ids,
+       const u32* __restrict__ follow, u32 follow_count, const u32* __restrict__ bucket_of,
+       u32 head_rows,
        // results
        u32 group_size, float* __restrict__ partials, u32* __restrict__ counters,
        float* __restrict__ out, float* __restrict__ lse, u64* __restrict__ bucket_rows,
@@ -732,9 +780,10 @@ attend(const u16* __restrict__ q, float scale_log2,
         const u64 head = (u64)h * d_stride * HEAD_DIM;
         attend_rows_mma(rows, n, dk + head, dv + head, qa, scale_log2, st);
     } else {
-        const ListPart part = {lrun0_row, lrun0_len, lrun1_row, lrun1_len, dense_chunk, lrun_items,
-                               list_off,  list,      list_chunk, bucket_off, bucket_ids,
-                               items - dense_items};
+        const ListPart part = {lrun0_row,  lrun0_len,         lrun1_row,    lrun1_len,
+                               dense_chunk, lrun_items,       list_off,     list,
+                               list_chunk, bucket_off,        bucket_ids,   items - dense_items,
+                               follow,     follow_count,      bucket_of,    head_rows};
         const u64 head = (u64)h * l_stride * HEAD_DIM;
         part.item(x - dense_items, h, AttendVisitMma{lk + head, lv + head, &qa, scale_log2, &st});
     }
@@ -784,9 +833,10 @@ attend(const u16* __restrict__ q, float scale_log2,
         const u64 head = (u64)h * d_stride * HEAD_DIM;
         attend_rows(rows, n, dk + head, dv + head, qf, st);
     } else {
-        const ListPart part = {lrun0_row, lrun0_len, lrun1_row, lrun1_len, dense_chunk, lrun_items,
-                               list_off,  list,      list_chunk, bucket_off, bucket_ids,
-                               items - dense_items};
+        const ListPart part = {lrun0_row,  lrun0_len,         lrun1_row,    lrun1_len,
+                               dense_chunk, lrun_items,       list_off,     list,
+                               list_chunk, bucket_off,        bucket_ids,   items - dense_items,
+                               follow,     follow_count,      bucket_of,    head_rows};
         const u64 head = (u64)h * l_stride * HEAD_DIM;
         part.item(x - dense_items, h, AttendVisit{lk + head, lv + head, &qf, &st});
     }
@@ -850,10 +900,10 @@ attend(const u16* __restrict__ q, float scale_log2,
 }
 
 // Calls put(t, row, w) with the attention weight w of each row of the list part (rows
-// row_of(0..n) of keys k; t < n, NO_ROW rows left out), summed over the group's heads:
-// exp2(logit - lse) for each, as `attend` weighed it. Pipelined as attend_rows: UNROLL rows a
-// team in flight, the next iteration's row numbers loaded ahead; one lane of the row's team
-// calls put.
+// row_of(0..n) of keys k, t < n), summed over the group's heads: exp2(logit - lse) for each,
+// as `attend` weighed it; for a NO_ROW row (skipped: no weight) too, so that a put may mark
+// its place. Pipelined as attend_rows: UNROLL rows a team in flight, the next iteration's
+// row numbers loaded ahead; one lane of the row's team calls put.
 template <class RowOf, class Put>
 __device__ __forceinline__ void weigh_rows(const RowOf& row_of, u32 n, const u16* __restrict__ k,
                                            const float (&qf)[GROUP][8], const float (&lse)[GROUP],
@@ -882,7 +932,8 @@ __device__ __forceinline__ void weigh_rows(const RowOf& row_of, u32 n, const u16
             float w = 0.f;
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) w += exp2f(s[u][g] - lse[g]);
-            if (rows[u] != NO_ROW && lane == 0) put(base + u * TEAMS + team, rows[u], w);
+            const u32 t = base + u * TEAMS + team;
+            if (t < n && lane == 0) put(t, rows[u], w);
         }
     }
 }
@@ -906,12 +957,28 @@ struct AddMass {
     const u32* slot_token;
     u32 slot_shift;
     __device__ __forceinline__ void operator()(u32, u32 r, float w) const {
+        if (r == NO_ROW) return;
         const u32 token = slot_token == nullptr
                               ? r
                               : slot_token[r >> slot_shift] + (r & ((1u << slot_shift) - 1u));
         atomicAdd(mass + token, w);
     }
 };
+
+// The parameters `attention_mass` and `follow_weights` begin with (the queries and the
+// log-sum-exp `attend` kept, the list buffer's keys, the list part), and the list part they
+// make of them, its items one per block of the grid's x.
+#define WEIGHED_PARAMS                                                                        \
+    const u16 *__restrict__ q, float scale_log2, const u16 *__restrict__ lk, u64 l_stride,    \
+        u32 lrun0_row, u32 lrun0_len, u32 lrun1_row, u32 lrun1_len, u32 lrun_chunk,           \
+        u32 lrun_items, const u32 *__restrict__ list_off, const u32 *__restrict__ list,       \
+        u32 list_chunk, const u32 *__restrict__ bucket_off,                                   \
+        const u32 *__restrict__ bucket_ids, const u32 *__restrict__ follow, u32 follow_count, \
+        const u32 *__restrict__ bucket_of, u32 head_rows
+#define WEIGHED_PART                                                                          \
+    {lrun0_row,  lrun0_len, lrun1_row, lrun1_len,    lrun_chunk, lrun_items,                  \
+     list_off,   list,      list_chunk, bucket_off,  bucket_ids, gridDim.x,                   \
+     follow,     follow_count, bucket_of, head_rows}
 
 // ListPart::item's visitor for `attention_mass`.
 struct MassVisit {
@@ -925,17 +992,11 @@ struct MassVisit {
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-attention_mass(const u16* __restrict__ q, float scale_log2, const u16* __restrict__ lk,
-               u64 l_stride, u32 lrun0_row, u32 lrun0_len, u32 lrun1_row, u32 lrun1_len,
-               u32 lrun_chunk, u32 lrun_items, const u32* __restrict__ list_off,
-               const u32* __restrict__ list, u32 list_chunk, const u32* __restrict__ bucket_off,
-               const u32* __restrict__ bucket_ids, const float* __restrict__ lse,
-               float* __restrict__ mass, const u32* __restrict__ slot_token, u32 slot_shift) {
+attention_mass(WEIGHED_PARAMS, const float* __restrict__ lse, float* __restrict__ mass,
+               const u32* __restrict__ slot_token, u32 slot_shift) {
     const u32 h = blockIdx.y;
     const HeadWeights head(q, h, scale_log2, lse);
-    const ListPart part = {lrun0_row, lrun0_len,  lrun1_row, lrun1_len, lrun_chunk, lrun_items,
-                           list_off,  list,       list_chunk, bucket_off, bucket_ids,
-                           gridDim.x};
+    const ListPart part = WEIGHED_PART;
     const u64 at = (u64)h * l_stride * HEAD_DIM;
     part.item(blockIdx.x, h, MassVisit{lk + at, &head, {mass, slot_token, slot_shift}});
 }
@@ -943,7 +1004,9 @@ attention_mass(const u16* __restrict__ q, float scale_log2, const u16* __restric
 // Writes a list row's weight at its place in the lists.
 struct PutWeight {
     float* at;
-    __device__ __forceinline__ void operator()(u32 t, u32, float w) const { at[t] = w; }
+    __device__ __forceinline__ void operator()(u32 t, u32 r, float w) const {
+        if (r != NO_ROW) at[t] = w;
+    }
 };
 
 // ListPart::item's visitor for `attention_weights`: a slice of a head's list writes its
@@ -970,8 +1033,57 @@ attention_weights(const u16* __restrict__ q, float scale_log2, const u16* __rest
                   u32 list_chunk, const float* __restrict__ lse, float* __restrict__ weights) {
     const u32 h = blockIdx.y;
     const HeadWeights head(q, h, scale_log2, lse);
-    const ListPart part = {0u, 0u, 0u, 0u, list_chunk, 0u, list_off, list, list_chunk,
-                           nullptr, nullptr, gridDim.x};
+    const ListPart part = {0u,      0u,      0u,        0u,      list_chunk, 0u,
+                           list_off, list,   list_chunk, nullptr, nullptr,    gridDim.x,
+                           nullptr, 0u,      nullptr,   0u};
     const u64 at = (u64)h * l_stride * HEAD_DIM;
     part.item(blockIdx.x, h, WeightVisit{lk + at, &head, list, weights});
+}
+
+// Where `follow_weights` writes a row's weight and id: the visited buckets' rows at their
+// place in the head's sequence of visited ids, the followed ids after `cap` (the head's
+// rows); a skipped row (NO_ROW) as weight -1, so that no stale value is picked.
+struct PutCandidate {
+    float* weight;
+    u32* id;
+    u32 at, end;
+    __device__ __forceinline__ void operator()(u32 t, u32 r, float w) const {
+        if (at + t >= end) return;
+        weight[at + t] = r == NO_ROW ? -1.f : w;
+        id[at + t] = r;
+    }
+};
+
+// ListPart::item's visitor for `follow_weights`: the runs are not weighed (the launcher gives
+// it no run items).
+struct CandidateVisit {
+    const u16* k;
+    const HeadWeights* head;
+    float* weight;
+    u32* id;
+    u32 cap;
+    __device__ __forceinline__ void operator()(const VisitedRows& rows, u32 n) const {
+        weigh_rows(rows, n, k, head->qf, head->lse, PutCandidate{weight, id, rows.start, cap});
+    }
+    __device__ __forceinline__ void operator()(const FollowRows& rows, u32 n) const {
+        weigh_rows(rows, n, k, head->qf, head->lse, PutCandidate{weight, id, cap, 0xffffffffu});
+    }
+    template <class RowOf>
+    __device__ __forceinline__ void operator()(const RowOf&, u32) const {}
+};
+
+// The weight every row of a bucket launch's list part (visited buckets and followed ids,
+// not the runs) received in the workspace's last launch, summed over its KV head's group,
+// with its id: head h's candidates at `weight`/`id` + h * (head_rows + follow_count), what
+// `follow_pick` (follow.cu) ranks.
+extern "C" __global__ void __launch_bounds__(THREADS)
+follow_weights(WEIGHED_PARAMS, const float* __restrict__ lse, float* __restrict__ weight,
+               u32* __restrict__ id) {
+    const u32 h = blockIdx.y;
+    const HeadWeights head(q, h, scale_log2, lse);
+    const ListPart part = WEIGHED_PART;
+    const u64 at = (u64)h * l_stride * HEAD_DIM;
+    const u64 stride = (u64)head_rows + follow_count;
+    part.item(blockIdx.x, h,
+              CandidateVisit{lk + at, &head, weight + h * stride, id + h * stride, head_rows});
 }

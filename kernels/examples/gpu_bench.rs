@@ -712,6 +712,7 @@ impl<'g, T: KvElement> Bench<'g, T> {
                 dense,
                 kv,
                 &runs,
+                None,
                 &mut out.as_view_mut(),
             )?)
         };

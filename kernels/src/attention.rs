@@ -5,8 +5,8 @@ use std::marker::PhantomData;
 use std::ops::Range;
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchArgs,
+    LaunchConfig, PushKernelArg,
 };
 
 use crate::buffers::{Csr, KvCache};
@@ -233,6 +233,104 @@ pub struct Buckets<'a, T> {
     /// `runs`: what the index selected), as [`crate::Visits`] keeps it; [`attention_mass`]
     /// leaves it alone. [`crate::Partition::list_part`] sets it.
     pub count: Option<&'a CudaSlice<u64>>,
+    /// Ids each KV head attends besides its visited buckets, if any.
+    pub follow: Option<Followed<'a>>,
+}
+
+/// Tokens each KV head of a bucket launch attends besides its visited buckets: the
+/// successors of the tokens its last step weighed most ([`follow_most_attended`] writes
+/// them), so that an answer copying a passage also reads the token after the one it copied.
+/// An id is skipped where it is [`NO_TOKEN`], past the rows, inside the launch's runs or
+/// inside one of its head's visited buckets (told by `buckets`): no token counts twice.
+#[derive(Debug, Clone, Copy)]
+pub struct Followed<'a> {
+    /// `[kv_heads, per head]` token ids.
+    pub ids: &'a CudaSlice<u32>,
+    /// The bucket of every row of the launch's buffer.
+    pub buckets: &'a BucketOf,
+}
+
+/// No token, in a [`Followed`] list.
+pub const NO_TOKEN: u32 = u32::MAX;
+
+/// Every row's bucket in a partition ([`crate::Partition::bucket_of`]): one more than the
+/// number of the list that holds row `r` of KV head `h` (`h * buckets + b`, numbered as a
+/// launch's visits are), 0 for a row no list holds.
+#[derive(Debug)]
+pub struct BucketOf {
+    pub(crate) lists: CudaSlice<u32>,
+    pub(crate) rows: usize,
+}
+
+impl BucketOf {
+    /// The buckets of `rows` rows per KV head from `ids` (`kv_heads * buckets` lists of
+    /// token ids, each id of a head in at most one of its lists, as [`Buckets::ids`]; lists
+    /// after those are ignored), computed on the GPU.
+    pub fn new(gpu: &Gpu, ids: &Csr, kv_heads: usize, buckets: usize, rows: usize) -> Result<Self> {
+        let lists = kv_heads * buckets;
+        if lists > ids.lists() {
+            return Err(KernelError::Length {
+                what: "bucket lists (kv_heads * buckets)",
+                expected: lists,
+                found: ids.lists(),
+            });
+        }
+        ids.check("bucket token ids", ids.lists(), rows)?;
+        let too_large = |what, value| KernelError::TooLarge { what, value };
+        let (lists_u32, buckets_u32, rows_u32) = (
+            u32::try_from(lists).map_err(|_| too_large("bucket lists", lists))?,
+            u32::try_from(buckets.max(1)).map_err(|_| too_large("buckets", buckets))?,
+            u32::try_from(rows).map_err(|_| too_large("rows per KV head", rows))?,
+        );
+        let of = gpu.zeros::<u32>((kv_heads * rows).max(1))?;
+        if lists > 0 {
+            let function = gpu.follow_kernel("bucket_of")?;
+            let (offsets, items) = (gpu.address(&ids.offsets), gpu.address(&ids.items));
+            let out = gpu.address(&of);
+            let mut builder = gpu.stream().launch_builder(&function);
+            builder
+                .arg(&offsets)
+                .arg(&items)
+                .arg(&lists_u32)
+                .arg(&buckets_u32)
+                .arg(&rows_u32)
+                .arg(&out);
+            let config = LaunchConfig {
+                grid_dim: (lists_u32.min(65_535), 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // Safety: the arguments match `bucket_of`'s signature in order and type; the
+            // CSR has at least `lists` lists, its ids are below `rows` (checked above), and
+            // `of` holds `kv_heads * rows` entries.
+            unsafe { builder.launch(config) }.map_err(driver("launching bucket_of"))?;
+        }
+        Ok(Self { lists: of, rows })
+    }
+}
+
+/// Scratch of [`follow_most_attended`]: every candidate's weight and id, each slice's picks,
+/// and a counter per KV head that the ranking leaves at zero. Grows on demand.
+#[derive(Debug)]
+pub struct FollowScratch {
+    weight: CudaSlice<f32>,
+    id: CudaSlice<u32>,
+    slice_weight: CudaSlice<f32>,
+    slice_id: CudaSlice<u32>,
+    counters: CudaSlice<u32>,
+}
+
+impl FollowScratch {
+    /// An empty scratch.
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        Ok(Self {
+            weight: gpu.zeros(1)?,
+            id: gpu.zeros(1)?,
+            slice_weight: gpu.zeros(1)?,
+            slice_id: gpu.zeros(1)?,
+            counters: gpu.zeros(1)?,
+        })
+    }
 }
 
 /// What a launch attends to besides its dense part, and what [`attention_mass`] weighs.
@@ -281,6 +379,11 @@ pub const MAX_VISITED_BUCKETS: usize = 128;
 /// Rows per work item of [`attention_mass`]'s runs and lists.
 const MASS_CHUNK: usize = 64;
 
+/// Threads of `follow_pick` and the candidates each block ranks (`PICK_THREADS` and
+/// `PICK_SLICE` in `follow.cu`).
+const FOLLOW_PICK_THREADS: u32 = 256;
+const FOLLOW_PICK_SLICE: usize = 256 * 8;
+
 /// The list part of a launch after validation: rows of one buffer, up to two runs of them,
 /// and a list per KV head (of rows, or of buckets whose ids are rows).
 #[derive(Clone, Copy)]
@@ -291,6 +394,7 @@ struct Rows<'a, T> {
     buckets: Option<&'a Csr>,
     count: Option<&'a CudaSlice<u64>>,
     tokens: Option<SlotTokens<'a>>,
+    follow: Option<Followed<'a>>,
 }
 
 impl<T> Rows<'_, T> {
@@ -301,11 +405,25 @@ impl<T> Rows<'_, T> {
     /// Work items of the lists alone: chunks of `chunk` rows; for buckets, whose visits are
     /// chosen on the GPU, items that share the visited ids evenly, as many as chunks of the
     /// visits' expected size (visits of large buckets make longer items, never more of
-    /// them: the launch stays one wave).
+    /// them: the launch stays one wave), and one for the followed ids.
     fn list_items(&self, chunk: usize) -> usize {
         match self.buckets {
-            Some(_) => self.list_rows().div_ceil(chunk).max(1),
+            Some(_) => self.list_rows().div_ceil(chunk).max(1) + usize::from(self.follow.is_some()),
             None => self.lists.map_or(0, Csr::longest).div_ceil(chunk),
+        }
+    }
+
+    /// The followed ids' arguments of a kernel: the ids, how many per KV head, the bucket
+    /// map and the rows per head (zeros without; `check_rows` checked their shapes).
+    fn follow_args(&self, gpu: &Gpu) -> (u64, u32, u64, u32) {
+        match self.follow {
+            Some(f) => (
+                gpu.address(f.ids),
+                (f.ids.len() / self.lists.map_or(1, Csr::lists).max(1)) as u32,
+                gpu.address(&f.buckets.lists),
+                f.buckets.rows as u32,
+            ),
+            None => (0, 0, 0, 0),
         }
     }
 
@@ -433,34 +551,14 @@ pub fn attention_mass<T: KvElement>(
     let Some(w) = weighing(gpu, workspace, "attention_mass", &rows, kv_heads, items)? else {
         return Ok(());
     };
-    let (list_off, list) = rows
-        .lists
-        .map_or((0, 0), |l| (gpu.address(&l.offsets), gpu.address(&l.items)));
-    let (bucket_off, bucket_ids) = rows
-        .buckets
-        .map_or((0, 0), |b| (gpu.address(&b.offsets), gpu.address(&b.items)));
-    let (chunk, run_items) = (MASS_CHUNK as u32, run_items as u32);
+    let args = PartArgs::new(gpu, &w, &rows, run_items as u32);
     let mass_ptr = gpu.address(mass);
     let (slot_token, slot_shift) = rows
         .tokens
         .map_or((0, 0), |t| (gpu.address(t.first), t.shift));
     let mut builder = gpu.stream().launch_builder(&w.function);
+    args.push(&mut builder);
     builder
-        .arg(&w.q)
-        .arg(&w.scale_log2)
-        .arg(&w.keys)
-        .arg(&rows.rows.head_stride)
-        .arg(&rows.runs[0].0)
-        .arg(&rows.runs[0].1)
-        .arg(&rows.runs[1].0)
-        .arg(&rows.runs[1].1)
-        .arg(&chunk)
-        .arg(&run_items)
-        .arg(&list_off)
-        .arg(&list)
-        .arg(&chunk)
-        .arg(&bucket_off)
-        .arg(&bucket_ids)
         .arg(&w.lse)
         .arg(&mass_ptr)
         .arg(&slot_token)
@@ -517,6 +615,179 @@ pub fn attention_weights<T: KvElement>(
     // (the lists against the rows, `weights` against the lists' items).
     unsafe { builder.launch(w.config) }.map_err(driver("launching attention_weights"))?;
     Ok(())
+}
+
+/// Writes to `next` (`[kv_heads, count]`) what each KV head of a bucket launch follows at
+/// its next step: the successors of the `count` tokens of `part` (its visited buckets' ids
+/// and followed ids, not its runs) that received the most attention in the workspace's last
+/// launch, summed over the head's group, ranked by weight with ties to the lower id as the
+/// CPU session ranks them; [`NO_TOKEN`] where a successor is past the rows (the tail's,
+/// attended densely anyway) or the candidates ran out. `part` must be the last launch's list
+/// part, and `next` must not be its followed ids (they are read while `next` is written).
+/// Like [`attention_mass`], it may run on another stream that waits for the launch.
+pub fn follow_most_attended<T: KvElement>(
+    gpu: &Gpu,
+    workspace: &Workspace,
+    part: Buckets<'_, T>,
+    scratch: &mut FollowScratch,
+    next: &mut CudaSlice<u32>,
+) -> Result<()> {
+    let (rows, kv_heads) = weighed_rows(ListPart::Buckets(part))?;
+    if kv_heads == 0 || !next.len().is_multiple_of(kv_heads) {
+        return Err(KernelError::Length {
+            what: "next followed ids [kv_heads, count]",
+            expected: kv_heads.max(1),
+            found: next.len(),
+        });
+    }
+    let count = next.len() / kv_heads;
+    let followed = rows.follow_args(gpu).1;
+    let tokens = rows.rows.rows;
+    let too_large = |what, value| KernelError::TooLarge { what, value };
+    let tokens_u32 = u32::try_from(tokens).map_err(|_| too_large("rows per KV head", tokens))?;
+    let count_u32 = u32::try_from(count).map_err(|_| too_large("followed ids per head", count))?;
+    let candidates = kv_heads * (tokens + followed as usize);
+    if scratch.id.len() < candidates {
+        scratch.weight = gpu.zeros(candidates)?;
+        scratch.id = gpu.zeros(candidates)?;
+    }
+    // The ranking's slices: a block each, most of them past a head's candidates (the visits
+    // are chosen on the GPU), which only count themselves done.
+    let slices = (tokens + followed as usize)
+        .div_ceil(FOLLOW_PICK_SLICE)
+        .max(1);
+    let slices_u32 = u32::try_from(slices).map_err(|_| too_large("ranking slices", slices))?;
+    if scratch.slice_id.len() < kv_heads * slices * count {
+        scratch.slice_weight = gpu.zeros(kv_heads * slices * count)?;
+        scratch.slice_id = gpu.zeros(kv_heads * slices * count)?;
+    }
+    if scratch.counters.len() < kv_heads {
+        scratch.counters = gpu.zeros(kv_heads)?;
+    }
+    let items = rows.list_items(MASS_CHUNK);
+    let Some(w) = weighing(gpu, workspace, "follow_weights", &rows, kv_heads, items)? else {
+        return Ok(());
+    };
+    // The runs are not weighed: no run items. The candidates of a head start every `rows +
+    // followed`, followed ids or not (`head_rows` is the bucket map's rows, none without).
+    let mut args = PartArgs::new(gpu, &w, &rows, 0);
+    args.head_rows = tokens_u32;
+    let (weight, id) = (gpu.address(&scratch.weight), gpu.address(&scratch.id));
+    let mut builder = gpu.stream().launch_builder(&w.function);
+    args.push(&mut builder);
+    builder.arg(&w.lse).arg(&weight).arg(&id);
+    // Safety: the arguments match `follow_weights`'s signature in order and type; every
+    // address is of a live buffer whose length was checked against the rows the kernel
+    // reads (the bucket map has `tokens` rows per head, checked by `check_rows`), and the
+    // scratch holds `tokens + followed` candidates per KV head.
+    unsafe { builder.launch(w.config) }.map_err(driver("launching follow_weights"))?;
+    let pick = gpu.follow_kernel("follow_pick")?;
+    let next_ptr = gpu.address(next);
+    let (slice_weight, slice_id, counters) = (
+        gpu.address(&scratch.slice_weight),
+        gpu.address(&scratch.slice_id),
+        gpu.address(&scratch.counters),
+    );
+    let mut builder = gpu.stream().launch_builder(&pick);
+    builder
+        .arg(&weight)
+        .arg(&id)
+        .arg(&tokens_u32)
+        .arg(&args.follow_count)
+        .arg(&args.list_off)
+        .arg(&args.list)
+        .arg(&args.bucket_off)
+        .arg(&count_u32)
+        .arg(&tokens_u32)
+        .arg(&slice_weight)
+        .arg(&slice_id)
+        .arg(&counters)
+        .arg(&next_ptr);
+    let config = LaunchConfig {
+        grid_dim: (slices_u32, heads_u32(kv_heads)?, 1),
+        block_dim: (FOLLOW_PICK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // Safety: the arguments match `follow_pick`'s signature in order and type; the scratch
+    // holds what `follow_weights` wrote for each head and room for every slice's picks, its
+    // counters are zero (as the last launch left them), the visits are checked against the
+    // partition, and `next` holds `count` ids per KV head.
+    unsafe { builder.launch(config) }.map_err(driver("launching follow_pick"))?;
+    Ok(())
+}
+
+/// The arguments `attention_mass` and `follow_weights` begin with: the weighing's queries
+/// and keys, then the list part (runs, `run_items` items of them, lists or buckets, followed
+/// ids).
+struct PartArgs {
+    q: u64,
+    scale_log2: f32,
+    keys: u64,
+    head_stride: u64,
+    runs: [(u32, u32); 2],
+    chunk: u32,
+    run_items: u32,
+    list_off: u64,
+    list: u64,
+    bucket_off: u64,
+    bucket_ids: u64,
+    follow: u64,
+    follow_count: u32,
+    bucket_of: u64,
+    head_rows: u32,
+}
+
+impl PartArgs {
+    fn new<T>(gpu: &Gpu, w: &Weighing, rows: &Rows<'_, T>, run_items: u32) -> Self {
+        let (list_off, list) = rows
+            .lists
+            .map_or((0, 0), |l| (gpu.address(&l.offsets), gpu.address(&l.items)));
+        let (bucket_off, bucket_ids) = rows
+            .buckets
+            .map_or((0, 0), |b| (gpu.address(&b.offsets), gpu.address(&b.items)));
+        let (follow, follow_count, bucket_of, head_rows) = rows.follow_args(gpu);
+        Self {
+            q: w.q,
+            scale_log2: w.scale_log2,
+            keys: w.keys,
+            head_stride: rows.rows.head_stride,
+            runs: rows.runs,
+            chunk: MASS_CHUNK as u32,
+            run_items,
+            list_off,
+            list,
+            bucket_off,
+            bucket_ids,
+            follow,
+            follow_count,
+            bucket_of,
+            head_rows,
+        }
+    }
+
+    /// Pushes them in the kernels' order (the same chunk for runs and lists).
+    fn push<'a>(&'a self, builder: &mut LaunchArgs<'a>) {
+        builder
+            .arg(&self.q)
+            .arg(&self.scale_log2)
+            .arg(&self.keys)
+            .arg(&self.head_stride)
+            .arg(&self.runs[0].0)
+            .arg(&self.runs[0].1)
+            .arg(&self.runs[1].0)
+            .arg(&self.runs[1].1)
+            .arg(&self.chunk)
+            .arg(&self.run_items)
+            .arg(&self.list_off)
+            .arg(&self.list)
+            .arg(&self.chunk)
+            .arg(&self.bucket_off)
+            .arg(&self.bucket_ids)
+            .arg(&self.follow)
+            .arg(&self.follow_count)
+            .arg(&self.bucket_of)
+            .arg(&self.head_rows);
+    }
 }
 
 /// The list part a weighing reads, checked, and its KV heads (one per list).
@@ -651,6 +922,7 @@ fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
             buckets: None,
             count: None,
             tokens: selected.tokens,
+            follow: None,
         }),
         ListPart::Buckets(b) => {
             b.ids.check("bucket token ids", b.ids.lists(), b.kv.rows)?;
@@ -668,6 +940,7 @@ fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
                 buckets: Some(b.ids),
                 count: b.count,
                 tokens: None,
+                follow: b.follow,
             })
         }
     }
@@ -682,6 +955,35 @@ fn check_rows<T>(rows: &Rows<'_, T>, kv_heads: usize) -> Result<()> {
             None => rows.rows.rows,
         };
         lists.check("selected rows or visited buckets", kv_heads, bound)?;
+    }
+    if let Some(follow) = rows.follow {
+        length(
+            "bucket map rows (the launch's rows)",
+            rows.rows.rows,
+            follow.buckets.rows,
+        )?;
+        if kv_heads == 0 || !follow.ids.len().is_multiple_of(kv_heads) {
+            return Err(KernelError::Length {
+                what: "followed ids [kv_heads, per head]",
+                expected: kv_heads.max(1),
+                found: follow.ids.len(),
+            });
+        }
+        if follow.buckets.lists.len() < kv_heads * rows.rows.rows {
+            return Err(KernelError::Length {
+                what: "bucket map [kv_heads, rows]",
+                expected: kv_heads * rows.rows.rows,
+                found: follow.buckets.lists.len(),
+            });
+        }
+        u32::try_from(rows.rows.rows).map_err(|_| KernelError::TooLarge {
+            what: "rows per KV head",
+            value: rows.rows.rows,
+        })?;
+        u32::try_from(follow.ids.len() / kv_heads).map_err(|_| KernelError::TooLarge {
+            what: "followed ids per KV head",
+            value: follow.ids.len() / kv_heads,
+        })?;
     }
     Ok(())
 }
@@ -844,6 +1146,7 @@ fn launch<T: KvElement>(
         buckets: None,
         count: None,
         tokens: None,
+        follow: None,
     };
     let list = launch.list.unwrap_or(none);
     let (list_keys, list_values, list_stride) = match launch.list {
@@ -860,6 +1163,7 @@ fn launch<T: KvElement>(
     let (bucket_off, bucket_ids) = list
         .buckets
         .map_or((0, 0), |b| (address(&b.offsets), address(&b.items)));
+    let (follow, follow_count, bucket_of, head_rows) = list.follow_args(gpu);
     let args = Args {
         q: launch.query.heads.device_ptr(gpu.stream()).0,
         scale_log2: launch.query.scale * std::f32::consts::LOG2_E,
@@ -879,6 +1183,10 @@ fn launch<T: KvElement>(
         list_chunk: chunk_u32,
         bucket_off,
         bucket_ids,
+        follow,
+        follow_count,
+        bucket_of,
+        head_rows,
         group_size: group_size as u32,
         partials: gpu.address(&workspace.partials),
         counters: gpu.address(&workspace.counters),
@@ -891,7 +1199,7 @@ fn launch<T: KvElement>(
     // it) and the device has programmatic dependent launch (compute capability 9.0 on).
     let programmatic = after_route && gpu.programmatic_launch();
     let after_route_u32 = u32::from(programmatic);
-    let mut params: [*mut std::ffi::c_void; 32] = [
+    let mut params: [*mut std::ffi::c_void; 36] = [
         param(&args.q),
         param(&args.scale_log2),
         param(&args.dense_keys),
@@ -916,6 +1224,10 @@ fn launch<T: KvElement>(
         param(&args.list_chunk),
         param(&args.bucket_off),
         param(&args.bucket_ids),
+        param(&args.follow),
+        param(&args.follow_count),
+        param(&args.bucket_of),
+        param(&args.head_rows),
         param(&args.group_size),
         param(&args.partials),
         param(&args.counters),
@@ -961,6 +1273,10 @@ struct Args {
     list_chunk: u32,
     bucket_off: u64,
     bucket_ids: u64,
+    follow: u64,
+    follow_count: u32,
+    bucket_of: u64,
+    head_rows: u32,
     group_size: u32,
     partials: u64,
     counters: u64,

@@ -20,6 +20,11 @@ const ATTEND_SOURCE: &str = concat!(
     include_str!("../cuda/attend.cu")
 );
 const FILL_SOURCE: &str = include_str!("../cuda/fill.cu");
+/// `follow.cu` after the block-level helpers.
+const FOLLOW_SOURCE: &str = concat!(
+    include_str!("../cuda/blocks.cuh"),
+    include_str!("../cuda/follow.cu")
+);
 
 /// Threads per block of the attention kernel.
 pub(crate) const THREADS: u32 = 128;
@@ -483,6 +488,11 @@ impl Gpu {
         let function = self.kernel(FILL_SOURCE, "fill_slots", &[])?;
         *fill = Some(function.clone());
         Ok(function)
+    }
+
+    /// Kernel `entry` of `follow.cu` (`bucket_of`, `follow_pick`), compiled on first use.
+    pub(crate) fn follow_kernel(&self, entry: &'static str) -> Result<CudaFunction> {
+        self.kernel(FOLLOW_SOURCE, entry, &[])
     }
 
     /// Kernel `entry` of `source` compiled with `defines` (e.g. `("T", "float")`), once per

@@ -60,8 +60,9 @@ mod route;
 
 #[cfg(feature = "gpu")]
 pub use attention::{
-    attention_mass, attention_weights, bucket_attention, flash_decode, retrieval_attention,
-    Buckets, Dense, KvRows, ListPart, Query, Selected, Workspace, MAX_VISITED_BUCKETS,
+    attention_mass, attention_weights, bucket_attention, flash_decode, follow_most_attended,
+    retrieval_attention, BucketOf, Buckets, Dense, FollowScratch, Followed, KvRows, ListPart,
+    Query, Selected, Workspace, MAX_VISITED_BUCKETS, NO_TOKEN,
 };
 #[cfg(feature = "gpu")]
 pub use buffers::{Csr, KvCache};

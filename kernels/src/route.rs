@@ -4,12 +4,13 @@
 //! classifier with the geometric expert (saap, [`Partition::classifier`]).
 
 use std::ops::Range;
+use std::sync::OnceLock;
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 
 use crate::attention::{
-    bucket_attention_after_route, lanes_of, Buckets, Dense, KvRows, Query, Workspace,
-    MAX_VISITED_BUCKETS,
+    bucket_attention_after_route, lanes_of, BucketOf, Buckets, Dense, Followed, KvRows, Query,
+    Workspace, MAX_VISITED_BUCKETS,
 };
 use crate::buffers::Csr;
 use crate::error::{driver, length, KernelError, Result};
@@ -153,6 +154,8 @@ pub struct Partition {
     kv_heads: usize,
     buckets: usize,
     head_dim: usize,
+    /// Every row's bucket, made by the first query that follows (`Partition::bucket_of`).
+    bucket_of: OnceLock<BucketOf>,
 }
 
 impl std::fmt::Debug for Partition {
@@ -359,6 +362,7 @@ impl Partition {
             kv_heads,
             buckets,
             head_dim,
+            bucket_of: OnceLock::new(),
         })
     }
 
@@ -396,6 +400,24 @@ impl Partition {
         })
     }
 
+    /// Every row's bucket, for launches over `rows` rows per KV head that follow ids besides
+    /// their visits ([`Followed`]): made on the GPU by the first call (4 bytes a row and KV
+    /// head), kept for the partition's life.
+    pub fn bucket_of(&self, gpu: &Gpu, rows: usize) -> Result<&BucketOf> {
+        if self.bucket_of.get().is_none() {
+            let made = BucketOf::new(gpu, &self.ids, self.kv_heads, self.buckets, rows)?;
+            // Another thread may have made it first: the same map either way.
+            let _ = self.bucket_of.set(made);
+        }
+        let of = self.bucket_of.get().ok_or(KernelError::Length {
+            what: "bucket map",
+            expected: rows,
+            found: 0,
+        })?;
+        length("bucket map rows", rows, of.rows)?;
+        Ok(of)
+    }
+
     /// The list part of a bucket launch over `visits` of this partition, rows of `kv` (a
     /// [`KvCache`], or a [`crate::HostKv`] read in place) with
     /// `runs` (sinks and window) attended whole: the launch counts what it attends in
@@ -412,6 +434,7 @@ impl Partition {
             ids: &self.ids,
             visited: &visits.visited,
             count: Some(&visits.selected),
+            follow: None,
         }
     }
 
@@ -615,8 +638,9 @@ impl Partition {
     /// with `runs` attended whole, and `dense`), launched back to back: on Hopper the
     /// attention's blocks start while routing runs (programmatic dependent launch), and
     /// only those that attend the visited buckets wait for it. The same results as the two
-    /// calls; everything the attention reads but the visits (queries, rows, workspace) must
-    /// be ready before this call, as for them.
+    /// calls; everything the attention reads but the visits (queries, rows, workspace,
+    /// `follow`: ids attended besides the visits) must be ready before this call, as for
+    /// them.
     #[allow(clippy::too_many_arguments)]
     pub fn route_and_attend<'k, T: KvElement>(
         &self,
@@ -629,10 +653,14 @@ impl Partition {
         dense: Dense<'_, T>,
         kv: impl Into<KvRows<'k, T>>,
         runs: &[Range<u32>],
+        follow: Option<Followed<'_>>,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         self.route(gpu, route_queries, step, visits)?;
-        let part = self.list_part(visits, kv.into(), runs);
+        let part = Buckets {
+            follow,
+            ..self.list_part(visits, kv.into(), runs)
+        };
         bucket_attention_after_route(gpu, workspace, query, dense, part, out)
     }
 }

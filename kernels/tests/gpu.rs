@@ -21,10 +21,11 @@ mod on_gpu {
     use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
     use kvdb_kernels::ops::RopePairs;
     use kvdb_kernels::{
-        attention_mass, attention_weights, bucket_attention, flash_decode, retrieval_attention,
-        BlockCache, Buckets, ClassifierHead, Csr, Dense, Gpu, HostKv, KernelError, KvCache,
-        KvElement, ListPart, Partition, Query, RouteRope, RouteStep, Selected, Workspace,
-        MAX_ROUTED_BUCKETS, MAX_VISITED_BUCKETS,
+        attention_mass, attention_weights, bucket_attention, flash_decode, follow_most_attended,
+        retrieval_attention, BlockCache, BucketOf, Buckets, ClassifierHead, Csr, Dense,
+        FollowScratch, Followed, Gpu, HostKv, KernelError, KvCache, KvElement, ListPart, Partition,
+        Query, RouteRope, RouteStep, Selected, Workspace, MAX_ROUTED_BUCKETS, MAX_VISITED_BUCKETS,
+        NO_TOKEN,
     };
     use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
     use rand::rngs::StdRng;
@@ -527,10 +528,59 @@ mod on_gpu {
         )?)
     }
 
+    /// Ids a KV head follows, `count` of them, distinct: none, inside `runs`, inside a
+    /// visited bucket, past the `n` rows, or fresh (the only ones attended).
+    fn followed_ids(
+        rng: &mut StdRng,
+        count: usize,
+        n: usize,
+        runs: &[Range<u32>],
+        visited_ids: &[u32],
+    ) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(count);
+        for _ in 0..count {
+            let id = match rng.random_range(0..5) {
+                0 => NO_TOKEN,
+                1 if !runs.is_empty() && n > 0 => {
+                    let run = &runs[rng.random_range(0..runs.len())];
+                    if run.is_empty() {
+                        NO_TOKEN
+                    } else {
+                        rng.random_range(run.clone())
+                    }
+                }
+                2 if !visited_ids.is_empty() => visited_ids[rng.random_range(0..visited_ids.len())],
+                3 => n as u32 + rng.random_range(0..3),
+                _ if n > 0 => rng.random_range(0..n as u32),
+                _ => NO_TOKEN,
+            };
+            ids.push(if id != NO_TOKEN && ids.contains(&id) {
+                NO_TOKEN
+            } else {
+                id
+            });
+        }
+        ids
+    }
+
+    /// What `follow_most_attended` writes for one KV head: the successors (inside `n`) of
+    /// the `count` candidates (id and exact weight) of most weight, ties to the lower id.
+    fn want_followed(mut candidates: Vec<(f64, u32)>, count: usize, n: usize) -> Vec<(u32, f64)> {
+        candidates.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        (0..count)
+            .map(|r| match candidates.get(r) {
+                Some(&(w, id)) if (id as usize + 1) < n => (id + 1, w),
+                Some(&(w, _)) => (NO_TOKEN, w),
+                None => (NO_TOKEN, -1.0),
+            })
+            .collect()
+    }
+
     /// Bucket attention over a stored corpus (the first `tokens - tail` rows: its runs and
-    /// visited buckets) and a query's own tail in another buffer (the last rows, as a ring
-    /// whose runs may wrap), against the reference over the same ids; then the attention
-    /// mass each corpus row received against the reference's weights.
+    /// visited buckets, and in some launches ids followed besides them) and a query's own
+    /// tail in another buffer (the last rows, as a ring whose runs may wrap), against the
+    /// reference over the same ids; then the attention mass each corpus row received against
+    /// the reference's weights, and what a following launch would follow next.
     fn bucket_case<T: KvElement, const TC: bool>(
         gpu: &Gpu,
         rng: &mut StdRng,
@@ -564,6 +614,8 @@ mod on_gpu {
             .into_iter()
             .chain(ids_of(&tail_runs).into_iter().map(|r| n as u32 + r))
             .collect();
+        let bucket_of = BucketOf::new(gpu, &buckets, kv_heads, count, n)?;
+        let mut scratch = FollowScratch::new(gpu)?;
         // No bucket, some, and all of them.
         for fraction in [0.0, rng.random_range(0.0..0.5), 1.0] {
             let visited: Vec<Vec<u32>> = (0..kv_heads)
@@ -581,6 +633,26 @@ mod on_gpu {
                 kv: &ring,
                 runs: &tail_runs,
             };
+            let visited_ids: Vec<Vec<u32>> = visited
+                .iter()
+                .map(|bs| {
+                    bs.iter()
+                        .flat_map(|&b| bucket_lists[b as usize].clone())
+                        .collect()
+                })
+                .collect();
+            // Half the launches follow ids besides their buckets.
+            let per_head = rng.random_range(1..=12);
+            let followed: Option<Vec<Vec<u32>>> = rng.random_bool(0.5).then(|| {
+                visited_ids
+                    .iter()
+                    .map(|ids| followed_ids(rng, per_head, n, &runs, ids))
+                    .collect()
+            });
+            let follow_ids: Option<CudaSlice<u32>> = followed
+                .as_ref()
+                .map(|f| gpu.upload(&f.concat()))
+                .transpose()?;
             let counted: CudaSlice<u64> = gpu.upload(&[7])?;
             let part = Buckets {
                 kv: (&corpus).into(),
@@ -588,6 +660,10 @@ mod on_gpu {
                 ids: &buckets,
                 visited: &visited_csr,
                 count: Some(&counted),
+                follow: follow_ids.as_ref().map(|ids| Followed {
+                    ids,
+                    buckets: &bucket_of,
+                }),
             };
             bucket_attention(
                 gpu,
@@ -598,19 +674,27 @@ mod on_gpu {
                 &mut out.as_view_mut(),
             )?;
             let got = written(gpu, &out)?;
-            let attended: Vec<Vec<u32>> = visited
+            let in_runs = |id: &u32| runs.iter().any(|r| r.contains(id));
+            let attended: Vec<Vec<u32>> = visited_ids
                 .iter()
-                .map(|bs| {
+                .enumerate()
+                .map(|(h, bucket_ids)| {
                     let mut ids = dense_ids.clone();
-                    let bucket_ids = bs.iter().flat_map(|&b| &bucket_lists[b as usize]);
-                    ids.extend(bucket_ids.filter(|id| !runs.iter().any(|r| r.contains(id))));
+                    ids.extend(bucket_ids.iter().filter(|id| !in_runs(id)));
+                    if let Some(followed) = &followed {
+                        ids.extend(followed[h].iter().filter(|&&id| {
+                            (id as usize) < n && !in_runs(&id) && !bucket_ids.contains(&id)
+                        }));
+                    }
                     ids
                 })
                 .collect();
             let what = format!(
-                "buckets {:?} {shape:?} tail {tail} {count} buckets, visited {}, tensor cores {TC}",
+                "buckets {:?} {shape:?} tail {tail} {count} buckets, visited {}, following {}, \
+                 tensor cores {TC}",
                 T::DTYPE,
-                visited[0].len()
+                visited[0].len(),
+                followed.as_ref().map_or(0, |_| per_head),
             );
             close(&what, &got, &layer.reference(&attended)?, TOLERANCE)?;
             // The launch added the bucket ids it attended to the count.
@@ -632,6 +716,40 @@ mod on_gpu {
                 &want,
                 TOLERANCE,
             )?;
+            // What the next step follows: the successors of the most weighed of the bucket
+            // and followed ids (not the runs nor the tail).
+            let next_count = rng.random_range(1..=10);
+            let mut next = gpu.upload(&vec![5u32; kv_heads * next_count])?;
+            follow_most_attended(gpu, &workspace, part, &mut scratch, &mut next)?;
+            let got = gpu.download(&next)?;
+            for (h, ids) in attended.iter().enumerate() {
+                let weights = layer.head_weights(h, ids);
+                let candidates: Vec<(f64, u32)> = ids
+                    .iter()
+                    .zip(&weights)
+                    .skip(dense_ids.len())
+                    .map(|(&id, &w)| (w, id))
+                    .collect();
+                let weight_of = |id: u32| candidates.iter().find(|c| c.1 == id).map(|c| c.0);
+                let want = want_followed(candidates.clone(), next_count, n);
+                for (r, (&got, &(want, want_w))) in got[h * next_count..][..next_count]
+                    .iter()
+                    .zip(&want)
+                    .enumerate()
+                {
+                    // A near tie may rank the other way in f32: the weights must agree.
+                    let got_w = match got {
+                        NO_TOKEN if want == NO_TOKEN => want_w,
+                        NO_TOKEN => weight_of(n as u32 - 1).unwrap_or(-1.0),
+                        id => weight_of(id - 1).unwrap_or(-2.0),
+                    };
+                    ensure!(
+                        got == want || (got_w - want_w).abs() <= 1e-5,
+                        "{what}: head {h} follows {got} at rank {r} (weight {got_w:.6}), \
+                         want {want} (weight {want_w:.6})"
+                    );
+                }
+            }
         }
         Ok(())
     }
@@ -744,6 +862,7 @@ mod on_gpu {
                 ids: &buckets,
                 visited: &visited_csr,
                 count: None,
+                follow: None,
             };
             let dense = Dense { kv: &kv, runs: &[] };
             bucket_attention(
@@ -1136,6 +1255,7 @@ mod on_gpu {
                     dense,
                     &kv,
                     &runs,
+                    None,
                     &mut out.as_view_mut(),
                 )?;
                 let visited: Vec<u32> = visits.visited().to_lists(&gpu)?.concat();
@@ -1275,6 +1395,7 @@ mod on_gpu {
                 dense,
                 &host,
                 &runs,
+                None,
                 &mut out_b.as_view_mut(),
             )?;
             let (got_a, got_b) = (written(gpu, &out_a)?, written(gpu, &out_b)?);
@@ -1584,6 +1705,7 @@ mod on_gpu {
             ids: &buckets,
             visited: &visited,
             count: None,
+            follow: None,
         };
         ensure!(out_of_range(bucket_attention(
             &gpu,
@@ -1608,6 +1730,7 @@ mod on_gpu {
                 ids: &buckets,
                 visited: &visited,
                 count: None,
+                follow: None,
             },
             &mut out.as_view_mut()
         )));

@@ -23,6 +23,10 @@
 //!   every key of them, the corpus's sinks and window and the tail
 //!   (`Partition::route_and_attend`: the attention's launch starts while routing runs): no
 //!   host round trip;
+//!   A query that follows its most attended tokens (`--follow`) does so there too: after the
+//!   step's last position `follow_most_attended` ranks what each KV head attended and writes
+//!   the successors of the most weighed for the layer's next step, whose bucket launch
+//!   attends them besides its buckets ([`RoutedFollowing`]);
 //! - every other index searches on CPU threads: the layer's queries are copied to the host
 //!   once per call and the selection is uploaded as each KV head's list for
 //!   `retrieval_attention`, with the corpus's sinks and window as runs and the tail dense.
@@ -47,9 +51,10 @@ use kvdb_kernels::cudarc::driver::sys::{CUevent_flags, CUresult};
 use kvdb_kernels::cudarc::driver::CudaViewMut;
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
-    attention_mass, attention_weights, retrieval_attention, BlockCache, CacheStats, ClassifierHead,
-    Csr, Dense, HostKv, KernelError, KvCache, KvRows, ListPart, Partition, Query, RouteRope,
-    RouteStep, Selected, Visits, Workspace, MAX_VISITED_BUCKETS,
+    attention_mass, attention_weights, follow_most_attended, retrieval_attention, BlockCache,
+    Buckets, CacheStats, ClassifierHead, Csr, Dense, FollowScratch, Followed, HostKv, KernelError,
+    KvCache, KvRows, ListPart, Partition, Query, RouteRope, RouteStep, Selected, Visits, Workspace,
+    MAX_VISITED_BUCKETS, NO_TOKEN,
 };
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
@@ -675,6 +680,51 @@ impl Routes {
     }
 }
 
+/// What a query that follows its most attended tokens follows at each layer routed on the
+/// GPU: per KV head, the successors of the tokens the layer's last step weighed most, ranked
+/// on the GPU after that step ([`follow_most_attended`]) and attended by the next step's
+/// bucket launch besides its buckets, as the CPU's selection gains them
+/// ([`crate::Retrieval::follow`]).
+struct RoutedFollowing {
+    /// Per layer of the model (`None` for a layer not routed): two lists of `[kv_heads,
+    /// follow]` ids, the one the next step attends (`current`) and the one the ranking after
+    /// it writes.
+    layers: Vec<Option<([CudaSlice<u32>; 2], usize)>>,
+    scratch: FollowScratch,
+}
+
+impl RoutedFollowing {
+    /// Nothing followed yet at any routed layer of `routes`, `follow` ids per KV head; each
+    /// routed partition's bucket map made for its layer's rows of `kv` (once per corpus).
+    fn new(
+        gpu: &kvdb_model::Gpu,
+        routes: &Routes,
+        kv: &GpuCorpusKv,
+        kv_heads: usize,
+        follow: usize,
+    ) -> Result<Self> {
+        let none = vec![NO_TOKEN; kv_heads * follow];
+        let layers = routes
+            .partitions
+            .layers
+            .iter()
+            .zip(&kv.layers)
+            .map(|(layer, rows)| match (layer, rows) {
+                (Some((partition, _)), Some(rows)) => {
+                    partition.bucket_of(gpu, rows.rows().tokens())?;
+                    Ok(Some(([gpu.upload(&none)?, gpu.upload(&none)?], 0)))
+                }
+                _ => Ok(None),
+            })
+            .collect::<kvdb_kernels::Result<Vec<_>>>()
+            .map_err(ModelError::from)?;
+        Ok(Self {
+            layers,
+            scratch: FollowScratch::new(gpu).map_err(ModelError::from)?,
+        })
+    }
+}
+
 /// One query's attention at the retrieval layers of a GPU sequence.
 struct GpuSession<'c, 'm> {
     /// The attention mass each corpus token received from the answer, once it starts.
@@ -684,6 +734,8 @@ struct GpuSession<'c, 'm> {
     kv: Arc<GpuCorpusKv>,
     /// Routing on the GPU, when the query's index allows it.
     routes: Option<Routes>,
+    /// What each routed layer follows, when the query follows its most attended tokens.
+    following: Option<RoutedFollowing>,
     /// Per layer, the CPU's RoPE (what the CPU searchers rotate with).
     ropes: Vec<&'m Rope>,
     workspace: Workspace,
@@ -806,10 +858,7 @@ impl Provenance {
     }
 
     /// Adds the workspace's last launch's weights of `part`'s rows to the mass, once what
-    /// `gpu` queued so far (that launch) has run: on `gpu`'s stream when it is the
-    /// sequence's own (`own_stream`: nothing else waits behind it but this sequence's next
-    /// launches, which would wait for the mass anyway), else on this stream, beside the
-    /// layer's remaining work.
+    /// `gpu` queued so far (that launch) has run ([`Provenance::beside`]).
     fn add<T: kvdb_kernels::KvElement>(
         &mut self,
         gpu: &kvdb_model::Gpu,
@@ -818,18 +867,32 @@ impl Provenance {
         workspace: &Workspace,
         part: ListPart<'_, T>,
     ) -> Result<()> {
+        self.beside(gpu, own_stream, timer, "provenance", |side, mass| {
+            attention_mass(side, workspace, part, mass)
+        })
+    }
+
+    /// Launches `work` (stage `stage`, given the stream's handle and the mass) once what
+    /// `gpu` queued so far has run: on `gpu`'s stream when it is the sequence's own
+    /// (`own_stream`: nothing else waits behind it but this sequence's next launches, which
+    /// would wait for the work anyway), else on this stream, beside the layer's remaining
+    /// work; [`Provenance::join`] makes later launches wait for it.
+    fn beside(
+        &mut self,
+        gpu: &kvdb_model::Gpu,
+        own_stream: bool,
+        timer: &mut Option<StageTimer>,
+        stage: &'static str,
+        work: impl FnOnce(&kvdb_model::Gpu, &mut CudaSlice<f32>) -> kvdb_kernels::Result<()>,
+    ) -> Result<()> {
         let mass = &mut self.mass;
         if own_stream {
-            return StageTimer::time(timer, gpu, "provenance", || {
-                attention_mass(gpu, workspace, part, mass)
-            });
+            return StageTimer::time(timer, gpu, stage, || work(gpu, mass));
         }
         gpu.record(&self.launched).map_err(ModelError::from)?;
         self.gpu.wait(&self.launched).map_err(ModelError::from)?;
         let side = &self.gpu;
-        StageTimer::time(timer, side, "provenance", || {
-            attention_mass(side, workspace, part, mass)
-        })?;
+        StageTimer::time(timer, side, stage, || work(side, mass))?;
         self.gpu.record(&self.done).map_err(ModelError::from)?;
         self.pending = true;
         Ok(())
@@ -930,9 +993,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
             .map(|l| model.model.rope(l))
             .collect::<Option<Vec<&Rope>>>()
             .ok_or_else(|| Error::Internal("a layer of the model has no RoPE".into()))?;
-        // A query that follows its most attended tokens searches on the CPU, where its
-        // selections gain them (`QueryState::select`): no bucket launch attends a list too.
-        let routes = match session.index_set().filter(|_| !session.follows()) {
+        let routes = match session.index_set() {
             Some(set) => match kv.partitions(
                 set,
                 &ropes,
@@ -944,11 +1005,22 @@ impl<'c, 'm> GpuSession<'c, 'm> {
             },
             None => None,
         };
+        let following = match (&routes, session.follow()) {
+            (Some(routes), follow) if follow > 0 => Some(RoutedFollowing::new(
+                gpu.gpu(),
+                routes,
+                &kv,
+                config.n_kv_heads,
+                follow,
+            )?),
+            _ => None,
+        };
         let profile = session.profile;
         Ok(Self {
             session,
             kv,
             routes,
+            following,
             ropes,
             workspace: Workspace::new(gpu.gpu()).map_err(ModelError::from)?,
             lists: Csr::from_lists::<&[u32]>(gpu.gpu(), &[]).map_err(ModelError::from)?,
@@ -1115,6 +1187,24 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                         candidates: policy.candidates(position),
                     };
                     let corpus = layer_rows.rows();
+                    // What the layer follows (the ids its last step's ranking wrote), and
+                    // where the ranking after this step writes what the next follows.
+                    let following = self.following.as_mut().and_then(|f| {
+                        let RoutedFollowing { layers, scratch } = f;
+                        let (lists, current) = layers.get_mut(call.layer)?.as_mut()?;
+                        let [a, b] = lists;
+                        let (ids, next) = if *current == 0 { (&*a, b) } else { (&*b, a) };
+                        Some((ids, next, current, scratch))
+                    });
+                    let follow = match &following {
+                        Some((ids, ..)) => Some(Followed {
+                            ids,
+                            buckets: partition
+                                .bucket_of(gpu, corpus.tokens())
+                                .map_err(ModelError::from)?,
+                        }),
+                        None => None,
+                    };
                     let workspace = &mut self.workspace;
                     StageTimer::time(&mut self.timer, gpu, "routing and attention", || {
                         partition.route_and_attend(
@@ -1127,16 +1217,38 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                             dense,
                             corpus,
                             &corpus_runs,
+                            follow,
                             &mut out,
                         )
                     })?;
                     self.session
                         .record_routed(position, kv_heads, partition.buckets());
-                    ListPart::Buckets(partition.list_part(visits, layer_rows.rows(), &corpus_runs))
+                    let part = Buckets {
+                        follow,
+                        ..partition.list_part(visits, layer_rows.rows(), &corpus_runs)
+                    };
+                    // The step's last position decides what the layer's next step follows.
+                    if let Some((_, next, current, scratch)) = following {
+                        if i + 1 == call.positions.len() {
+                            let provenance = Provenance::started(&mut self.provenance, gpu, n)?;
+                            let workspace = &self.workspace;
+                            provenance.beside(
+                                gpu,
+                                call.own_stream,
+                                &mut self.timer,
+                                "following",
+                                |side, _| {
+                                    follow_most_attended(side, workspace, part, scratch, next)
+                                },
+                            )?;
+                            *current = 1 - *current;
+                        }
+                    }
+                    ListPart::Buckets(part)
                 }
                 (None, Some(found)) => {
                     // The step's last position decides what the layer's next search follows.
-                    let weigh = self.session.follows() && i + 1 == call.positions.len();
+                    let weigh = self.session.follow() > 0 && i + 1 == call.positions.len();
                     let lists: Vec<Vec<u32>> = found
                         .iter()
                         .map(|per_token| {

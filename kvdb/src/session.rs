@@ -1207,10 +1207,11 @@ impl<'c> QueryState<'c> {
         })
     }
 
-    /// Whether the query follows the most attended tokens ([`Retrieval::follow`]).
+    /// How many of the most attended tokens the query follows ([`Retrieval::follow`]; 0:
+    /// none).
     #[cfg(feature = "gpu")]
-    pub(crate) fn follows(&self) -> bool {
-        self.retriever.as_ref().is_some_and(|r| r.budget.follow > 0)
+    pub(crate) fn follow(&self) -> usize {
+        self.retriever.as_ref().map_or(0, |r| r.budget.follow)
     }
 
     /// Sets what each KV head of retrieval layer `layer` follows at the next step from its
