@@ -97,8 +97,8 @@ pub(crate) struct AskArgs {
     breadth: Option<usize>,
     /// At every step also attend the token after each of the N retrieved tokens the step
     /// before attended most, per KV head (helps an answer that copies a number or a name
-    /// from the corpus; on the GPU every index then searches on the CPU).
-    #[arg(long, default_value_t = 0, value_name = "N", value_parser = crate::retrieval_follow)]
+    /// from the corpus); 0 turns it off.
+    #[arg(long, default_value_t = kvdb::DEFAULT_FOLLOW, value_name = "N", value_parser = crate::retrieval_follow)]
     follow: usize,
     /// Attend to every corpus token exactly instead of retrieving (the reference).
     #[arg(long)]

@@ -76,7 +76,8 @@ pub use saap_training::{
 pub use ram_tier::TierStats;
 pub use session::{
     Answer, AskOptions, AttentionMode, Corpus, DocumentShare, GpuKv, PassageShare, Provenance,
-    Retrieval, RetrievalStats, Session, Timings, Together, DEFAULT_K, PASSAGE_TOKENS,
+    Retrieval, RetrievalStats, Session, Timings, Together, DEFAULT_FOLLOW, DEFAULT_K,
+    PASSAGE_TOKENS,
 };
 #[cfg(feature = "gpu")]
 pub use session::{GpuFootprint, GpuUpload};

@@ -33,6 +33,13 @@ pub const PASSAGE_TOKENS: usize = 32;
 /// Default retrieved keys per retrieval layer and KV head.
 pub const DEFAULT_K: usize = 64;
 
+/// Tokens a question follows by default in `kvdb ask` and the server ([`Retrieval::follow`]):
+/// following the 8 most attended found needles' last digits that hip and ivf lost at 16K and
+/// 32K tokens (docs/benchmarks.md, "What hip and ihip lose on a needle") for a few ids a
+/// search, and costs 2% of a routed decode step on the GPU ("Following on the GPU without
+/// the host"). [`Retrieval::default`] follows nothing: a library caller asks for it.
+pub const DEFAULT_FOLLOW: usize = 8;
+
 /// How a query attends to the corpus in its retrieval layers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AttentionMode {
@@ -63,7 +70,8 @@ pub struct Retrieval {
     /// retrieved tokens its attention weighted most at the step before (0: off). A model
     /// that copies text (a number, a name) attends one position further each step, as
     /// MInference's slash lines show; an index searched with the next step's query can miss
-    /// that next key, and this adds it without scoring anything. CPU sessions only for now.
+    /// that next key, and this adds it without scoring anything. On the CPU and the GPU (an
+    /// index routed on the GPU ranks and attends what it follows there).
     pub follow: usize,
 }
 

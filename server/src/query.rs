@@ -49,10 +49,10 @@ pub struct QueryRequest {
     pub k: Option<usize>,
     /// At every step, each KV head also attends the token after each of the `follow`
     /// retrieved tokens it attended most at the step before (helps an answer that copies a
-    /// number or a name from the corpus); 0 (the default) is off. CPU sessions only for now:
-    /// a server on a GPU refuses it (422, or an `error` event when streamed).
-    #[serde(default)]
-    #[schema(maximum = 65536)] // kvdb::MAX_K, which the HTTP tests check it against.
+    /// number or a name from the corpus); 0 is off.
+    #[serde(default = "default_follow")]
+    #[schema(maximum = 65536, default = 8)]
+    // kvdb::MAX_K and DEFAULT_FOLLOW, which the HTTP tests check.
     pub follow: usize,
     /// Attend to every corpus token exactly instead of retrieving (no provenance).
     #[serde(default)]
@@ -67,6 +67,11 @@ pub struct QueryRequest {
     /// event with the whole answer (as the plain answer), or an `error` event.
     #[serde(default)]
     pub stream: bool,
+}
+
+/// `follow` when a query leaves it out.
+fn default_follow() -> usize {
+    kvdb::DEFAULT_FOLLOW
 }
 
 /// Sampling and stopping, shared by every generating endpoint.
@@ -209,6 +214,7 @@ impl Ask {
                 mode: AttentionMode::Retrieval(Retrieval {
                     index,
                     k,
+                    follow: kvdb::DEFAULT_FOLLOW,
                     ..Retrieval::default()
                 }),
                 generate: GenerateOptions {

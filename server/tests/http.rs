@@ -523,14 +523,14 @@ async fn queries_answer_as_json_and_as_events() -> Result<()> {
 }
 
 /// Keys a search of flat's selected on average, following `follow` tokens (greedy, so the
-/// same question answers the same with the same `follow`).
+/// same question answers the same with the same `follow`; null leaves the field out).
 async fn selected_per_search(s: &TestServer, follow: Value) -> Result<f64> {
-    let answer = ask(
-        s,
-        json!({"question": "What colour is the river?", "max_tokens": 8, "index": "flat",
-               "k": 16, "follow": follow}),
-    )
-    .await?;
+    let mut query = json!({"question": "What colour is the river?", "max_tokens": 8,
+                           "index": "flat", "k": 16});
+    if !follow.is_null() {
+        query["follow"] = follow;
+    }
+    let answer = ask(s, query).await?;
     let retrieval = &answer["retrieval"];
     let (selected, searches) = (
         retrieval["selected"].as_f64(),
@@ -545,8 +545,9 @@ async fn selected_per_search(s: &TestServer, follow: Value) -> Result<f64> {
 /// `follow` reaches the session: each decode step's searches also select the successors of
 /// the tokens the step before attended most, so the same question selects more keys a
 /// search, at most `follow` more (the field is not refused when unknown, so only its effect
-/// shows it arrived). The largest value answers, larger ones are refused naming the field,
-/// and the OpenAPI schema states the bound.
+/// shows it arrived); a query without it follows `DEFAULT_FOLLOW`. The largest value
+/// answers, larger ones are refused naming the field, and the OpenAPI schema states the
+/// bound and the default.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn follow_adds_the_most_attended_tokens_successors() -> Result<()> {
     let s = with_corpus(|_| {}).await?;
@@ -556,6 +557,9 @@ async fn follow_adds_the_most_attended_tokens_successors() -> Result<()> {
         followed > plain && followed <= plain + 8.0,
         "{followed} ids a search following 8, {plain} without"
     );
+    assert_eq!(kvdb::DEFAULT_FOLLOW, 8);
+    let by_default = selected_per_search(&s, Value::Null).await?;
+    assert_eq!(by_default, followed, "a query without `follow`");
     // As many as a query may retrieve allocates no more than the selections hold.
     selected_per_search(&s, json!(kvdb::MAX_K)).await?;
 
@@ -590,6 +594,11 @@ async fn follow_adds_the_most_attended_tokens_successors() -> Result<()> {
     assert_eq!(
         follow["maximum"].as_u64(),
         Some(kvdb::MAX_K as u64),
+        "{follow}"
+    );
+    assert_eq!(
+        follow["default"].as_u64(),
+        Some(kvdb::DEFAULT_FOLLOW as u64),
         "{follow}"
     );
     Ok(())
