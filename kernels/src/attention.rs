@@ -265,7 +265,7 @@ pub struct BucketOf {
 impl BucketOf {
     /// The buckets of `rows` rows per KV head from `ids` (`kv_heads * buckets` lists of
     /// token ids, each id of a head in at most one of its lists, as [`Buckets::ids`]; lists
-    /// after those are ignored), computed on the GPU.
+    /// after those are ignored), computed on the GPU; ready for any stream when returned.
     pub fn new(gpu: &Gpu, ids: &Csr, kv_heads: usize, buckets: usize, rows: usize) -> Result<Self> {
         let lists = kv_heads * buckets;
         if lists > ids.lists() {
@@ -305,6 +305,8 @@ impl BucketOf {
             // `of` holds `kv_heads * rows` entries.
             unsafe { builder.launch(config) }.map_err(driver("launching bucket_of"))?;
         }
+        // Launches on other streams (other questions) may read the map once it is returned.
+        gpu.synchronize()?;
         Ok(Self { lists: of, rows })
     }
 }
