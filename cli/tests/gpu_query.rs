@@ -34,7 +34,7 @@ mod on_gpu {
     use anyhow::{ensure, Result};
     use kvdb::ingest;
     use kvdb::read_documents;
-    use kvdb::store::{Access, Store};
+    use kvdb::store::{Access, LayerPolicy, Store};
     use kvdb::GenerateOptions;
     use kvdb::{train_artifact, SaapTraining};
     use kvdb::{Answer, AskOptions, AttentionMode, Corpus, Retrieval};
@@ -207,8 +207,8 @@ mod on_gpu {
         ask(gpu, &on_host, retrieval("ivf16,np4,norope,all", None)?)?;
         let routed = on_host.gpu_footprint();
         ensure!(
-            routed.gpu_bytes == 0,
-            "a question routed on the GPU allocated caches: {routed:?}"
+            routed.gpu_bytes == 0 && routed.routing_bytes > 0,
+            "a question routed on the GPU allocated caches, or no partition: {routed:?}"
         );
         let in_place = open(GpuKv::Host {
             cache_bytes: Some(0),
@@ -590,8 +590,23 @@ mod on_gpu {
             together_as_alone(&gpu, &on_gpu, retrieval(spec, None)?)?;
         }
         // Questions that follow, routed on the GPU and answered together: each ranks what it
-        // follows on its own stream.
+        // follows on its own stream. The first makes the routed partition's map of every
+        // row's bucket (4 bytes a row and KV head in each retrieval layer), which the
+        // footprint counts beside the partition's centroids and lists.
+        let before = on_gpu.gpu_footprint().routing_bytes;
         together_as_alone(&gpu, &on_gpu, following("ivf16,np4,norope,all", 4)?)?;
+        let after = on_gpu.gpu_footprint().routing_bytes;
+        let manifest = on_gpu.manifest();
+        let layers = manifest
+            .layers
+            .iter()
+            .filter(|l| matches!(l, LayerPolicy::All));
+        let rows = manifest.tokens;
+        let map = layers.count() * manifest.model.n_kv_heads * rows * size_of::<u32>();
+        ensure!(
+            before > 0 && after == before + map,
+            "routing footprint {before} bytes before following, {after} after, want {map} more"
+        );
         for spec in ANSWERS {
             let g = ask(&gpu, &on_gpu, retrieval(spec, None)?)?;
             let stats = g.retrieval.clone().unwrap_or_default();

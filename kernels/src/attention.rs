@@ -263,6 +263,11 @@ pub struct BucketOf {
 }
 
 impl BucketOf {
+    /// Bytes of GPU memory the map takes.
+    pub fn bytes(&self) -> usize {
+        self.lists.len() * size_of::<u32>()
+    }
+
     /// The buckets of `rows` rows per KV head from `ids` (`kv_heads * buckets` lists of
     /// token ids, each id of a head in at most one of its lists, as [`Buckets::ids`]; lists
     /// after those are ignored), computed on the GPU; ready for any stream when returned.

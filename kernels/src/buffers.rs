@@ -165,6 +165,11 @@ impl std::fmt::Debug for Csr {
 }
 
 impl Csr {
+    /// Bytes of GPU memory the lists take.
+    pub fn bytes(&self) -> usize {
+        (self.offsets.len() + self.items.len()) * size_of::<u32>()
+    }
+
     /// Uploads one list per entry of `lists`.
     pub fn from_lists<L: AsRef<[u32]>>(gpu: &Gpu, lists: &[L]) -> Result<Self> {
         let (offsets, items) = flatten(lists)?;

@@ -133,6 +133,28 @@ struct Classifier {
     interleaved: bool,
 }
 
+impl Router {
+    /// Bytes of GPU memory the centroids or the classifier take.
+    fn bytes(&self) -> usize {
+        match self {
+            Router::Centroids(centroids) => centroids.len() * size_of::<f32>(),
+            Router::Classifier(c) => {
+                let floats = [
+                    &c.w1,
+                    &c.b1,
+                    &c.w2,
+                    &c.b2,
+                    &c.centroids,
+                    &c.mean_keys,
+                    &c.prior,
+                ];
+                let floats: usize = floats.iter().map(|s| s.len()).sum::<usize>() + c.share.len();
+                floats * size_of::<f32>() + c.inv_freq.len() * size_of::<f64>()
+            }
+        }
+    }
+}
+
 impl Classifier {
     /// Dynamic shared memory of a `saap_scores` block (see `route.cu`): the group's queries,
     /// or in the last block of a head every logit, the sums and the flags.
@@ -398,6 +420,12 @@ impl Partition {
             selected: gpu.zeros(1)?,
             scratch,
         })
+    }
+
+    /// Bytes of GPU memory the partition takes: its router, its lists' ids, and every row's
+    /// bucket once a query followed ids ([`Partition::bucket_of`]).
+    pub fn bytes(&self) -> usize {
+        self.router.bytes() + self.ids.bytes() + self.bucket_of.get().map_or(0, BucketOf::bytes)
     }
 
     /// Every row's bucket, for launches over `rows` rows per KV head that follow ids besides

@@ -220,6 +220,10 @@ pub struct GpuFootprint {
     pub host_bytes: usize,
     /// The block caches' lookups, all layers together (none when the rows are on the GPU).
     pub cache: CacheStats,
+    /// Bytes of GPU memory of the partitions that questions routed on the GPU uploaded (not
+    /// in `gpu_bytes`): centroids or classifiers, the lists' ids, and every row's bucket
+    /// once a question followed ids.
+    pub routing_bytes: usize,
 }
 
 /// An index set's partitions on the GPU, per layer of the model (`None` for layers that do
@@ -229,6 +233,11 @@ struct GpuPartitions {
 }
 
 impl GpuPartitions {
+    /// Bytes of GPU memory the partitions take.
+    fn bytes(&self) -> usize {
+        self.layers.iter().flatten().map(|(p, _)| p.bytes()).sum()
+    }
+
     /// `set`'s partitions when every index of it says how the GPU routes it
     /// (`BucketIndex::gpu_routing`), all of one kind within a layer with the same buckets
     /// per KV head, at most [`kvdb_kernels::MAX_ROUTED_BUCKETS`], and probes at most
@@ -355,15 +364,20 @@ impl GpuCorpusKv {
         // Said before anything is read, rather than as the driver's out-of-memory error
         // halfway through; the rest of the query needs far less than the 1/16 kept free.
         let layer_bytes = 2 * kv_heads * n * d * size_of::<f16>();
-        let (layers_in_all, needed) =
-            (retrieval_layers.len(), retrieval_layers.len() * layer_bytes);
+        let layers_in_all = retrieval_layers.len();
+        // Room is kept for the partitions of an index routed on the GPU, whichever a question
+        // asks for (`GpuPartitions`): the lists' ids and every row's bucket, 4 bytes each a
+        // row and KV head (1.6% of the rows' bytes at head dim 128), beside the centroids.
+        let routing = layers_in_all * 2 * kv_heads * n * size_of::<u32>();
+        let needed = layers_in_all * layer_bytes + routing;
         let free = gpu.gpu().free_memory().map_err(ModelError::from)?;
         let usable = free - free / 16;
         // The first layers that fit in `budget` on the GPU, and the GPU memory of the block
-        // caches in front of the rest: half of what is left.
+        // caches in front of the rest: half of what is left beside the routing.
+        let for_rows = usable.saturating_sub(routing);
         let split = |budget: usize| {
-            let on_gpu = (budget.min(usable) / layer_bytes.max(1)).min(layers_in_all);
-            (on_gpu, (usable - on_gpu * layer_bytes) / 2)
+            let on_gpu = (budget.min(for_rows) / layer_bytes.max(1)).min(layers_in_all);
+            (on_gpu, (for_rows - on_gpu * layer_bytes) / 2)
         };
         // Layers kept on the GPU, and the block caches' memory.
         let (on_gpu, caches) = match placement {
@@ -531,6 +545,9 @@ impl GpuCorpusKv {
                     footprint.cache.bytes_copied += stats.bytes_copied;
                 }
             }
+        }
+        if let Ok(partitions) = self.partitions.lock() {
+            footprint.routing_bytes = partitions.values().flatten().map(|p| p.bytes()).sum();
         }
         footprint
     }
