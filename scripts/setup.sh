@@ -66,7 +66,7 @@ fi
 if [ -x "$CARGO_TARGET_DIR/release/kvdb" ]; then
   say "building kvdb and its tests (up to date in a minute unless the sources changed)"
 else
-  say "building kvdb and its tests into $CARGO_TARGET_DIR: the first build takes about 40"
+  say "building kvdb and its tests into $CARGO_TARGET_DIR: the first build takes 20 to 40"
   say "minutes on 2 cores (RocksDB and faiss most of it); later builds reuse it"
 fi
 cargo build --release --workspace --bins --tests
