@@ -22,13 +22,6 @@
 //! Without a sample (a corpus ingested before samples were kept) it is built, and says so, as
 //! the same spec without `fit`.
 //!
-//! `tail` ranks the lists by how many of each query's top-k keys they are expected to hold
-//! ([`IvfIndex::tail_scores`]): a list's logits for a query are modelled as a normal
-//! distribution about its centroid's logit, with the variance its keys' spread about the
-//! centroid gives along the query, so that a wide list whose centroid scores a little lower
-//! can outrank a tight one that holds none of the largest logits. It costs one more product
-//! per list (the spread), counted as scored.
-//!
 //! Saved bytes hold the centroids, the fitted routing and each key's list (a byte or two a
 //! key), not the keys, which are in the store. In memory the index keeps the keys (rotated,
 //! f32) only where its search reads them: `norope,all` probes with pre-RoPE queries and
@@ -84,9 +77,6 @@ pub struct IvfIndex {
     lists: Vec<Vec<u32>>,
     /// With `fit`: what ranks the lists instead of the centroids.
     routing: Option<FittedRouting>,
-    /// With `tail`: each list's sum over its keys of the squared difference from its
-    /// centroid, per dimension `[lists, d]` (in the partition's space); empty without.
-    spread: Vec<f32>,
     stats: BuildStats,
 }
 
@@ -105,17 +95,6 @@ struct Body {
     centroids: Vec<f32>,
     routing: Option<FittedRouting>,
     /// Each key's list, by id (`None` in saves written before they were kept).
-    assigned: Option<Vec<u32>>,
-    /// With `tail`, the lists' spread ([`IvfIndex::spread`]; `None` in saves written before
-    /// it was kept, and without `tail`).
-    spread: Option<Vec<f32>>,
-}
-
-/// What saves written before the spread was kept hold.
-#[derive(Deserialize)]
-struct WithoutSpread {
-    centroids: Vec<f32>,
-    routing: Option<FittedRouting>,
     assigned: Option<Vec<u32>>,
 }
 
@@ -185,19 +164,10 @@ impl IvfIndex {
     fn decode_body(body: &[u8]) -> Result<Body> {
         decode::<Body>(body)
             .or_else(|_| {
-                decode::<WithoutSpread>(body).map(|old| Body {
-                    centroids: old.centroids,
-                    routing: old.routing,
-                    assigned: old.assigned,
-                    spread: None,
-                })
-            })
-            .or_else(|_| {
                 decode::<WithoutLists>(body).map(|old| Body {
                     centroids: old.centroids,
                     routing: old.routing,
                     assigned: None,
-                    spread: None,
                 })
             })
             .or_else(|_| {
@@ -205,7 +175,6 @@ impl IvfIndex {
                     centroids: old.centroids,
                     routing: None,
                     assigned: None,
-                    spread: None,
                 })
             })
     }
@@ -218,7 +187,7 @@ impl IvfIndex {
             fit: body.routing.is_some(),
             ..*spec
         };
-        Ok(body.assigned.is_none() || keeps_keys(&built) || (spec.tail && body.spread.is_none()))
+        Ok(body.assigned.is_none() || keeps_keys(&built))
     }
 
     /// Rebuilds a saved index of `len` keys: its centroids and lists from `body`. `keys`
@@ -257,8 +226,7 @@ impl IvfIndex {
             fit: body.routing.is_some(),
             ..*spec
         };
-        let reads_keys =
-            body.assigned.is_none() || keeps_keys(&built) || (spec.tail && body.spread.is_none());
+        let reads_keys = body.assigned.is_none() || keeps_keys(&built);
         if reads_keys && keys.len() != len * d {
             return Err(IndexError::Corrupt(format!(
                 "the index covers {len} keys, {} were given",
@@ -284,21 +252,7 @@ impl IvfIndex {
         index.routing = body.routing;
         match body.assigned {
             Some(assigned) => index.take_lists(&assigned, len)?,
-            // Assigning measures the spread too.
-            None => return index.assign(keys, 0).map(|()| index),
-        }
-        if spec.tail {
-            match body.spread {
-                Some(spread) if spread.len() == index.centroids.len() => index.spread = spread,
-                Some(spread) => {
-                    return Err(IndexError::Corrupt(format!(
-                        "{} spread floats for {} lists of {d}",
-                        spread.len(),
-                        spec.lists
-                    )))
-                }
-                None => index.measure_spread(keys)?,
-            }
+            None => index.assign(keys, 0)?,
         }
         Ok(index)
     }
@@ -361,7 +315,6 @@ impl IvfIndex {
         let mut quantizer = FaissFlat::new_l2(rope.head_dim() as u32)?;
         quantizer.add(&centroids)?;
         let lists = vec![Vec::new(); centroids.len() / rope.head_dim()];
-        let centroids_len = centroids.len();
         Ok(Self {
             spec,
             requested,
@@ -372,10 +325,6 @@ impl IvfIndex {
             centroids,
             lists,
             routing: None,
-            spread: match spec.tail {
-                true => vec![0.0; centroids_len],
-                false => Vec::new(),
-            },
             stats,
         })
     }
@@ -406,97 +355,9 @@ impl IvfIndex {
             let id = u32::try_from(first + i)
                 .map_err(|_| IndexError::FaissOutput(format!("token id {}", first + i)))?;
             self.lists[list].push(id);
-            if self.spec.tail {
-                let key = &space[i * d..][..d];
-                add_spread(&mut self.spread, &self.centroids, list, key);
-            }
         }
         self.len = first + pre_rope.len() / d;
         Ok(())
-    }
-
-    /// Measures every list's spread from the keys (pre-RoPE, ids `0..len`): for a save that
-    /// kept the lists but not the spread.
-    fn measure_spread(&mut self, pre_rope: &[f32]) -> Result<()> {
-        let d = self.head_dim();
-        let space = match self.spec.norope {
-            true => pre_rope,
-            false => self.rotated()?.rows(),
-        };
-        let mut spread = vec![0.0; self.centroids.len()];
-        for (list, ids) in self.lists.iter().enumerate() {
-            for &id in ids {
-                add_spread(
-                    &mut spread,
-                    &self.centroids,
-                    list,
-                    &space[id as usize * d..][..d],
-                );
-            }
-        }
-        self.spread = spread;
-        Ok(())
-    }
-
-    /// With `tail`: how many of the top `k` keys of each of the group's `heads` (in the
-    /// partition's space) each list is expected to hold, summed over the heads. For a head
-    /// `q`, list `l`'s logits are taken as normal about its centroid's (`logits[l][h]`),
-    /// with variance `Σᵢ qᵢ² spreadᵢ / size` (its keys' mean squared distance from the
-    /// centroid along each dimension, weighed by the query's); the threshold `t` is where
-    /// the lists' expected counts above it add up to `k`, found by bisection.
-    fn tail_scores(&self, heads: &[&[f32]], logits: &[Vec<f32>], k: usize) -> Vec<f32> {
-        let d = self.head_dim();
-        let mut scores = vec![0.0f32; self.lists.len()];
-        // (keys, mean, deviation) of each list's logits.
-        let mut normal: Vec<(f32, f32, f32)> = Vec::with_capacity(self.lists.len());
-        let max_mode = std::env::var("KVDB_TAIL").is_ok_and(|v| v == "max");
-        for (h, q) in heads.iter().enumerate() {
-            let squared: Vec<f32> = q.iter().map(|x| x * x).collect();
-            normal.clear();
-            normal.extend(self.lists.iter().enumerate().map(|(l, ids)| {
-                let size = ids.len() as f32;
-                let variance = match ids.is_empty() {
-                    true => 0.0,
-                    false => dot(&squared, &self.spread[l * d..][..d]) / size,
-                };
-                (size, logits[l][h], variance.max(0.0).sqrt())
-            }));
-            if max_mode {
-                for (score, &(n, m, s)) in scores.iter_mut().zip(&normal) {
-                    let best = match n {
-                        0.0 => f32::NEG_INFINITY,
-                        _ => m + s * (2.0 * n.ln()).max(0.0).sqrt(),
-                    };
-                    *score = if h == 0 { best } else { score.max(best) };
-                }
-                continue;
-            }
-            let expected = |t: f32| {
-                normal
-                    .iter()
-                    .map(|&(n, m, s)| n * above(t, m, s))
-                    .sum::<f32>()
-            };
-            let (mut low, mut high) = normal.iter().filter(|&&(n, _, _)| n > 0.0).fold(
-                (f32::INFINITY, f32::NEG_INFINITY),
-                |(low, high), &(_, m, s)| (low.min(m - 8.0 * s), high.max(m + 8.0 * s)),
-            );
-            if !(low.is_finite() && high.is_finite()) {
-                continue;
-            }
-            for _ in 0..32 {
-                let middle = 0.5 * (low + high);
-                match expected(middle) > k as f32 {
-                    true => low = middle,
-                    false => high = middle,
-                }
-            }
-            let t = 0.5 * (low + high);
-            for (score, &(n, m, s)) in scores.iter_mut().zip(&normal) {
-                *score += n * above(t, m, s);
-            }
-        }
-        scores
     }
 
     /// The rotated keys, which a search that re-scores or probes a RoPE'd partition reads.
@@ -504,27 +365,6 @@ impl IvfIndex {
         self.keys
             .as_ref()
             .ok_or_else(|| IndexError::Corrupt("an ivf index without its rotated keys".into()))
-    }
-}
-
-/// The share of a normal distribution of mean `mean` and deviation `deviation` above `t`:
-/// the logistic approximation of the normal tail `1 / (1 + exp(1.5976 z + 0.070566 z³))`
-/// (within 2e-4 of it), a point mass without deviation.
-fn above(t: f32, mean: f32, deviation: f32) -> f32 {
-    if deviation <= 0.0 {
-        return f32::from(u8::from(mean > t));
-    }
-    let z = (t - mean) / deviation;
-    1.0 / (1.0 + (z * (1.5976 + 0.070566 * z * z)).exp())
-}
-
-/// Adds `key` (in the partition's space, `d` long) to list `list`'s spread about its centroid:
-/// `spread` and `centroids` are `[lists, d]`.
-fn add_spread(spread: &mut [f32], centroids: &[f32], list: usize, key: &[f32]) {
-    let d = key.len();
-    let centroid = &centroids[list * d..][..d];
-    for ((s, &x), &c) in spread[list * d..][..d].iter_mut().zip(key).zip(centroid) {
-        *s += (x - c) * (x - c);
     }
 }
 
@@ -558,14 +398,8 @@ impl StatelessSearch for IvfIndex {
             .chunks_exact(d)
             .map(|c| heads.iter().map(|q| dot(q, c)).collect())
             .collect();
-        let mut scored = self.spec.lists;
         let group: Vec<f32> = match &self.routing {
             Some(routing) => routing.scores(partition, d),
-            None if self.spec.tail => {
-                // The spread's products, one a list.
-                scored += self.spec.lists;
-                self.tail_scores(&heads, &logits, params.k.max(1))
-            }
             None => logits
                 .iter()
                 .map(|l| l.iter().copied().fold(f32::NEG_INFINITY, f32::max))
@@ -578,6 +412,7 @@ impl StatelessSearch for IvfIndex {
             .copied()
             .filter(|id| eligible.contains(id))
             .collect();
+        let mut scored = self.spec.lists;
         let selection = match &rotated {
             Some(queries) if !whole => {
                 scored += ids.len();
@@ -654,7 +489,7 @@ impl KeyIndex for IvfIndex {
         let ids: usize = self.lists.iter().map(Vec::capacity).sum();
         // The quantizer holds a second copy of the centroids.
         let keys = self.keys.as_ref().map_or(0, FlatIndex::memory_bytes);
-        keys + (2 * self.centroids.capacity() + self.spread.capacity()) * 4 + ids * 4
+        keys + 2 * self.centroids.capacity() * 4 + ids * 4
     }
 
     fn build_stats(&self) -> &BuildStats {
@@ -666,7 +501,6 @@ impl KeyIndex for IvfIndex {
             centroids: self.centroids.clone(),
             routing: self.routing.clone(),
             assigned: Some(self.assignments()),
-            spread: self.spec.tail.then(|| self.spread.clone()),
         })
     }
 
@@ -693,9 +527,7 @@ impl BucketIndex for IvfIndex {
     /// Routing by centroid only: the GPU's routing kernel has no per-bucket bias yet, so a
     /// fitted routing searches on the CPU.
     fn gpu_routing(&self) -> Option<GpuRouting<'_>> {
-        // The GPU ranks lists by centroid: `fit` and `tail` rank them otherwise.
-        let by_centroid = self.routing.is_none() && !self.spec.tail;
-        (self.spec.norope && self.spec.all && by_centroid).then_some(GpuRouting {
+        (self.spec.norope && self.spec.all && self.routing.is_none()).then_some(GpuRouting {
             scores: BucketScores::Centroids(&self.centroids),
             lists: &self.lists,
             probes: self.spec.probes,
@@ -723,86 +555,6 @@ mod tests {
     struct OldestBody {
         centroids: Vec<f32>,
     }
-    /// The body saves wrote before the spread was kept.
-    #[derive(Serialize)]
-    struct OldListsBody {
-        centroids: Vec<f32>,
-        routing: Option<FittedRouting>,
-        assigned: Option<Vec<u32>>,
-    }
-
-    fn ivf_spec(spec: &str) -> Result<IvfSpec> {
-        match spec.parse()? {
-            IndexSpec::Ivf(s) => Ok(s),
-            other => panic!("{other} is not ivf"),
-        }
-    }
-
-    /// Two clusters of keys: a tight one whose centroid scores 1.0 against the query `e0`,
-    /// and a wide one (spread along `e0`) whose centroid scores 0.8 but whose keys hold the
-    /// largest logits. Probing one list, the centroid ranking attends the tight list and
-    /// `tail` the wide one; a saved `tail` index loads to the same search, with its spread
-    /// or (an older save) by measuring it from the keys.
-    #[test]
-    fn tail_probes_the_wide_list_that_holds_the_top_keys() -> Result<()> {
-        let mut rng = StdRng::seed_from_u64(5);
-        let mut keys = vec![0f32; N * D];
-        for (i, key) in keys.chunks_exact_mut(D).enumerate() {
-            let tight = i < N / 2;
-            key[0] = match tight {
-                true => 1.0 + rng.random_range(-0.01..0.01),
-                // Uniform of deviation 1: about 0.8 + 1.7 at most.
-                false => 0.8 + rng.random_range(-1.73..1.73),
-            };
-            key[1] = if tight { 0.0 } else { 6.0 };
-            for x in &mut key[2..] {
-                *x = rng.random_range(-0.01..0.01);
-            }
-        }
-        let context = BuildContext {
-            rope: kvdb_tests::test_rope(RopeStyle::Halves, D),
-            seed: 1,
-            saap: None,
-            queries: None,
-        };
-        let mut q = vec![0f32; D];
-        q[0] = 1.0;
-        let query = GroupQuery {
-            queries: &q,
-            position: N,
-        };
-        let params = SearchParams::top(10, 0..N as u32);
-        let probed = |index: &IvfIndex| -> Result<(Vec<u32>, usize)> {
-            let found = index.search_once(&query, &params)?;
-            Ok((found.selection.ids().to_vec(), found.scored))
-        };
-        let wide: Vec<u32> = (N as u32 / 2..N as u32).collect();
-        let by_centroid = IvfIndex::build(&ivf_spec("ivf2,np1,norope,all")?, &context, &keys)?;
-        let (ids, scored) = probed(&by_centroid)?;
-        assert_eq!(ids, (0..N as u32 / 2).collect::<Vec<_>>());
-        assert_eq!(scored, 2);
-        let spec = ivf_spec("ivf2,np1,norope,all,tail")?;
-        let tail = IvfIndex::build(&spec, &context, &keys)?;
-        let (ids, scored) = probed(&tail)?;
-        assert_eq!(ids, wide);
-        // The centroids' products and the spread's.
-        assert_eq!(scored, 4);
-        let body = tail.save()?;
-        assert!(!IvfIndex::reads_saved_keys(&spec, &body)?);
-        let stats = BuildStats::default();
-        let loaded = IvfIndex::load(&spec, &context, stats.clone(), &body, N, &[])?;
-        assert_eq!(probed(&loaded)?.0, wide);
-        let without_spread = encode(&OldListsBody {
-            centroids: tail.centroids.clone(),
-            routing: None,
-            assigned: Some(tail.assignments()),
-        })?;
-        assert!(IvfIndex::reads_saved_keys(&spec, &without_spread)?);
-        let measured = IvfIndex::load(&spec, &context, stats, &without_spread, N, &keys)?;
-        assert_eq!(measured.spread, tail.spread);
-        assert_eq!(probed(&measured)?.0, wide);
-        Ok(())
-    }
 
     /// Saves of every version load to the same lists (older ones by assigning the keys
     /// again, which they must be given); saved lists that do not fit are refused.
@@ -816,7 +568,10 @@ mod tests {
             saap: None,
             queries: None,
         };
-        let spec = ivf_spec("ivf8,np2,norope,all")?;
+        let spec: IvfSpec = match "ivf8,np2,norope,all".parse()? {
+            IndexSpec::Ivf(s) => s,
+            other => panic!("{other} is not ivf"),
+        };
         let index = IvfIndex::build(&spec, &context, &keys)?;
         let want = index.assignments();
         let stats = BuildStats::default();
@@ -841,7 +596,6 @@ mod tests {
                 centroids: centroids.clone(),
                 routing: None,
                 assigned: Some(assigned),
-                spread: None,
             })
         };
         assert!(!IvfIndex::reads_saved_keys(
