@@ -63,6 +63,16 @@ if $for_tests; then
   fi
 fi
 
+# The build scripts compile C++ through this checkout's scripts/cxx.sh (.cargo/config.toml),
+# and cc compiles RocksDB again whenever that path changes: a build folder last built from
+# another checkout costs RocksDB's whole compile again (and that checkout's next build too).
+owner="$CARGO_TARGET_DIR/.kvdb-checkout"
+if [ -f "$owner" ] && [ "$(cat "$owner")" != "$PWD" ]; then
+  say "$CARGO_TARGET_DIR was last built from $(cat "$owner"): RocksDB compiles again for"
+  say "this checkout (about 15 minutes on 2 cores). Give each checkout a build folder of its"
+  say "own: CARGO_TARGET_DIR=~/.cache/kvdb/target-NAME"
+fi
+mkdir -p "$CARGO_TARGET_DIR" && echo "$PWD" >"$owner"
 if [ -x "$CARGO_TARGET_DIR/release/kvdb" ]; then
   say "building kvdb and its tests (up to date in a minute unless the sources changed)"
 else
