@@ -548,21 +548,13 @@ pub fn attention_mass<T: KvElement>(
     mass: &mut CudaSlice<f32>,
 ) -> Result<()> {
     let (rows, kv_heads) = weighed_rows(part)?;
-    length(
-        "mass (one per token of a KV head)",
-        rows.tokens.map_or(rows.rows.rows, |t| t.tokens),
-        mass.len(),
-    )?;
+    let (mass_ptr, slot_token, slot_shift) = mass_args(gpu, &rows, mass)?;
     let run_items = rows.run_rows().div_ceil(MASS_CHUNK);
     let items = run_items + rows.list_items(MASS_CHUNK);
     let Some(w) = weighing(gpu, workspace, "attention_mass", &rows, kv_heads, items)? else {
         return Ok(());
     };
     let args = PartArgs::new(gpu, &w, &rows, run_items as u32);
-    let mass_ptr = gpu.address(mass);
-    let (slot_token, slot_shift) = rows
-        .tokens
-        .map_or((0, 0), |t| (gpu.address(t.first), t.shift));
     let mut builder = gpu.stream().launch_builder(&w.function);
     args.push(&mut builder);
     builder
@@ -576,6 +568,21 @@ pub fn attention_mass<T: KvElement>(
     // `slot_token`, which the cache's fills wrote for every slot a row of the lists is in).
     unsafe { builder.launch(w.config) }.map_err(driver("launching attention_mass"))?;
     Ok(())
+}
+
+/// The mass arguments of `attention_mass` and `mass_and_follow_weights`: the mass, and where
+/// a block cache's slots map to tokens (zeros for rows read in place), once `mass` is checked
+/// to hold a float per token.
+fn mass_args<T>(gpu: &Gpu, rows: &Rows<'_, T>, mass: &CudaSlice<f32>) -> Result<(u64, u64, u32)> {
+    length(
+        "mass (one per token of a KV head)",
+        rows.tokens.map_or(rows.rows.rows, |t| t.tokens),
+        mass.len(),
+    )?;
+    let (slot_token, slot_shift) = rows
+        .tokens
+        .map_or((0, 0), |t| (gpu.address(t.first), t.shift));
+    Ok((gpu.address(mass), slot_token, slot_shift))
 }
 
 /// Writes to `weights[i]` the attention weight that item `i` of `selected`'s lists (every KV
@@ -631,15 +638,19 @@ pub fn attention_weights<T: KvElement>(
 /// CPU session ranks them; [`NO_TOKEN`] where a successor is past the rows (the tail's,
 /// attended densely anyway) or the candidates ran out. `part` must be the last launch's list
 /// part, and `next` must not be its followed ids (they are read while `next` is written).
-/// Like [`attention_mass`], it may run on another stream that waits for the launch.
+/// Like [`attention_mass`], it may run on another stream that waits for the launch. With
+/// `mass` it also does what [`attention_mass`] does for `part` (runs included), weighing each
+/// row once for both: one launch fewer for a step that counts towards provenance.
 pub fn follow_most_attended<T: KvElement>(
     gpu: &Gpu,
     workspace: &Workspace,
     part: Buckets<'_, T>,
     scratch: &mut FollowScratch,
     next: &mut CudaSlice<u32>,
+    mass: Option<&mut CudaSlice<f32>>,
 ) -> Result<()> {
     let (rows, kv_heads) = weighed_rows(ListPart::Buckets(part))?;
+    let mass = mass.map(|m| mass_args(gpu, &rows, m)).transpose()?;
     if kv_heads == 0 || !next.len().is_multiple_of(kv_heads) {
         return Err(KernelError::Length {
             what: "next followed ids [kv_heads, count]",
@@ -671,22 +682,35 @@ pub fn follow_most_attended<T: KvElement>(
     if scratch.counters.len() < kv_heads {
         scratch.counters = gpu.zeros(kv_heads)?;
     }
-    let items = rows.list_items(MASS_CHUNK);
-    let Some(w) = weighing(gpu, workspace, "follow_weights", &rows, kv_heads, items)? else {
+    // Only the mass weighs the runs; the candidates are the list part's rows.
+    let (run_items, entry) = match mass {
+        Some(_) => (
+            rows.run_rows().div_ceil(MASS_CHUNK),
+            "mass_and_follow_weights",
+        ),
+        None => (0, "follow_weights"),
+    };
+    let items = run_items + rows.list_items(MASS_CHUNK);
+    let Some(w) = weighing(gpu, workspace, entry, &rows, kv_heads, items)? else {
         return Ok(());
     };
-    // The runs are not weighed: no run items. The candidates of a head start every `rows +
-    // followed`, followed ids or not (`head_rows` is the bucket map's rows, none without).
-    let mut args = PartArgs::new(gpu, &w, &rows, 0);
+    // The candidates of a head start every `rows + followed`, followed ids or not
+    // (`head_rows` is the bucket map's rows, none without).
+    let mut args = PartArgs::new(gpu, &w, &rows, run_items as u32);
     args.head_rows = tokens_u32;
     let (weight, id) = (gpu.address(&scratch.weight), gpu.address(&scratch.id));
     let mut builder = gpu.stream().launch_builder(&w.function);
     args.push(&mut builder);
-    builder.arg(&w.lse).arg(&weight).arg(&id);
-    // Safety: the arguments match `follow_weights`'s signature in order and type; every
-    // address is of a live buffer whose length was checked against the rows the kernel
-    // reads (the bucket map has `tokens` rows per head, checked by `check_rows`), and the
-    // scratch holds `tokens + followed` candidates per KV head.
+    builder.arg(&w.lse);
+    if let Some((mass_ptr, slot_token, slot_shift)) = &mass {
+        builder.arg(mass_ptr).arg(slot_token).arg(slot_shift);
+    }
+    builder.arg(&weight).arg(&id);
+    // Safety: the arguments match `follow_weights`'s signature in order and type, or with
+    // the mass `mass_and_follow_weights`'s; every address is of a live buffer whose length
+    // was checked against the rows the kernel reads (the bucket map has `tokens` rows per
+    // head, checked by `check_rows`; the mass one float per row), and the scratch holds
+    // `tokens + followed` candidates per KV head.
     unsafe { builder.launch(w.config) }.map_err(driver("launching follow_weights"))?;
     let pick = gpu.follow_kernel("follow_pick")?;
     let next_ptr = gpu.address(next);

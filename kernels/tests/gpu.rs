@@ -720,7 +720,7 @@ mod on_gpu {
             // and followed ids (not the runs nor the tail).
             let next_count = rng.random_range(1..=10);
             let mut next = gpu.upload(&vec![5u32; kv_heads * next_count])?;
-            follow_most_attended(gpu, &workspace, part, &mut scratch, &mut next)?;
+            follow_most_attended(gpu, &workspace, part, &mut scratch, &mut next, None)?;
             let got = gpu.download(&next)?;
             for (h, ids) in attended.iter().enumerate() {
                 let weights = layer.head_weights(h, ids);
@@ -749,6 +749,25 @@ mod on_gpu {
                          want {want} (weight {want_w:.6})"
                     );
                 }
+            }
+            // A step that counts towards provenance ranks and adds the mass in one launch:
+            // the same picks (each row weighed as alone) and the same mass.
+            if n > 0 {
+                let mut both = gpu.zeros::<f32>(n)?;
+                let mut fused = gpu.upload(&vec![5u32; kv_heads * next_count])?;
+                let mass = Some(&mut both);
+                follow_most_attended(gpu, &workspace, part, &mut scratch, &mut fused, mass)?;
+                ensure!(
+                    gpu.download(&fused)? == got,
+                    "{what}: following with the mass picks otherwise"
+                );
+                let got_mass = gpu.download(&both)?;
+                close(
+                    &format!("{what}: mass beside following"),
+                    &got_mass,
+                    &want,
+                    TOLERANCE,
+                )?;
             }
         }
         Ok(())

@@ -1192,6 +1192,8 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                 kv: call.tail,
                 runs: &tail_runs,
             };
+            // Whether the following's launch added this position's mass already.
+            let mut mass_added = false;
             let part = match (&mut routed, &found) {
                 (Some((partition, visits)), _) => {
                     let raw = call.raw_queries.slice(i * q..(i + 1) * q);
@@ -1244,21 +1246,29 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                         follow,
                         ..partition.list_part(visits, layer_rows.rows(), &corpus_runs)
                     };
-                    // The step's last position decides what the layer's next step follows.
+                    // The step's last position decides what the layer's next step follows;
+                    // where it also counts towards provenance, the same launch adds the mass.
                     if let Some((_, next, current, scratch)) = following {
                         if i + 1 == call.positions.len() {
                             let provenance = Provenance::started(&mut self.provenance, gpu, n)?;
                             let workspace = &self.workspace;
+                            let counts = self.session.counts_mass_at(position);
+                            let stage = match counts {
+                                true => "provenance and following",
+                                false => "following",
+                            };
                             provenance.beside(
                                 gpu,
                                 call.own_stream,
                                 &mut self.timer,
-                                "following",
-                                |side, _| {
-                                    follow_most_attended(side, workspace, part, scratch, next)
+                                stage,
+                                |side, mass| {
+                                    let mass = counts.then_some(mass);
+                                    follow_most_attended(side, workspace, part, scratch, next, mass)
                                 },
                             )?;
                             *current = 1 - *current;
+                            mass_added = counts;
                         }
                     }
                     ListPart::Buckets(part)
@@ -1324,7 +1334,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                 }
             };
             // Provenance: the weight each corpus token received from this answer token.
-            if self.session.counts_mass_at(position) {
+            if self.session.counts_mass_at(position) && !mass_added {
                 let provenance = Provenance::started(&mut self.provenance, gpu, n)?;
                 provenance.add(gpu, call.own_stream, &mut self.timer, &self.workspace, part)?;
             }
