@@ -1054,54 +1054,20 @@ struct PutCandidate {
     }
 };
 
-// ListPart::item's visitor for `follow_weights`: the runs are not weighed (the launcher gives
-// it no run items).
-struct CandidateVisit {
-    const u16* k;
-    const HeadWeights* head;
-    float* weight;
-    u32* id;
-    u32 cap;
-    __device__ __forceinline__ void operator()(const VisitedRows& rows, u32 n) const {
-        weigh_rows(rows, n, k, head->qf, head->lse, PutCandidate{weight, id, rows.start, cap});
-    }
-    __device__ __forceinline__ void operator()(const FollowRows& rows, u32 n) const {
-        weigh_rows(rows, n, k, head->qf, head->lse, PutCandidate{weight, id, cap, 0xffffffffu});
-    }
-    template <class RowOf>
-    __device__ __forceinline__ void operator()(const RowOf&, u32) const {}
-};
-
-// The weight every row of a bucket launch's list part (visited buckets and followed ids,
-// not the runs) received in the workspace's last launch, summed over its KV head's group,
-// with its id: head h's candidates at `weight`/`id` + h * (head_rows + follow_count), what
-// `follow_pick` (follow.cu) ranks.
-extern "C" __global__ void __launch_bounds__(THREADS)
-follow_weights(WEIGHED_PARAMS, const float* __restrict__ lse, float* __restrict__ weight,
-               u32* __restrict__ id) {
-    const u32 h = blockIdx.y;
-    const HeadWeights head(q, h, scale_log2, lse);
-    const ListPart part = WEIGHED_PART;
-    const u64 at = (u64)h * l_stride * HEAD_DIM;
-    const u64 stride = (u64)head_rows + follow_count;
-    part.item(blockIdx.x, h,
-              CandidateVisit{lk + at, &head, weight + h * stride, id + h * stride, head_rows});
-}
-
-// Adds a row's weight to the mass and writes it as a candidate.
+// Adds a row's weight to the mass, where there is one, and writes it as a candidate.
 struct MassAndCandidate {
     AddMass add;
     PutCandidate put;
     __device__ __forceinline__ void operator()(u32 t, u32 r, float w) const {
-        add(t, r, w);
+        if (add.mass != nullptr) add(t, r, w);
         put(t, r, w);
     }
 };
 
-// ListPart::item's visitor for `mass_and_follow_weights`: every row adds its weight to the
-// mass (as `MassVisit`), and the visited buckets' and followed rows are candidates besides
-// (as `CandidateVisit`).
-struct MassAndCandidateVisit {
+// ListPart::item's visitor for `follow_weights`: the visited buckets' and followed rows are
+// candidates; with a mass every row adds its weight to it besides (as `MassVisit`; the
+// launcher gives it run items only then).
+struct CandidateVisit {
     const u16* k;
     const HeadWeights* head;
     AddMass add;
@@ -1118,22 +1084,26 @@ struct MassAndCandidateVisit {
     }
     template <class RowOf>
     __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
-        weigh_rows(rows, n, k, head->qf, head->lse, add);
+        if (add.mass != nullptr) weigh_rows(rows, n, k, head->qf, head->lse, add);
     }
 };
 
-// `attention_mass` and `follow_weights` in one launch, for a step whose attention counts
-// towards provenance and ranks what the next step follows: each row is weighed once.
+// The weight every row of a bucket launch's list part (visited buckets and followed ids)
+// received in the workspace's last launch, summed over its KV head's group, with its id:
+// head h's candidates at `weight`/`id` + h * (head_rows + follow_count), what `follow_pick`
+// (follow.cu) ranks. With a `mass` (not null) it also adds what `attention_mass` adds for the
+// whole part, runs included: a step that counts towards provenance and ranks what the next
+// step follows weighs each row once.
 extern "C" __global__ void __launch_bounds__(THREADS)
-mass_and_follow_weights(WEIGHED_PARAMS, const float* __restrict__ lse, float* __restrict__ mass,
-                        const u32* __restrict__ slot_token, u32 slot_shift,
-                        float* __restrict__ weight, u32* __restrict__ id) {
+follow_weights(WEIGHED_PARAMS, const float* __restrict__ lse, float* __restrict__ mass,
+               const u32* __restrict__ slot_token, u32 slot_shift, float* __restrict__ weight,
+               u32* __restrict__ id) {
     const u32 h = blockIdx.y;
     const HeadWeights head(q, h, scale_log2, lse);
     const ListPart part = WEIGHED_PART;
     const u64 at = (u64)h * l_stride * HEAD_DIM;
     const u64 stride = (u64)head_rows + follow_count;
     part.item(blockIdx.x, h,
-              MassAndCandidateVisit{lk + at, &head, {mass, slot_token, slot_shift},
-                                    weight + h * stride, id + h * stride, head_rows});
+              CandidateVisit{lk + at, &head, {mass, slot_token, slot_shift}, weight + h * stride,
+                             id + h * stride, head_rows});
 }

@@ -570,7 +570,7 @@ pub fn attention_mass<T: KvElement>(
     Ok(())
 }
 
-/// The mass arguments of `attention_mass` and `mass_and_follow_weights`: the mass, and where
+/// The mass arguments of `attention_mass` and `follow_weights`: the mass, and where
 /// a block cache's slots map to tokens (zeros for rows read in place), once `mass` is checked
 /// to hold a float per token.
 fn mass_args<T>(gpu: &Gpu, rows: &Rows<'_, T>, mass: &CudaSlice<f32>) -> Result<(u64, u64, u32)> {
@@ -683,17 +683,16 @@ pub fn follow_most_attended<T: KvElement>(
         scratch.counters = gpu.zeros(kv_heads)?;
     }
     // Only the mass weighs the runs; the candidates are the list part's rows.
-    let (run_items, entry) = match mass {
-        Some(_) => (
-            rows.run_rows().div_ceil(MASS_CHUNK),
-            "mass_and_follow_weights",
-        ),
-        None => (0, "follow_weights"),
+    let run_items = match mass {
+        Some(_) => rows.run_rows().div_ceil(MASS_CHUNK),
+        None => 0,
     };
     let items = run_items + rows.list_items(MASS_CHUNK);
-    let Some(w) = weighing(gpu, workspace, entry, &rows, kv_heads, items)? else {
+    let Some(w) = weighing(gpu, workspace, "follow_weights", &rows, kv_heads, items)? else {
         return Ok(());
     };
+    // No mass: a null one, which the kernel adds nothing to.
+    let (mass_ptr, slot_token, slot_shift) = mass.unwrap_or((0, 0, 0));
     // The candidates of a head start every `rows + followed`, followed ids or not
     // (`head_rows` is the bucket map's rows, none without).
     let mut args = PartArgs::new(gpu, &w, &rows, run_items as u32);
@@ -701,16 +700,18 @@ pub fn follow_most_attended<T: KvElement>(
     let (weight, id) = (gpu.address(&scratch.weight), gpu.address(&scratch.id));
     let mut builder = gpu.stream().launch_builder(&w.function);
     args.push(&mut builder);
-    builder.arg(&w.lse);
-    if let Some((mass_ptr, slot_token, slot_shift)) = &mass {
-        builder.arg(mass_ptr).arg(slot_token).arg(slot_shift);
-    }
-    builder.arg(&weight).arg(&id);
-    // Safety: the arguments match `follow_weights`'s signature in order and type, or with
-    // the mass `mass_and_follow_weights`'s; every address is of a live buffer whose length
-    // was checked against the rows the kernel reads (the bucket map has `tokens` rows per
-    // head, checked by `check_rows`; the mass one float per row), and the scratch holds
-    // `tokens + followed` candidates per KV head.
+    builder
+        .arg(&w.lse)
+        .arg(&mass_ptr)
+        .arg(&slot_token)
+        .arg(&slot_shift)
+        .arg(&weight)
+        .arg(&id);
+    // Safety: the arguments match `follow_weights`'s signature in order and type; every
+    // address is of a live buffer whose length was checked against the rows the kernel
+    // reads (the bucket map has `tokens` rows per head, checked by `check_rows`; a mass one
+    // float per token, or null with no run items), and the scratch holds `tokens + followed`
+    // candidates per KV head.
     unsafe { builder.launch(w.config) }.map_err(driver("launching follow_weights"))?;
     let pick = gpu.follow_kernel("follow_pick")?;
     let next_ptr = gpu.address(next);
