@@ -63,14 +63,16 @@ pub enum Error {
     NoGpuSupport,
     /// A corpus's retrieval layers do not fit the GPU's free memory.
     #[error(
-        "corpus `{corpus}`'s retrieval layers take {needed} bytes on the GPU and {free} are free: \
+        "corpus `{corpus}`'s retrieval layers take {needed} bytes on the GPU (with room for a \
+         routed index's lists) and {free} are free: \
          keep them in host memory behind a GPU cache (`--gpu-kv host`, which `auto` chooses \
          when they do not fit) or ask with `--device cpu`"
     )]
     GpuMemory {
         /// The corpus.
         corpus: String,
-        /// Bytes its keys and values take there.
+        /// Bytes its keys and values take there, with the room a routed index's lists and
+        /// bucket map take.
         needed: usize,
         /// Bytes free on the device.
         free: usize,
