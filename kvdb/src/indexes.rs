@@ -359,13 +359,18 @@ fn build_spec<'s>(
     let mut batch = store.batch();
     // Builds run in parallel: faiss's products on their own threads, not OpenBLAS's pool.
     kvdb_model::blas_on_calling_threads();
-    for &layer in &layers {
-        // A layer's KV heads build in parallel (each build is mostly one thread's work).
-        let built = (0..heads)
-            .into_par_iter()
-            .map(|head| parts.build(layer, head))
+    // Each build is mostly one thread's work, so every (layer, KV head) part is one task, as
+    // many at once as the pool has threads: a model with few KV heads (Gemma 3's one, Qwen's
+    // four) would otherwise leave most cores idle, building a layer's heads at a time. Parts
+    // are built in waves of that many so that progress is reported, and a stop honoured,
+    // as the parts finish, and so that at most a wave's keys are in memory at once (a part
+    // reads its layer and head's keys as f32: 4 bytes a dimension and token).
+    for wave in layer_heads(manifest).chunks(rayon::current_num_threads().max(1)) {
+        let built = wave
+            .par_iter()
+            .map(|&(layer, head)| parts.build(layer, head))
             .collect::<Result<Vec<_>>>()?;
-        for (head, part) in built.into_iter().enumerate() {
+        for (&(layer, head), part) in wave.iter().zip(built) {
             if let Some(BuiltPart {
                 key,
                 bytes,
@@ -550,6 +555,16 @@ fn remove_at(store: &Store, manifest: &mut CorpusManifest, number: usize) -> Res
     store.commit(batch)
 }
 
+/// Every retrieval layer and KV head of `manifest`'s model, in layer order, heads within.
+fn layer_heads(manifest: &CorpusManifest) -> Vec<(usize, usize)> {
+    let heads = manifest.model.n_kv_heads;
+    manifest
+        .retrieval_layers()
+        .into_iter()
+        .flat_map(|layer| (0..heads).map(move |head| (layer, head)))
+        .collect()
+}
+
 fn index_key(manifest: &CorpusManifest, number: usize, layer: usize, head: usize) -> IndexKey {
     IndexKey {
         corpus: manifest.id,
@@ -655,12 +670,7 @@ pub(crate) fn load_indexes(
     // Every layer and KV head's index loads on its own thread (a model with few KV heads
     // has several layers), and faiss's products on that thread, not OpenBLAS's pool.
     kvdb_model::blas_on_calling_threads();
-    let parts: Vec<(usize, usize)> = manifest
-        .retrieval_layers()
-        .into_iter()
-        .flat_map(|layer| (0..heads).map(move |head| (layer, head)))
-        .collect();
-    let mut loaded = parts
+    let mut loaded = layer_heads(manifest)
         .par_iter()
         .map(|&(layer, head)| load(layer, head))
         .collect::<Result<Vec<_>>>()?
