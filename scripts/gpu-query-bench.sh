@@ -27,7 +27,9 @@
 # placements to run decode-bench under again on the GPU, separated by spaces (e.g. `host`,
 # `host:16G`, `host:0`: the corpus's keys and values in pinned host memory, read in place or
 # behind block caches; full attention is skipped there, so its rows compare with the resident
-# run before them).
+# run before them). STORE_DIR the folder the stores go in instead of WORK_DIR (e.g. a tmpfs
+# for a store larger than the disk left beside the model: the Qwen shape at 1M tokens is
+# 57 GB; the model stays in WORK_DIR).
 set -euo pipefail
 bundle=${1:?usage: gpu-query-bench.sh BUNDLE_DIR [WORK_DIR]}
 work=${2:-$(mktemp -d)}
@@ -69,10 +71,11 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
     IFS=: read -r preset copies ivf <<<"$spec"
     [ "$copies" -gt 0 ] || continue
     model=$work/$preset.gguf
+    store=${STORE_DIR:-$work}/store-$preset
     [ -f "$model" ] || "$bundle/bin/random_model" --preset "$preset" --dtype bf16 \
         --context "${CONTEXT:-262144}" --out "$model" 2>&1 | tail -1
     # A store left by an earlier run on this machine is asked again as it is.
-    if [ ! -d "$work/store-$preset" ]; then
+    if [ ! -d "$store" ]; then
         mkdir -p "$work/docs-$preset"
         for i in $(seq "$copies"); do
             { echo "Copy $i of the license."; cat "$text"; } >"$work/docs-$preset/copy-$i.txt"
@@ -85,7 +88,7 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         [ "$ivf" = none ] || indexes+=(--index "$ivf")
         [ "$preset" = gemma3-270m ] || [ "$ivf" = none ] && indexes+=(--index flat)
         s=$(date +%s)
-        "$kvdb" ingest --device cuda --model "$model" --store "$work/store-$preset" --corpus c \
+        "$kvdb" ingest --device cuda --model "$model" --store "$store" --corpus c \
             --progress none "${indexes[@]}" "$work/docs-$preset" 2>&1 | tee "$out/ingest-$preset.log" |
             tail -1 | tee -a "$log"
         echo "$preset: ingest and index build $(($(date +%s) - s)) s" | tee -a "$log"
@@ -106,7 +109,7 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
                 echo "$preset: could not drop the page cache (not root)" | tee -a "$log"
             fi
         fi
-        ${WRAP:-} "$kvdb" decode-bench --device "$device" --model "$model" --store "$work/store-$preset" \
+        ${WRAP:-} "$kvdb" decode-bench --device "$device" --model "$model" --store "$store" \
             --corpus c "${modes[@]}" ${K:+--k "$K"} ${FOLLOW:+--follow "$FOLLOW"} --tokens 32 --repeats "${REPEATS:-2}" ${CONCURRENT:+--concurrent "$CONCURRENT"} \
             --question "What does the license say about warranty?" \
             --json "$out/decode-$preset-$device.json" 2>>"$out/stderr.log" | tee -a "$log" ||
@@ -116,7 +119,7 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         for placement in ${GPU_KV:-}; do
             echo "$preset on $device, --gpu-kv $placement:" | tee -a "$log"
             "$kvdb" decode-bench --device cuda --gpu-kv "$placement" --model "$model" \
-                --store "$work/store-$preset" --corpus c "${modes[@]}" ${K:+--k "$K"} ${FOLLOW:+--follow "$FOLLOW"} --tokens 32 \
+                --store "$store" --corpus c "${modes[@]}" ${K:+--k "$K"} ${FOLLOW:+--follow "$FOLLOW"} --tokens 32 \
                 --repeats "${REPEATS:-2}" --question "What does the license say about warranty?" \
                 --json "$out/decode-$preset-$device-gpu-kv-${placement//:/-}.json" 2>>"$out/stderr.log" |
                 tee -a "$log" || echo "FAILED (stderr.log says why)" | tee -a "$log"
@@ -124,6 +127,6 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         done
     done
     if [ -n "${SERVE:-}" ]; then
-        serve_questions "$preset" "$model" "$work/store-$preset" "$SERVE" "${modes[-1]}"
+        serve_questions "$preset" "$model" "$store" "$SERVE" "${modes[-1]}"
     fi
 done
