@@ -29,7 +29,11 @@
 # behind block caches; full attention is skipped there, so its rows compare with the resident
 # run before them). STORE_DIR the folder the stores go in instead of WORK_DIR (e.g. a tmpfs
 # for a store larger than the disk left beside the model: the Qwen shape at 1M tokens is
-# 57 GB; the model stays in WORK_DIR).
+# 57 GB; the model stays in WORK_DIR). INGEST_TIMEOUT cuts an ingest after that many seconds
+# (it commits as it goes) and exits with status 75: running the script again with the same
+# WORK_DIR (and STORE_DIR) on the same machine resumes the ingest and goes on, so that an
+# ingest longer than one device call (the Qwen shape at 1M tokens: more than 10 minutes on an
+# H200) spans consecutive calls.
 set -euo pipefail
 bundle=${1:?usage: gpu-query-bench.sh BUNDLE_DIR [WORK_DIR]}
 work=${2:-$(mktemp -d)}
@@ -74,8 +78,9 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
     store=${STORE_DIR:-$work}/store-$preset
     [ -f "$model" ] || "$bundle/bin/random_model" --preset "$preset" --dtype bf16 \
         --context "${CONTEXT:-262144}" --out "$model" 2>&1 | tail -1
-    # A store left by an earlier run on this machine is asked again as it is.
-    if [ ! -d "$store" ]; then
+    # A store left by an earlier run on this machine is asked again as it is, unless that
+    # run's ingest was cut (INGEST_TIMEOUT; `$store.cut` marks it): this run resumes it.
+    if [ ! -d "$store" ] || [ -e "$store.cut" ]; then
         mkdir -p "$work/docs-$preset"
         for i in $(seq "$copies"); do
             { echo "Copy $i of the license."; cat "$text"; } >"$work/docs-$preset/copy-$i.txt"
@@ -87,10 +92,18 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         indexes=()
         [ "$ivf" = none ] || indexes+=(--index "$ivf")
         [ "$preset" = gemma3-270m ] || [ "$ivf" = none ] && indexes+=(--index flat)
-        s=$(date +%s)
-        "$kvdb" ingest --device cuda --model "$model" --store "$store" --corpus c \
-            --progress none "${indexes[@]}" "$work/docs-$preset" 2>&1 | tee "$out/ingest-$preset.log" |
-            tail -1 | tee -a "$log"
+        s=$(date +%s) status=0
+        touch "$store.cut"
+        timeout "${INGEST_TIMEOUT:-0}" "$kvdb" ingest --device cuda --model "$model" --store "$store" \
+            --corpus c --progress none "${indexes[@]}" "$work/docs-$preset" 2>&1 |
+            tee -a "$out/ingest-$preset.log" | tail -1 | tee -a "$log" || status=$?
+        if [ "$status" -eq 124 ]; then
+            echo "$preset: ingest cut after $INGEST_TIMEOUT s; run this again on this machine to resume it" |
+                tee -a "$log"
+            exit 75
+        fi
+        [ "$status" -eq 0 ] || exit "$status"
+        rm "$store.cut"
         echo "$preset: ingest and index build $(($(date +%s) - s)) s" | tee -a "$log"
     fi
     devices=cuda
