@@ -609,22 +609,28 @@ mod tests {
         centroids: Vec<f32>,
     }
 
+    /// `N` random keys (from `seed`), a context with the test RoPE, and `spec` parsed.
+    fn random_keys(seed: u64, spec: &str) -> Result<(Vec<f32>, BuildContext<'static>, IvfSpec)> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let keys: Vec<f32> = (0..N * D).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let context = BuildContext {
+            rope: kvdb_tests::test_rope(RopeStyle::Halves, D),
+            seed,
+            saap: None,
+            queries: None,
+        };
+        let spec = match spec.parse()? {
+            IndexSpec::Ivf(s) => s,
+            other => panic!("{other} is not ivf"),
+        };
+        Ok((keys, context, spec))
+    }
+
     /// Saves of every version load to the same lists (older ones by assigning the keys
     /// again, which they must be given); saved lists that do not fit are refused.
     #[test]
     fn old_saves_load_and_corrupt_lists_are_refused() -> Result<()> {
-        let mut rng = StdRng::seed_from_u64(3);
-        let keys: Vec<f32> = (0..N * D).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let context = BuildContext {
-            rope: kvdb_tests::test_rope(RopeStyle::Halves, D),
-            seed: 1,
-            saap: None,
-            queries: None,
-        };
-        let spec: IvfSpec = match "ivf8,np2,norope,all".parse()? {
-            IndexSpec::Ivf(s) => s,
-            other => panic!("{other} is not ivf"),
-        };
+        let (keys, context, spec) = random_keys(3, "ivf8,np2,norope,all")?;
         let index = IvfIndex::build(&spec, &context, &keys)?;
         let want = index.assignments();
         let stats = BuildStats::default();
@@ -670,18 +676,8 @@ mod tests {
     /// de-roped centroid; an index grown by `add` ranks as one loaded with all its keys.
     #[test]
     fn lists_are_ranked_by_their_mean_logit_with_rope() -> Result<()> {
-        let mut rng = StdRng::seed_from_u64(5);
-        let keys: Vec<f32> = (0..N * D).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let context = BuildContext {
-            rope: kvdb_tests::test_rope(RopeStyle::Halves, D),
-            seed: 2,
-            saap: None,
-            queries: None,
-        };
-        let spec: IvfSpec = match "ivf8,np1,norope".parse()? {
-            IndexSpec::Ivf(s) => s,
-            other => panic!("{other} is not ivf"),
-        };
+        let (keys, context, spec) = random_keys(5, "ivf8,np1,norope")?;
+        let mut rng = StdRng::seed_from_u64(6);
         let mut grown = IvfIndex::build(&spec, &context, &keys[..N / 2 * D])?;
         grown.add(&keys[N / 2 * D..])?;
         let loaded = IvfIndex::load(
