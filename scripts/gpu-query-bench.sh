@@ -93,6 +93,7 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         [ "$ivf" = none ] || indexes+=(--index "$ivf")
         [ "$preset" = gemma3-270m ] || [ "$ivf" = none ] && indexes+=(--index flat)
         s=$(date +%s) status=0
+        mkdir -p "${STORE_DIR:-$work}"
         touch "$store.cut"
         timeout "${INGEST_TIMEOUT:-0}" "$kvdb" ingest --device cuda --model "$model" --store "$store" \
             --corpus c --progress none "${indexes[@]}" "$work/docs-$preset" 2>&1 |
