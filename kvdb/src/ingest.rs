@@ -605,8 +605,9 @@ impl<'s> Prefiller<'s> {
         for layer in 0..manifest.layers.len() {
             let range = manifest.stored_range(layer, manifest.tokens);
             if !range.is_empty() {
-                let (keys, values) = store.layer_kv(manifest, layer, range.clone())?;
-                sequence.preload(layer, &keys, &values, range)?;
+                // As stored (f16, head-major, read on every core): a GPU uploads them so.
+                let (keys, values) = store.layer_kv_f16(manifest, layer, range.clone())?;
+                sequence.preload_stored(layer, &keys, &values, range)?;
             }
         }
         Ok(Self {

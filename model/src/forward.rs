@@ -69,6 +69,21 @@ pub trait Forward {
         positions: Range<usize>,
     ) -> Result<()>;
 
+    /// [`Forward::preload`] from the store's own layout: pre-RoPE keys and values in f16,
+    /// `[n_kv_heads, tokens, head_dim]` each (what the store's GPU reader hands out). A GPU
+    /// uploads a global layer's rows as they are and rotates the keys there: an ingest resumed
+    /// at 1M tokens preloads tens of GB, and widened to f32 and placed a chunk of rows at a time
+    /// on one core they took minutes. The default widens them to the rows `preload` takes.
+    fn preload_stored(
+        &mut self,
+        layer: usize,
+        keys: &[f16],
+        values: &[f16],
+        positions: Range<usize>,
+    ) -> Result<()> {
+        preload_widened(self, layer, keys, values, positions)
+    }
+
     /// The pre-RoPE keys and values the last [`Forward::forward`] call produced for `layer`
     /// at its token indices `rows` (a sliding-window layer's store needs only its last ones),
     /// in f16 as the store keeps them (`[rows, n_kv_heads, head_dim]` each), taken out of the
@@ -90,6 +105,43 @@ pub trait Forward {
 /// f16, `[rows, n_kv_heads, head_dim]` each (the precision the store keeps, so that nothing
 /// is widened to f32 on the way from the device to the disk).
 pub type StoredKv = (Vec<f16>, Vec<f16>);
+
+/// [`Forward::preload_stored`] through [`Forward::preload`]: the head-major f16 rows widened
+/// to token-major f32.
+pub(crate) fn preload_widened<F: Forward + ?Sized>(
+    sequence: &mut F,
+    layer: usize,
+    keys: &[f16],
+    values: &[f16],
+    positions: Range<usize>,
+) -> Result<()> {
+    let (heads, d) = (sequence.config().n_kv_heads, sequence.config().head_dim);
+    let tokens = positions.len();
+    let widen = |halves: &[f16]| -> Result<Vec<f32>> {
+        if halves.len() != heads * tokens * d {
+            return Err(ModelError::Backend {
+                layer,
+                reason: format!(
+                    "preload of {tokens} positions needs {} key and value halves, got {}",
+                    heads * tokens * d,
+                    halves.len()
+                ),
+            });
+        }
+        let mut rows = vec![0f32; halves.len()];
+        for (head, from) in halves.chunks_exact((tokens * d).max(1)).enumerate() {
+            for (token, from) in from.chunks_exact(d.max(1)).enumerate() {
+                let at = (token * heads + head) * d;
+                for (to, x) in rows[at..at + d].iter_mut().zip(from) {
+                    *to = x.to_f32();
+                }
+            }
+        }
+        Ok(rows)
+    };
+    let (keys, values) = (widen(keys)?, widen(values)?);
+    sequence.preload(layer, &keys, &values, positions)
+}
 
 /// Tokens per CPU forward call in prefill: bounds the memory of attention scores.
 pub const CPU_PREFILL_CHUNK: usize = 512;

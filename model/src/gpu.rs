@@ -25,7 +25,7 @@ use rayon::prelude::*;
 
 use crate::config::{Activation, LayerKind, ModelConfig, RopeStyle};
 use crate::error::{ModelError, Result};
-use crate::forward::{check_call, Forward, SequenceOptions, StoredKv};
+use crate::forward::{check_call, preload_widened, Forward, SequenceOptions, StoredKv};
 use crate::model::{Linear, Logits, Model, RmsNorm};
 
 /// Rows one launch sequence processes at most: longer calls run in chunks of this many
@@ -186,31 +186,8 @@ impl GpuModel {
                 reason: "f16 keys come from a bf16 model".into(),
             });
         };
-        let c = &m.config;
-        let gpu_layer = m.layers.get(layer).ok_or_else(|| ModelError::Backend {
-            layer,
-            reason: format!("the model has {} layers", m.layers.len()),
-        })?;
-        let expected = c.n_kv_heads * positions.len() * c.head_dim;
-        if keys.len() != expected || values.len() != expected {
-            return Err(ModelError::Backend {
-                layer,
-                reason: format!(
-                    "{} positions of keys and values need {expected} halves each, got {} and {}",
-                    positions.len(),
-                    keys.len(),
-                    values.len()
-                ),
-            });
-        }
-        let mut kv = KvCache::upload(&m.gpu, keys, values, c.n_kv_heads, c.head_dim)?;
-        let inv_freq = gpu_layer.inv_freq.as_view();
-        let rotary = Rotary {
-            inv_freq: &inv_freq,
-            pairs: gpu_layer.pairs,
-        };
-        ops::rotate_keys(&m.gpu, &mut kv, &rotary, positions.start)?;
-        Ok(kv)
+        m.rotated_stored(layer, keys, values, positions)?
+            .ok_or_else(|| ModelError::Internal("f16 keys were not uploaded as f16".into()))
     }
 }
 
@@ -295,6 +272,16 @@ trait AttentionType: Float {
     /// Hands a claimed layer's call to `attention` (f16 only; [`GpuModel::sequence_with`]
     /// makes no other).
     fn external(attention: &mut dyn LayerAttention, call: ExternalCall<'_, Self>) -> Result<()>;
+
+    /// Stored keys and values (f16, `[kv_heads, tokens, head_dim]` each) uploaded as they are,
+    /// `None` where this type is not the store's (f32: the exact mode widens them on the host).
+    fn upload_stored(
+        gpu: &Gpu,
+        keys: &[f16],
+        values: &[f16],
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Option<KvCache<Self>>>;
 }
 
 /// A claimed layer's call before it is typed as f16.
@@ -347,6 +334,18 @@ impl AttentionType for f16 {
             out: call.out,
         })
     }
+
+    fn upload_stored(
+        gpu: &Gpu,
+        keys: &[f16],
+        values: &[f16],
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Option<KvCache<Self>>> {
+        Ok(Some(KvCache::upload(
+            gpu, keys, values, kv_heads, head_dim,
+        )?))
+    }
 }
 
 impl AttentionType for f32 {
@@ -372,6 +371,16 @@ impl AttentionType for f32 {
             layer: call.layer,
             reason: "external attention takes f16 keys".into(),
         })
+    }
+
+    fn upload_stored(
+        _: &Gpu,
+        _: &[f16],
+        _: &[f16],
+        _: usize,
+        _: usize,
+    ) -> Result<Option<KvCache<Self>>> {
+        Ok(None)
     }
 }
 
@@ -803,6 +812,47 @@ fn stacked<T: Float>(parts: &[&Linear]) -> Result<(Vec<T>, Option<Vec<f32>>)> {
 }
 
 impl<T: Float, A: AttentionType> Inner<T, A> {
+    /// Layer `layer`'s stored keys and values (f16, `[n_kv_heads, tokens, head_dim]` each)
+    /// uploaded as they are and the keys rotated at `positions` on the GPU, in a buffer of
+    /// their own (`None` where `A` is not f16). The rotation is the one that places a
+    /// sequence's own rows, so both attend to the same numbers.
+    fn rotated_stored(
+        &self,
+        layer: usize,
+        keys: &[f16],
+        values: &[f16],
+        positions: Range<usize>,
+    ) -> Result<Option<KvCache<A>>> {
+        let c = &self.config;
+        let gpu_layer = self.layers.get(layer).ok_or_else(|| ModelError::Backend {
+            layer,
+            reason: format!("the model has {} layers", self.layers.len()),
+        })?;
+        let expected = c.n_kv_heads * positions.len() * c.head_dim;
+        if keys.len() != expected || values.len() != expected {
+            return Err(ModelError::Backend {
+                layer,
+                reason: format!(
+                    "{} positions of keys and values need {expected} halves each, got {} and {}",
+                    positions.len(),
+                    keys.len(),
+                    values.len()
+                ),
+            });
+        }
+        let Some(mut kv) = A::upload_stored(&self.gpu, keys, values, c.n_kv_heads, c.head_dim)?
+        else {
+            return Ok(None);
+        };
+        let inv_freq = gpu_layer.inv_freq.as_view();
+        let rotary = Rotary {
+            inv_freq: &inv_freq,
+            pairs: gpu_layer.pairs,
+        };
+        ops::rotate_keys(&self.gpu, &mut kv, &rotary, positions.start)?;
+        Ok(Some(kv))
+    }
+
     fn new(model: &Model, gpu: Arc<Gpu>) -> Result<Self> {
         let gemm = Gemm::new(&gpu)?;
         let config = model.config().clone();
@@ -1903,6 +1953,28 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
         place_rows(model, layer, kv, keys, values, positions.clone())?;
         self.position = self.position.max(positions.end);
         Ok(())
+    }
+
+    fn preload_stored(
+        &mut self,
+        layer: usize,
+        keys: &[f16],
+        values: &[f16],
+        positions: Range<usize>,
+    ) -> Result<()> {
+        // A global layer's rows start at position 0 and fill its buffer: uploaded whole. A
+        // ring's window (and every refusal `preload` words) goes through `preload`.
+        let model = self.model;
+        let claimed = self.external.as_ref().is_some_and(|e| e.claimed[layer]);
+        let global = model.layers.get(layer).is_some_and(|l| l.window.is_none());
+        if global && !claimed && positions.start == 0 && !positions.is_empty() {
+            if let Some(kv) = model.rotated_stored(layer, keys, values, positions.clone())? {
+                self.kv[layer] = kv;
+                self.position = self.position.max(positions.end);
+                return Ok(());
+            }
+        }
+        preload_widened(self, layer, keys, values, positions)
     }
 
     fn take_stored(&mut self, layer: usize, rows: Range<usize>) -> Result<Option<StoredKv>> {
