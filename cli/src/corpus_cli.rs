@@ -294,6 +294,11 @@ fn ingest_into(
                     total_docs = *documents;
                     bar.set_length(*tokens as u64);
                 }
+                IngestEvent::Loaded { layers, of, tokens } => {
+                    bar.set_message(format!(
+                        "loading the corpus's {tokens} stored tokens: layer {layers}/{of}"
+                    ));
+                }
                 IngestEvent::Skipped { title, reason } => {
                     bar.println(format!("kvdb: skipped {title}: {reason}"));
                 }
@@ -337,6 +342,9 @@ fn event_json(event: &IngestEvent<'_>) -> serde_json::Value {
     match event {
         IngestEvent::Planned { documents, tokens } => {
             serde_json::json!({"event": "planned", "documents": documents, "tokens": tokens})
+        }
+        IngestEvent::Loaded { layers, of, tokens } => {
+            serde_json::json!({"event": "loaded", "layers": layers, "of": of, "tokens": tokens})
         }
         IngestEvent::Skipped { title, reason } => {
             serde_json::json!({"event": "skipped", "title": title, "reason": reason})

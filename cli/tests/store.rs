@@ -199,6 +199,23 @@ fn a_stopped_ingest_keeps_its_commits_and_resumes_exactly() -> Result<()> {
     })
     .expect_err("stopped at the plan");
     assert!(matches!(err, kvdb::Error::Cancelled { tokens: 512, .. }));
+    // Resuming loads every stored layer into the model first, saying so after each (tens of
+    // GB at a million tokens); stopping there writes nothing either.
+    let mut events = Vec::new();
+    let err = ingest_until(&stopped, "c", loaded.as_ref(), &docs, &mut |event| {
+        if let IngestEvent::Loaded { layers, of, tokens } = event {
+            events.push((layers, of, tokens));
+            if layers == 2 {
+                return ControlFlow::Break(());
+            }
+        }
+        ControlFlow::Continue(())
+    })
+    .expect_err("stopped while loading");
+    assert!(matches!(err, kvdb::Error::Cancelled { tokens: 512, .. }));
+    let layers = m.layers.len();
+    assert_eq!(events, [(1, layers, 512), (2, layers, 512)]);
+    assert_eq!(stopped.manifest("c")?, m);
     ingest(&stopped, "c", loaded.as_ref(), &docs, &mut |_| {})?;
     assert_eq!(dump(&one, "c")?, dump(&stopped, "c")?);
     Ok(())

@@ -10,7 +10,7 @@
 //! progress, so a crash loses at most the chunks not yet committed.
 
 use std::collections::HashMap;
-use std::ops::ControlFlow;
+use std::ops::{ControlFlow, Range};
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -43,6 +43,17 @@ pub enum IngestEvent<'a> {
         /// Documents that will be added (or finished).
         documents: usize,
         /// Their tokens still to prefill.
+        tokens: usize,
+    },
+    /// One more layer of what the corpus holds is loaded into the model's state: an ingest
+    /// that appends to a corpus (or resumes one) first loads every layer's stored keys and
+    /// values, tens of GB at a million tokens.
+    Loaded {
+        /// Layers loaded so far.
+        layers: usize,
+        /// Layers to load.
+        of: usize,
+        /// Tokens in the corpus.
         tokens: usize,
     },
     /// A document is skipped.
@@ -387,7 +398,7 @@ fn prefill_and_commit(
     report: &mut IngestReport,
 ) -> Result<CorpusManifest> {
     let chunk_size = manifest.prefill.chunk.max(1);
-    let mut prefiller = Prefiller::open(store, manifest, model)?;
+    let mut prefiller = Prefiller::open(store, manifest, model, on_event)?;
     // On a device that runs ahead (a GPU), the store commits on a thread of its own while the
     // model prefills the next chunks, a few chunks a commit; on the CPU, whose chunks take
     // far longer than their commit, every chunk is committed before the next starts, so an
@@ -599,15 +610,30 @@ struct Prefiller<'s> {
 }
 
 impl<'s> Prefiller<'s> {
-    /// Loads every layer's stored keys and values into a fresh sequence state.
-    fn open(store: &Store, manifest: &CorpusManifest, model: ModelRef<'s>) -> Result<Self> {
+    /// Loads every layer's stored keys and values into a fresh sequence state, telling
+    /// `on_event` after each layer (which may stop it there: nothing is written yet).
+    fn open(
+        store: &Store,
+        manifest: &CorpusManifest,
+        model: ModelRef<'s>,
+        on_event: &mut dyn FnMut(IngestEvent<'_>) -> ControlFlow<()>,
+    ) -> Result<Self> {
         let mut sequence = model.sequence(&SequenceOptions { store_kv: true })?;
-        for layer in 0..manifest.layers.len() {
-            let range = manifest.stored_range(layer, manifest.tokens);
-            if !range.is_empty() {
-                // As stored (f16, head-major, read on every core): a GPU uploads them so.
-                let (keys, values) = store.layer_kv_f16(manifest, layer, range.clone())?;
-                sequence.preload_stored(layer, &keys, &values, range)?;
+        let stored: Vec<(usize, Range<usize>)> = (0..manifest.layers.len())
+            .map(|layer| (layer, manifest.stored_range(layer, manifest.tokens)))
+            .filter(|(_, range)| !range.is_empty())
+            .collect();
+        for (done, (layer, range)) in stored.iter().enumerate() {
+            // As stored (f16, head-major, read on every core): a GPU uploads them so.
+            let (keys, values) = store.layer_kv_f16(manifest, *layer, range.clone())?;
+            sequence.preload_stored(*layer, &keys, &values, range.clone())?;
+            let loaded = IngestEvent::Loaded {
+                layers: done + 1,
+                of: stored.len(),
+                tokens: manifest.tokens,
+            };
+            if on_event(loaded).is_break() {
+                return Err(cancelled(manifest));
             }
         }
         Ok(Self {

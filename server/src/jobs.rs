@@ -526,7 +526,7 @@ fn run(
                         IngestEvent::Skipped { title, .. } => {
                             state.jobs.update(id, |j| j.skipped.push(title.to_string()))
                         }
-                        IngestEvent::Started { .. } => {}
+                        IngestEvent::Loaded { .. } | IngestEvent::Started { .. } => {}
                         IngestEvent::Committed {
                             chunk, done, total, ..
                         } => {
