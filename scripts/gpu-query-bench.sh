@@ -95,8 +95,11 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
         s=$(date +%s) status=0
         mkdir -p "${STORE_DIR:-$work}"
         touch "$store.cut"
+        # Its progress events, each stamped with the seconds since the ingest began, go to
+        # the ingest's log (a resumed ingest first loads the stored layers: `loaded`).
         timeout "${INGEST_TIMEOUT:-0}" "$kvdb" ingest --device cuda --model "$model" --store "$store" \
-            --corpus c --progress none "${indexes[@]}" "$work/docs-$preset" 2>&1 |
+            --corpus c --progress json "${indexes[@]}" "$work/docs-$preset" 2>&1 |
+            while IFS= read -r line; do echo "[$(($(date +%s) - s)) s] $line"; done |
             tee -a "$out/ingest-$preset.log" | tail -1 | tee -a "$log" || status=$?
         if [ "$status" -eq 124 ]; then
             echo "$preset: ingest cut after $INGEST_TIMEOUT s; run this again on this machine to resume it" |
