@@ -134,6 +134,8 @@ impl IvfIndex {
             effective.lists = most;
             // Probe the same share of the lists.
             effective.probes = (spec.probes * most).div_ceil(spec.lists).clamp(1, most);
+            effective.head_probes =
+                (spec.head_probes * most / spec.lists).min(most - effective.probes);
             warnings.push(format!(
                 "{n} keys are too few to train {} lists (at least {MIN_KEYS_PER_LIST} keys per \
                  list): built {}",
@@ -413,6 +415,37 @@ fn keeps_keys(spec: &IvfSpec) -> bool {
     !(spec.norope && spec.all)
 }
 
+/// Adds to `probed` up to `extra` more lists: each query head's best by its own logit
+/// (`logits[list][head]`) not probed yet, head by head in turn, best first. The group's
+/// ranking (its best head's logit) gives a head whose logits run smaller than another's no
+/// list of its own; measured on the Debian Reference, 2 such lists beside 5 cover more of
+/// flat top-k's mass than 2 more by the group (docs/benchmarks.md).
+fn add_head_probes(probed: &mut Vec<u32>, logits: &[Vec<f32>], extra: usize) {
+    let heads = logits.first().map_or(0, Vec::len);
+    if extra == 0 || heads == 0 {
+        return;
+    }
+    // A head's best `probed + extra` lists hold `extra` that are not probed yet.
+    let depth = (probed.len() + extra).min(logits.len());
+    let rankings: Vec<Vec<u32>> = (0..heads)
+        .map(|h| {
+            let scores: Vec<f32> = logits.iter().map(|l| l[h]).collect();
+            top_indices(&scores, depth)
+        })
+        .collect();
+    let wanted = (probed.len() + extra).min(logits.len());
+    for rank in 0..depth {
+        for ranking in &rankings {
+            if probed.len() == wanted {
+                return;
+            }
+            if !probed.contains(&ranking[rank]) {
+                probed.push(ranking[rank]);
+            }
+        }
+    }
+}
+
 impl StatelessSearch for IvfIndex {
     fn search_once(&self, query: &GroupQuery<'_>, params: &SearchParams) -> Result<Found> {
         let d = self.head_dim();
@@ -447,17 +480,24 @@ impl StatelessSearch for IvfIndex {
             true => logits(&self.centroids, partition),
             false => Vec::new(),
         };
-        let group: Vec<f32> = match (&self.routing, &rotated) {
-            (Some(routing), _) => routing.scores(partition, d),
+        let mean_logits = match (&self.routing, &rotated) {
             (None, Some(queries)) if !self.rotated_means.is_empty() => {
                 logits(&self.rotated_means, queries)
-                    .iter()
-                    .map(best_head)
-                    .collect()
             }
-            (None, _) => centroid_logits.iter().map(best_head).collect(),
+            _ => Vec::new(),
         };
-        let probed = top_indices(&group, params.breadth_or(self.spec.probes));
+        // Each list's logit for each query head where the lists are ranked by logits.
+        let head_logits = match (&self.routing, mean_logits.is_empty()) {
+            (Some(_), _) => &[][..],
+            (None, false) => &mean_logits[..],
+            (None, true) => &centroid_logits[..],
+        };
+        let group: Vec<f32> = match &self.routing {
+            Some(routing) => routing.scores(partition, d),
+            None => head_logits.iter().map(best_head).collect(),
+        };
+        let mut probed = top_indices(&group, params.breadth_or(self.spec.probes));
+        add_head_probes(&mut probed, head_logits, self.spec.head_probes);
         let ids: Vec<u32> = probed
             .iter()
             .flat_map(|&l| &self.lists[l as usize])
@@ -670,6 +710,82 @@ mod tests {
         Ok(())
     }
 
+    /// The mean logit of list `list`'s keys, rotated at their ids, against the rotated
+    /// query head `q`, in f64.
+    fn mean_logit_with_rope(index: &IvfIndex, list: usize, q: &[f32]) -> f64 {
+        let rows = index
+            .rotated()
+            .expect("a re-scoring index keeps its keys")
+            .rows();
+        let ids = &index.lists[list];
+        let sum: f64 = ids
+            .iter()
+            .map(|&id| {
+                let k = &rows[id as usize * D..(id as usize + 1) * D];
+                k.iter()
+                    .zip(q)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum::<f64>()
+            })
+            .sum();
+        sum / ids.len().max(1) as f64
+    }
+
+    /// `hp<H>` probes, beside the group's best lists, each query head's own best lists (by
+    /// its mean logit with RoPE, in f64 here) not probed yet, head by head in turn; those are
+    /// not always the lists the group ranks next (which `np` more would probe).
+    #[test]
+    fn head_probes_add_each_heads_own_best_lists() -> Result<()> {
+        let (keys, context, spec) = random_keys(7, "ivf8,np1,hp2,norope")?;
+        let index = IvfIndex::build(&spec, &context, &keys)?;
+        let mut rng = StdRng::seed_from_u64(8);
+        let mut group_differs = 0;
+        for _ in 0..20 {
+            let queries: Vec<f32> = (0..2 * D).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let query = GroupQuery {
+                queries: &queries,
+                position: N,
+            };
+            let rotated = index.rotated()?.rotate_query(&query);
+            // Each head's lists, best first, and the group's (its best head's logit).
+            let ranked = |score: &dyn Fn(usize) -> f64| {
+                let mut lists: Vec<usize> = (0..index.lists.len()).collect();
+                lists.sort_by(|&a, &b| score(b).total_cmp(&score(a)));
+                lists
+            };
+            let head = |h: usize| {
+                ranked(&|l| mean_logit_with_rope(&index, l, &rotated[h * D..(h + 1) * D]))
+            };
+            let heads = [head(0), head(1)];
+            let group = ranked(&|l| {
+                (0..2)
+                    .map(|h| mean_logit_with_rope(&index, l, &rotated[h * D..(h + 1) * D]))
+                    .fold(f64::NEG_INFINITY, f64::max)
+            });
+            let mut want = vec![group[0]];
+            for rank in 0..index.lists.len() {
+                for ranking in &heads {
+                    if want.len() < 3 && !want.contains(&ranking[rank]) {
+                        want.push(ranking[rank]);
+                    }
+                }
+            }
+            group_differs += usize::from(want[1..] != group[1..3]);
+            let found = index.search_once(&query, &SearchParams::top(N, 0..N as u32))?;
+            let mut got = found.selection.ids().to_vec();
+            let mut expected: Vec<u32> =
+                want.iter().flat_map(|&l| index.lists[l].clone()).collect();
+            got.sort_unstable();
+            expected.sort_unstable();
+            assert_eq!(got, expected);
+        }
+        assert!(
+            group_differs > 0,
+            "the heads' lists were always the group's next"
+        );
+        Ok(())
+    }
+
     /// A de-roped index that re-scores its lists probes the list whose keys, rotated at
     /// their ids, have the best mean logit against the query rotated at its position (the
     /// best head's; computed here in f64), which is not always the list of the best
@@ -690,7 +806,6 @@ mod tests {
         )?;
         assert_eq!(grown.rotated_means, loaded.rotated_means);
         let index = IvfIndex::build(&spec, &context, &keys)?;
-        let rows = index.rotated()?.rows();
         let mut centroid_differs = 0;
         for _ in 0..20 {
             let queries: Vec<f32> = (0..2 * D).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -711,20 +826,7 @@ mod tests {
                     })
                     .unwrap()
             };
-            let with_rope = best(&|l, q| {
-                let ids = &index.lists[l];
-                let sum: f64 = ids
-                    .iter()
-                    .map(|&id| {
-                        let k = &rows[id as usize * D..(id as usize + 1) * D];
-                        k.iter()
-                            .zip(q)
-                            .map(|(&a, &b)| a as f64 * b as f64)
-                            .sum::<f64>()
-                    })
-                    .sum();
-                sum / ids.len().max(1) as f64
-            });
+            let with_rope = best(&|l, q| mean_logit_with_rope(&index, l, q));
             let by_centroid = (0..index.lists.len())
                 .max_by(|&a, &b| {
                     let group = |l: usize| {

@@ -10,9 +10,10 @@ use crate::IndexError;
 pub const GRAMMAR: &str = "\
 index specs:
   flat                                   exact top-k over every key
-  ivf<C>,np<P>[,norope][,all][,fit]      faiss IVF-Flat, C lists, P probed; norope: partition on
-                                         de-roped keys; all: attend every key of the probed lists;
-                                         fit: route by the corpus's queries (needs norope)
+  ivf<C>,np<P>[,hp<H>][,norope][,all][,fit]
+                                         faiss IVF-Flat, C lists, P probed (+H, each head's own);
+                                         norope: de-roped keys; all: attend whole lists; fit:
+                                         route by the corpus's queries (needs norope)
   hnsw<M>,ef<E>[,efc<C>]                 hnsw_rs graph, M links, ef_search E, ef_construction C
   qgraph<M>,ef<E>                        attention-aware graph (experimental, no default yet): M
                                          links per key from k-means cells and the corpus's
@@ -33,7 +34,7 @@ a kind alone means its default (measured in docs/benchmarks.md, \"Default specs\
 /// returns it). `qgraph` is not among them yet: it has no default that answers the CI needle.
 pub const KINDS: [&str; 7] = ["flat", "ivf", "hnsw", "lsh", "saap", "hip", "ihip"];
 
-/// `ivf<C>,np<P>[,norope][,all][,fit]`: inverted lists over faiss's flat quantizer, probed
+/// `ivf<C>,np<P>[,hp<H>][,norope][,all][,fit]`: inverted lists over faiss's flat quantizer, probed
 /// by inner product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct IvfSpec {
@@ -41,6 +42,10 @@ pub struct IvfSpec {
     pub lists: usize,
     /// Lists probed per search.
     pub probes: usize,
+    /// Lists probed beyond `probes`: each query head's best by its own logit, not probed
+    /// yet, taken head by head in turn. The `probes` go to the lists of the group's best
+    /// head, so a head whose logits are smaller than another's gets its own lists only so.
+    pub head_probes: usize,
     /// Train and assign the partition on de-roped (pre-RoPE) keys and queries.
     pub norope: bool,
     /// Attend every key of the probed lists instead of their top-k.
@@ -244,6 +249,7 @@ impl IndexSpec {
             "ivf" => Self::Ivf(IvfSpec {
                 lists: 256,
                 probes: 8,
+                head_probes: 0,
                 norope: true,
                 all: true,
                 fit: false,
@@ -314,14 +320,26 @@ impl IndexSpec {
     fn problem(&self) -> Option<Problem> {
         match self {
             Self::Flat => None,
-            Self::Ivf(s) => outside("ivf", s.lists, 1..=MAX_LISTS).or_else(|| {
-                (!(1..=s.lists).contains(&s.probes)).then(|| {
-                    (
-                        "np",
-                        format!("probes {} of the {} lists", s.probes, s.lists),
-                    )
+            Self::Ivf(s) => outside("ivf", s.lists, 1..=MAX_LISTS)
+                .or_else(|| {
+                    (!(1..=s.lists).contains(&s.probes)).then(|| {
+                        (
+                            "np",
+                            format!("probes {} of the {} lists", s.probes, s.lists),
+                        )
+                    })
                 })
-            }),
+                .or_else(|| {
+                    (s.probes + s.head_probes > s.lists).then(|| {
+                        (
+                            "hp",
+                            format!(
+                                "probes {} more beside {} of the {} lists",
+                                s.head_probes, s.probes, s.lists
+                            ),
+                        )
+                    })
+                }),
             Self::Hnsw(s) => outside("hnsw", s.m, 2..=MAX_LINKS)
                 .or_else(|| outside("ef", s.ef_search, 1..=MAX_EF))
                 .or_else(|| outside("efc", s.ef_construction, 1..=MAX_EF)),
@@ -416,6 +434,9 @@ impl fmt::Display for IndexSpec {
             Self::Flat => write!(f, "flat"),
             Self::Ivf(s) => {
                 write!(f, "ivf{},np{}", s.lists, s.probes)?;
+                if s.head_probes > 0 {
+                    write!(f, ",hp{}", s.head_probes)?;
+                }
                 if s.norope {
                     write!(f, ",norope")?;
                 }
@@ -539,12 +560,20 @@ impl<'a> Fields<'a> {
             .ok_or_else(|| self.error(body, "missing `np<P>`"))?;
         let probes = self.number(probes_token, "np")?;
         let (mut norope, mut all, mut fit) = (false, false, false);
+        let mut head_probes = None;
         for token in tokens {
+            if token.starts_with("hp") {
+                if head_probes.is_some() {
+                    return Err(self.error(token, "given twice"));
+                }
+                head_probes = Some((token, self.number(token, "hp")?));
+                continue;
+            }
             let flag = match token {
                 "norope" => &mut norope,
                 "all" => &mut all,
                 "fit" => &mut fit,
-                _ => return Err(self.error(token, "expected `norope`, `all` or `fit`")),
+                _ => return Err(self.error(token, "expected `hp<H>`, `norope`, `all` or `fit`")),
             };
             if *flag {
                 return Err(self.error(token, "given twice"));
@@ -557,14 +586,27 @@ impl<'a> Fields<'a> {
                 "needs `norope` (routing is fitted on pre-RoPE queries)",
             ));
         }
+        if let Some((token, _)) = head_probes.filter(|_| all || fit) {
+            return Err(self.error(
+                token,
+                "ranks lists by each head's logit: not with `all` (routed on the GPU by the \
+                 group) or `fit`",
+            ));
+        }
+        let (hp_token, head_probes) = head_probes.unwrap_or(("", 0));
         let spec = IndexSpec::Ivf(IvfSpec {
             lists,
             probes,
+            head_probes,
             norope,
             all,
             fit,
         });
-        self.checked(spec, body, &[("ivf", lists_token), ("np", probes_token)])
+        self.checked(
+            spec,
+            body,
+            &[("ivf", lists_token), ("np", probes_token), ("hp", hp_token)],
+        )
     }
 
     fn hnsw(&self, body: &'a str) -> Result<IndexSpec, IndexError> {
@@ -753,6 +795,7 @@ mod tests {
             ("ivf256,np8,norope,all", "ivf256,np8,norope,all"),
             ("ivf256,np8,all", "ivf256,np8,all"),
             ("ivf256,np8,fit,all,norope", "ivf256,np8,norope,all,fit"),
+            ("ivf256,np5,norope,hp2", "ivf256,np5,hp2,norope"),
             ("hnsw32,ef128", "hnsw32,ef128,efc200"),
             ("hnsw16,ef64,efc100", "hnsw16,ef64,efc100"),
             ("qgraph16,ef32", "qgraph16,ef32"),
@@ -812,6 +855,11 @@ mod tests {
             ("ivf16,np4,fast", "fast"),
             ("ivf16,np4,all,all", "all"),
             ("ivf16,np4,all,fit", "fit"),
+            ("ivf16,np4,hp0", "hp0"),
+            ("ivf16,np4,hp2,hp2", "hp2"),
+            ("ivf16,np14,hp3", "hp3"),
+            ("ivf16,np4,hp2,norope,all", "hp2"),
+            ("ivf16,np4,norope,fit,hp2", "hp2"),
             ("hnsw32", "hnsw32"),
             ("hnsw32,ef", "ef"),
             ("lsh:L=4", "L=4"),
