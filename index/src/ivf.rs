@@ -710,6 +710,16 @@ mod tests {
         Ok(())
     }
 
+    /// A random query of two heads after the `N` keys, and the heads rotated at its position.
+    fn two_heads_at_the_end(index: &IvfIndex, rng: &mut StdRng) -> Result<(Vec<f32>, Vec<f32>)> {
+        let queries: Vec<f32> = (0..2 * D).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let rotated = index.rotated()?.rotate_query(&GroupQuery {
+            queries: &queries,
+            position: N,
+        });
+        Ok((queries, rotated))
+    }
+
     /// The mean logit of list `list`'s keys, rotated at their ids, against the rotated
     /// query head `q`, in f64.
     fn mean_logit_with_rope(index: &IvfIndex, list: usize, q: &[f32]) -> f64 {
@@ -741,12 +751,11 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(8);
         let mut group_differs = 0;
         for _ in 0..20 {
-            let queries: Vec<f32> = (0..2 * D).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let (queries, rotated) = two_heads_at_the_end(&index, &mut rng)?;
             let query = GroupQuery {
                 queries: &queries,
                 position: N,
             };
-            let rotated = index.rotated()?.rotate_query(&query);
             // Each head's lists, best first, and the group's (its best head's logit).
             let ranked = |score: &dyn Fn(usize) -> f64| {
                 let mut lists: Vec<usize> = (0..index.lists.len()).collect();
@@ -808,12 +817,11 @@ mod tests {
         let index = IvfIndex::build(&spec, &context, &keys)?;
         let mut centroid_differs = 0;
         for _ in 0..20 {
-            let queries: Vec<f32> = (0..2 * D).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let (queries, rotated) = two_heads_at_the_end(&index, &mut rng)?;
             let query = GroupQuery {
                 queries: &queries,
                 position: N,
             };
-            let rotated = index.rotated()?.rotate_query(&query);
             let best = |score: &dyn Fn(usize, &[f32]) -> f64| {
                 (0..index.lists.len())
                     .max_by(|&a, &b| {
