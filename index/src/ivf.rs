@@ -426,15 +426,14 @@ fn add_head_probes(probed: &mut Vec<u32>, logits: &[Vec<f32>], extra: usize) {
         return;
     }
     // A head's best `probed + extra` lists hold `extra` that are not probed yet.
-    let depth = (probed.len() + extra).min(logits.len());
+    let wanted = (probed.len() + extra).min(logits.len());
     let rankings: Vec<Vec<u32>> = (0..heads)
         .map(|h| {
             let scores: Vec<f32> = logits.iter().map(|l| l[h]).collect();
-            top_indices(&scores, depth)
+            top_indices(&scores, wanted)
         })
         .collect();
-    let wanted = (probed.len() + extra).min(logits.len());
-    for rank in 0..depth {
+    for rank in 0..wanted {
         for ranking in &rankings {
             if probed.len() == wanted {
                 return;
