@@ -151,7 +151,7 @@ impl IhipSpec {
 pub enum IndexSpec {
     /// `flat`
     Flat,
-    /// `ivf<C>,np<P>[,norope][,all]`
+    /// `ivf<C>,np<P>[,hp<H>][,norope][,all][,fit]`
     Ivf(IvfSpec),
     /// `hnsw<M>,ef<E>[,efc<C>]`
     Hnsw(HnswSpec),
