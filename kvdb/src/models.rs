@@ -148,7 +148,8 @@ pub fn load_model(
         stages.push((stage, started.elapsed().as_secs_f64()));
     };
     let started = Instant::now();
-    let model = Model::from_gguf(&mut file, &options, &Device::Cpu)?;
+    #[cfg_attr(not(feature = "gpu"), allow(unused_mut))]
+    let mut model = Model::from_gguf(&mut file, &options, &Device::Cpu)?;
     timed("reading the weights", started);
     #[cfg(feature = "gpu")]
     let gpu = {
@@ -158,6 +159,11 @@ pub fn load_model(
             .transpose()?;
         if gpu.is_some() {
             timed("copying them to the GPU", started);
+            // Everything that runs the model runs it on the GPU from here on (`ModelRef`
+            // dispatches there); the host keeps what it reads besides: configuration, RoPE,
+            // tokenizer. The f32 weights would hold twice the file's size in host memory,
+            // beside the pinned memory of a corpus kept on the host.
+            model.release_weights();
         }
         gpu
     };

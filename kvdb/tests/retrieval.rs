@@ -20,7 +20,17 @@ use kvdb_attention::DensePolicy;
 use kvdb_model::{EncodeOptions, FullAttention, LoadOptions, Logits, WeightMode};
 use kvdb_tests::relative_max_error;
 
+/// The default model, on the device `KVDB_TEST_DEVICE` names (the CPU when unset).
 fn default_model(weights: WeightMode) -> Result<LoadedModel> {
+    let device: ComputeDevice = match std::env::var("KVDB_TEST_DEVICE") {
+        Ok(device) => device.parse().map_err(anyhow::Error::msg)?,
+        Err(_) => ComputeDevice::Cpu,
+    };
+    default_model_on(weights, device)
+}
+
+/// The default model loaded for `device`.
+fn default_model_on(weights: WeightMode, device: ComputeDevice) -> Result<LoadedModel> {
     let path = kvdb_model::fetch::default_model_path()?;
     anyhow::ensure!(
         path.exists(),
@@ -30,10 +40,6 @@ fn default_model(weights: WeightMode) -> Result<LoadedModel> {
     let options = LoadOptions {
         weights,
         ..LoadOptions::default()
-    };
-    let device: ComputeDevice = match std::env::var("KVDB_TEST_DEVICE") {
-        Ok(device) => device.parse().map_err(anyhow::Error::msg)?,
-        Err(_) => ComputeDevice::Cpu,
     };
     Ok(load_model(Some(&path), &options, device)?)
 }
@@ -116,10 +122,12 @@ fn selecting_every_token_equals_full_attention() -> Result<()> {
     // only other difference.
     let store = Store::open(dir.path(), Access::Read)?;
     let all = store.tokens(corpus.manifest(), 0..n)?;
-    let mut cache = FullAttention::new(model.model.config());
+    // On the CPU: a model loaded for the GPU keeps its weights there only.
+    let reference = default_model_on(WeightMode::Dequantized, ComputeDevice::Cpu)?;
+    let mut cache = FullAttention::new(reference.model.config());
     let mut context = all.clone();
     context.extend_from_slice(&ids);
-    let fresh = model
+    let fresh = reference
         .model
         .forward(
             &context,

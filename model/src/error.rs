@@ -125,6 +125,12 @@ pub enum ModelError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The model's CPU weights were released after their upload to a GPU
+    /// ([`crate::Model::release_weights`]), and something asked the CPU to run it.
+    #[error(
+        "this model's weights are on the GPU only; run it there, or load it again for the CPU"
+    )]
+    WeightsReleased,
     /// Fetching the default model failed.
     #[error("{0}")]
     Fetch(String),

@@ -74,6 +74,9 @@ impl GpuModel {
     /// Head dimensions other than multiples of 16 up to 256 (bf16) or up to 256 (f32) are
     /// refused here, before any weight is uploaded.
     pub fn new(model: &Model, gpu: Arc<Gpu>, precision: Precision) -> Result<Self> {
+        if model.released {
+            return Err(ModelError::WeightsReleased);
+        }
         let d = model.config().head_dim;
         let supported = match precision {
             Precision::Bf16 => d.is_multiple_of(16) && (16..=256).contains(&d),

@@ -99,6 +99,13 @@ impl Linear {
         })
     }
 
+    /// Drops the weight and bias ([`Model::release_weights`]).
+    fn release(&mut self) {
+        self.dense = None;
+        self.quantized = None;
+        self.bias = None;
+    }
+
     /// `x`: `[rows, in]` → `[rows, out]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let rows = x.dim(0)?;
@@ -228,6 +235,9 @@ pub struct Model {
     #[cfg_attr(not(feature = "gpu"), allow(dead_code))]
     pub(crate) output_tied: bool,
     pub(crate) device: Device,
+    /// The projections' weights were dropped ([`Model::release_weights`]): the configuration,
+    /// norms, RoPE and embedding remain, and [`Model::forward`] refuses to run.
+    pub(crate) released: bool,
 }
 
 impl Model {
@@ -366,8 +376,30 @@ impl Model {
             output_norm,
             output,
             output_tied,
+            released: false,
             device: device.clone(),
         })
+    }
+
+    /// Drops the weights of every projection (attention, MLP and output), keeping what
+    /// callers of a model that runs elsewhere still read: the configuration, the RoPE of each
+    /// layer, the norms and the embedding. A model uploaded to a GPU (`GpuModel::new` copies
+    /// what it needs) holds its projections there; on the host they are the dequantized f32
+    /// weights, twice a bf16 file's size (30 GB for a 7B model), which would otherwise stay
+    /// beside the pinned memory a large corpus needs. [`Model::forward`] (and the CPU
+    /// sequence) then fails with [`ModelError::WeightsReleased`].
+    pub fn release_weights(&mut self) {
+        for layer in &mut self.layers {
+            for fused in [&mut layer.qkv, &mut layer.gate_up] {
+                fused.stacked = None;
+                fused.parts.clear();
+            }
+            for linear in [&mut layer.wo, &mut layer.down] {
+                linear.release();
+            }
+        }
+        self.output.release();
+        self.released = true;
     }
 
     /// The model's configuration.
@@ -402,6 +434,9 @@ impl Model {
         backend: &mut dyn AttentionBackend,
         logits: &Logits,
     ) -> Result<Option<Tensor>> {
+        if self.released {
+            return Err(ModelError::WeightsReleased);
+        }
         let cfg = &self.config;
         let t = tokens.len();
         if t == 0 {

@@ -228,6 +228,30 @@ fn prompt_longer_than_context() -> Result<()> {
     Ok(())
 }
 
+/// A model whose weights went to a GPU (`Model::release_weights`) keeps what its callers
+/// read (configuration, RoPE) and refuses to run on the CPU, where it would have nothing to
+/// multiply by, with its own error, before and after a run that worked.
+#[test]
+fn released_weights_refuse_the_cpu() -> Result<()> {
+    let file = tiny()?;
+    let mut model = load(file.path())?;
+    let tokens = random_tokens(8, model.config().vocab_size, 3);
+    let mut cache = FullAttention::new(model.config());
+    assert!(model
+        .forward(&tokens, 0, &mut cache, &Logits::Last)?
+        .is_some());
+    let layers = model.config().n_layers();
+    model.release_weights();
+    assert_eq!(model.config().n_layers(), layers);
+    assert!((0..layers).all(|layer| model.rope(layer).is_some()));
+    for cache in [&mut cache, &mut FullAttention::new(model.config())] {
+        let err = model.forward(&tokens, 0, cache, &Logits::Last).unwrap_err();
+        assert!(matches!(err, ModelError::WeightsReleased), "{err:?}");
+        assert!(err.to_string().contains("on the GPU only"), "{err}");
+    }
+    Ok(())
+}
+
 #[test]
 fn token_out_of_vocabulary() -> Result<()> {
     let file = tiny()?;
