@@ -144,6 +144,12 @@ pub(crate) struct Fused {
 }
 
 impl Fused {
+    /// Drops the stacked weight and its parts ([`Model::release_weights`]).
+    fn release(&mut self) {
+        self.stacked = None;
+        self.parts.clear();
+    }
+
     fn new(mut parts: Vec<Linear>) -> Result<Self> {
         let dense: Option<Vec<Tensor>> = parts.iter().map(|p| p.dense.clone()).collect();
         let stacked = match dense {
@@ -390,13 +396,10 @@ impl Model {
     /// sequence) then fails with [`ModelError::WeightsReleased`].
     pub fn release_weights(&mut self) {
         for layer in &mut self.layers {
-            for fused in [&mut layer.qkv, &mut layer.gate_up] {
-                fused.stacked = None;
-                fused.parts.clear();
-            }
-            for linear in [&mut layer.wo, &mut layer.down] {
-                linear.release();
-            }
+            layer.qkv.release();
+            layer.gate_up.release();
+            layer.wo.release();
+            layer.down.release();
         }
         self.output.release();
         self.released = true;

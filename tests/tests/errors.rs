@@ -230,7 +230,7 @@ fn prompt_longer_than_context() -> Result<()> {
 
 /// A model whose weights went to a GPU (`Model::release_weights`) keeps what its callers
 /// read (configuration, RoPE) and refuses to run on the CPU, where it would have nothing to
-/// multiply by, with its own error, before and after a run that worked.
+/// multiply by, with its own error, whether its cache has run before or is fresh.
 #[test]
 fn released_weights_refuse_the_cpu() -> Result<()> {
     let file = tiny()?;
