@@ -173,7 +173,9 @@ fn context_markdown(s: &mut String, c: &ContextResult) {
     for (point, heads) in &c.quality {
         let q = overall(heads);
         let of_flat = match flat_mass_at(&flat, q.selectivity) {
-            Some(m) if m > 0.0 => format!("{:.0}%", 100.0 * q.mass_recall / m),
+            // One decimal: a goal stated in percent of flat's (issue 26: 90%) must not be
+            // met by rounding (89.6% is not 90%).
+            Some(m) if m > 0.0 => format!("{:.1}%", 100.0 * q.mass_recall / m),
             _ => "-".to_string(),
         };
         let _ = writeln!(
