@@ -203,12 +203,19 @@ mod on_gpu {
             upload.host_bytes > 0 && upload.bytes == 0 && upload.cache_budget > 0,
             "not in host memory behind caches allocated on first use: {upload:?}"
         );
-        // Routed on the GPU, a question reads the rows in place: no cache is allocated.
+        // Routed on the GPU, a question allocates none of the corpus's block caches: it reads
+        // the buckets through caches of its own (gone with it), filled from its earlier steps'
+        // visits, and the rest in place.
         ask(gpu, &on_host, retrieval("ivf16,np4,norope,all", None)?)?;
         let routed = on_host.gpu_footprint();
+        println!("bucket caches of a routed question: {:?}", routed.cache);
         ensure!(
             routed.gpu_bytes == 0 && routed.routing_bytes > 0,
-            "a question routed on the GPU allocated caches, or no partition: {routed:?}"
+            "a question routed on the GPU allocated block caches, or no partition: {routed:?}"
+        );
+        ensure!(
+            routed.cache.hits > 0 && routed.cache.bytes_copied > 0,
+            "a routed question's later steps found no bucket its earlier ones visited: {routed:?}"
         );
         let in_place = open(GpuKv::Host {
             cache_bytes: Some(0),

@@ -41,6 +41,12 @@
 // token (`slot_token` null: the row is the token). `attention_weights` walks a selection's
 // lists the same way and writes each item's weight at its place in them instead: what a
 // query that follows its most attended tokens ranks them by.
+//
+// A bucket launch over rows in host memory may have a GPU cache of whole buckets
+// (`slot_of` not null: `BucketCache` in cache.rs): a visited bucket whose `slot_of` entry is
+// not NO_ROW is read from the cache's rows `slot_of[bucket]` onwards (its ids in order, their
+// tokens in `token_of`), the others in place. An item's share of the visited ids is then
+// visited bucket by bucket, each segment from where its rows are (`CachedRows`).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -148,6 +154,22 @@ struct VisitedRows {
     }
 };
 
+// A visited bucket's rows in a bucket cache: rows first.. of the cache's k/v (all KV heads
+// share its rows), token_of[row] the token each holds; `start` is where the segment starts in
+// the head's sequence of visited ids (as VisitedRows's). Tokens inside the list buffer's runs
+// are skipped, as VisitedRows skips them.
+struct CachedRows {
+    const u16* k;
+    const u16* v;
+    const u32* token_of;
+    u32 first, start;
+    Runs runs;
+    __device__ __forceinline__ u32 operator()(u32 t) const {
+        const u32 row = first + t;
+        return runs.hold(token_of[row]) ? NO_ROW : row;
+    }
+};
+
 // Ids a KV head follows besides its visited buckets (the successors of the tokens its last
 // step attended most): ids[t], skipped where none (NO_ROW), past the rows, inside the list
 // buffer's runs or inside a visited bucket (bucket_of: one more than each row's bucket,
@@ -185,6 +207,12 @@ struct ListPart {
     u32 follow_count;
     const u32* bucket_of;
     u32 head_rows;
+    // The bucket cache, if any (see the top of this file): its keys and values, each
+    // bucket's first row in it (NO_ROW: not cached), each row's token.
+    const u16* cache_k;
+    const u16* cache_v;
+    const u32* slot_of;
+    const u32* token_of;
 
     // Calls visit(rows, n) with the rows of the list part's item i of head h (nothing for
     // an item past the head's list: heads' lists differ in length). Every thread of the
@@ -226,6 +254,7 @@ struct ListPart {
         // visits are chosen on the GPU: the launcher knows neither which nor their sizes).
         __shared__ u32 first[MAX_VISITS];
         __shared__ u32 before[MAX_VISITS + 1];
+        __shared__ u32 slot[MAX_VISITS];
         if (threadIdx.x < 32) {
             // Warp 0 sums the visits' sizes, 32 at a time (an inclusive scan by shuffles).
             const u32 lane = threadIdx.x;
@@ -238,6 +267,7 @@ struct ListPart {
                     const u32 a = bucket_off[bucket];
                     size = bucket_off[bucket + 1] - a;
                     first[k] = a;
+                    slot[k] = slot_of == nullptr ? NO_ROW : slot_of[bucket];
                 }
                 u32 sum = size;
 #pragma unroll
@@ -253,10 +283,28 @@ struct ListPart {
         __syncthreads();
         const u32 total = before[visits], shares = items - run_items - follows;
         const u32 share = (total + shares - 1) / shares, start = i * share;
-        if (start < total) {
-            const VisitedRows rows = {bucket_ids, first,  before, visits,
-                                      start,      {run0_row, run0_len, run1_row, run1_len}};
-            visit(rows, min_u32(share, total - start));
+        if (start >= total) return;
+        const Runs runs = {run0_row, run0_len, run1_row, run1_len};
+        const u32 stop = min_u32(total, start + share);
+        if (slot_of == nullptr) {
+            const VisitedRows rows = {bucket_ids, first, before, visits, start, runs};
+            visit(rows, stop - start);
+            return;
+        }
+        // Bucket by bucket, each from the cache or in place (the same segments for every
+        // thread of the block: the arrays are shared).
+        for (u32 k = 0; k < visits; ++k) {
+            const u32 a = before[k] > start ? before[k] : start;
+            const u32 b = min_u32(before[k + 1], stop);
+            if (a >= b) continue;
+            if (slot[k] == NO_ROW) {
+                const VisitedRows rows = {bucket_ids, first, before, visits, a, runs};
+                visit(rows, b - a);
+            } else {
+                const CachedRows rows = {cache_k, cache_v, token_of, slot[k] + (a - before[k]), a,
+                                         runs};
+                visit(rows, b - a);
+            }
         }
     }
 };
@@ -605,6 +653,9 @@ struct AttendVisitMma {
     __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
         attend_rows_mma(rows, n, k, v, *qa, scale_log2, *st);
     }
+    __device__ __forceinline__ void operator()(const CachedRows& rows, u32 n) const {
+        attend_rows_mma(rows, n, rows.k, rows.v, *qa, scale_log2, *st);
+    }
 };
 #endif
 
@@ -717,6 +768,9 @@ struct AttendVisit {
     __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
         attend_rows(rows, n, k, v, *qf, *st);
     }
+    __device__ __forceinline__ void operator()(const CachedRows& rows, u32 n) const {
+        attend_rows(rows, n, rows.k, rows.v, *qf, *st);
+    }
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -730,7 +784,8 @@ attend(const u16* __restrict__ q, float scale_log2,
        const u32* __restrict__ list_off, const u32* __restrict__ list, u32 list_chunk,
        const u32* __restrict__ bucket_off, const u32* __restrict__ bucket_ids,
        const u32* __restrict__ follow, u32 follow_count, const u32* __restrict__ bucket_of,
-       u32 head_rows,
+       u32 head_rows, const u16* __restrict__ cache_k, const u16* __restrict__ cache_v,
+       const u32* __restrict__ slot_of, const u32* __restrict__ token_of,
        // results
        u32 group_size, float* __restrict__ partials, u32* __restrict__ counters,
        float* __restrict__ out, float* __restrict__ lse, u64* __restrict__ bucket_rows,
@@ -783,7 +838,8 @@ attend(const u16* __restrict__ q, float scale_log2,
         const ListPart part = {lrun0_row,  lrun0_len,         lrun1_row,    lrun1_len,
                                dense_chunk, lrun_items,       list_off,     list,
                                list_chunk, bucket_off,        bucket_ids,   items - dense_items,
-                               follow,     follow_count,      bucket_of,    head_rows};
+                               follow,     follow_count,      bucket_of,    head_rows,
+                               cache_k,    cache_v,           slot_of,      token_of};
         const u64 head = (u64)h * l_stride * HEAD_DIM;
         part.item(x - dense_items, h, AttendVisitMma{lk + head, lv + head, &qa, scale_log2, &st});
     }
@@ -836,7 +892,8 @@ attend(const u16* __restrict__ q, float scale_log2,
         const ListPart part = {lrun0_row,  lrun0_len,         lrun1_row,    lrun1_len,
                                dense_chunk, lrun_items,       list_off,     list,
                                list_chunk, bucket_off,        bucket_ids,   items - dense_items,
-                               follow,     follow_count,      bucket_of,    head_rows};
+                               follow,     follow_count,      bucket_of,    head_rows,
+                               cache_k,    cache_v,           slot_of,      token_of};
         const u64 head = (u64)h * l_stride * HEAD_DIM;
         part.item(x - dense_items, h, AttendVisit{lk + head, lv + head, &qf, &st});
     }
@@ -963,6 +1020,10 @@ struct AddMass {
                               : slot_token[r >> slot_shift] + (r & ((1u << slot_shift) - 1u));
         atomicAdd(mass + token, w);
     }
+    // The same for rows of a bucket cache, whose tokens are `token_of`.
+    __device__ __forceinline__ AddMass cached(const u32* token_of) const {
+        return {mass, token_of, 0u};
+    }
 };
 
 // The parameters `attention_mass` and `follow_weights` begin with (the queries and the
@@ -974,11 +1035,13 @@ struct AddMass {
         u32 lrun_items, const u32 *__restrict__ list_off, const u32 *__restrict__ list,       \
         u32 list_chunk, const u32 *__restrict__ bucket_off,                                   \
         const u32 *__restrict__ bucket_ids, const u32 *__restrict__ follow, u32 follow_count, \
-        const u32 *__restrict__ bucket_of, u32 head_rows
+        const u32 *__restrict__ bucket_of, u32 head_rows, const u16 *__restrict__ cache_k,    \
+        const u32 *__restrict__ slot_of, const u32 *__restrict__ token_of
 #define WEIGHED_PART                                                                          \
     {lrun0_row,  lrun0_len, lrun1_row, lrun1_len,    lrun_chunk, lrun_items,                  \
      list_off,   list,      list_chunk, bucket_off,  bucket_ids, gridDim.x,                   \
-     follow,     follow_count, bucket_of, head_rows}
+     follow,     follow_count, bucket_of, head_rows, cache_k,    nullptr,                     \
+     slot_of,    token_of}
 
 // ListPart::item's visitor for `attention_mass`.
 struct MassVisit {
@@ -988,6 +1051,9 @@ struct MassVisit {
     template <class RowOf>
     __device__ __forceinline__ void operator()(const RowOf& rows, u32 n) const {
         weigh_rows(rows, n, k, head->qf, head->lse, add);
+    }
+    __device__ __forceinline__ void operator()(const CachedRows& rows, u32 n) const {
+        weigh_rows(rows, n, rows.k, head->qf, head->lse, add.cached(rows.token_of));
     }
 };
 
@@ -1035,7 +1101,8 @@ attention_weights(const u16* __restrict__ q, float scale_log2, const u16* __rest
     const HeadWeights head(q, h, scale_log2, lse);
     const ListPart part = {0u,      0u,      0u,        0u,      list_chunk, 0u,
                            list_off, list,   list_chunk, nullptr, nullptr,    gridDim.x,
-                           nullptr, 0u,      nullptr,   0u};
+                           nullptr, 0u,      nullptr,   0u,      nullptr,    nullptr,
+                           nullptr, nullptr};
     const u64 at = (u64)h * l_stride * HEAD_DIM;
     part.item(blockIdx.x, h, WeightVisit{lk + at, &head, list, weights});
 }
@@ -1047,10 +1114,12 @@ struct PutCandidate {
     float* weight;
     u32* id;
     u32 at, end;
+    // The tokens of a bucket cache's rows (null: rows are tokens).
+    const u32* token_of;
     __device__ __forceinline__ void operator()(u32 t, u32 r, float w) const {
         if (at + t >= end) return;
         weight[at + t] = r == NO_ROW ? -1.f : w;
-        id[at + t] = r;
+        id[at + t] = r == NO_ROW || token_of == nullptr ? r : token_of[r];
     }
 };
 
@@ -1075,11 +1144,16 @@ struct CandidateVisit {
     u32* id;
     u32 cap;
     __device__ __forceinline__ void operator()(const VisitedRows& rows, u32 n) const {
-        const MassAndCandidate both = {add, PutCandidate{weight, id, rows.start, cap}};
+        const MassAndCandidate both = {add, PutCandidate{weight, id, rows.start, cap, nullptr}};
         weigh_rows(rows, n, k, head->qf, head->lse, both);
     }
+    __device__ __forceinline__ void operator()(const CachedRows& rows, u32 n) const {
+        const MassAndCandidate both = {add.cached(rows.token_of),
+                                       PutCandidate{weight, id, rows.start, cap, rows.token_of}};
+        weigh_rows(rows, n, rows.k, head->qf, head->lse, both);
+    }
     __device__ __forceinline__ void operator()(const FollowRows& rows, u32 n) const {
-        const MassAndCandidate both = {add, PutCandidate{weight, id, cap, 0xffffffffu}};
+        const MassAndCandidate both = {add, PutCandidate{weight, id, cap, 0xffffffffu, nullptr}};
         weigh_rows(rows, n, k, head->qf, head->lse, both);
     }
     template <class RowOf>

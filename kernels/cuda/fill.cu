@@ -39,3 +39,46 @@ extern "C" __global__ void fill_slots(const uint4* host_k, const uint4* host_v, 
         }
     }
 }
+
+// Copies whole buckets of a partition's rows from pinned host memory into a GPU bucket cache
+// (`BucketCache` in cache.rs): jobs [n][2] are a list number l (KV head l / buckets) and
+// the first cache row it gets; the list's ids (`ids[offsets[l]..offsets[l + 1]]`, rows of
+// that head, `head_stride` rows apart per head) are copied in order to consecutive cache
+// rows, and each row's token id to `token_of`. Rows are `row_vecs` 16-byte vectors; block
+// (j, y) copies vectors y, y + gridDim.y, ... (in blocks of blockDim.x) of job j.
+extern "C" __global__ void fill_buckets(const uint4* host_k, const uint4* host_v, u64 head_stride,
+                                        const u32* __restrict__ offsets,
+                                        const u32* __restrict__ ids, const u32* __restrict__ jobs,
+                                        u32 buckets, u32 row_vecs, uint4* cache_k, uint4* cache_v,
+                                        u32* __restrict__ token_of) {
+    const u32 list = jobs[2 * blockIdx.x], first = jobs[2 * blockIdx.x + 1];
+    const u32 begin = offsets[list], rows = offsets[list + 1] - begin;
+    const u64 head = (u64)(list / buckets) * head_stride;
+    const u64 vecs = (u64)rows * row_vecs, stride = (u64)gridDim.y * blockDim.x;
+    for (u64 base = (u64)blockIdx.y * blockDim.x + threadIdx.x; base < vecs; base += stride * UNROLL) {
+        uint4 k[UNROLL], v[UNROLL];
+        u64 dst[UNROLL];
+        // Several loads per thread before the first store: reads over PCIe have a long latency.
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u64 e = base + u * stride;
+            dst[u] = ~0ull;
+            if (e < vecs) {
+                const u32 r = (u32)(e / row_vecs), c = (u32)(e % row_vecs);
+                const u32 id = ids[begin + r];
+                const u64 src = (head + id) * row_vecs + c;
+                k[u] = host_k[src];
+                v[u] = host_v[src];
+                dst[u] = ((u64)first + r) * row_vecs + c;
+                if (c == 0) token_of[first + r] = id;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (dst[u] != ~0ull) {
+                cache_k[dst[u]] = k[u];
+                cache_v[dst[u]] = v[u];
+            }
+        }
+    }
+}

@@ -235,6 +235,21 @@ pub struct Buckets<'a, T> {
     pub count: Option<&'a CudaSlice<u64>>,
     /// Ids each KV head attends besides its visited buckets, if any.
     pub follow: Option<Followed<'a>>,
+    /// A GPU cache of whole buckets in front of `kv` (rows in host memory), if any: the
+    /// visited buckets it holds are read from it, the others from `kv`
+    /// ([`crate::BucketCache::cached`]).
+    pub cache: Option<CachedBuckets<'a, T>>,
+}
+
+/// The GPU rows of a [`crate::BucketCache`] as a bucket launch reads them: bucket (list) `l`
+/// of the partition starts at row `slot_of[l]` of `keys` and `values` (all KV heads share
+/// the rows), or is not cached ([`NO_TOKEN`]), and `token_of[r]` is the token row `r` holds.
+#[derive(Debug)]
+pub struct CachedBuckets<'a, T> {
+    pub(crate) keys: &'a CudaSlice<T>,
+    pub(crate) values: &'a CudaSlice<T>,
+    pub(crate) slot_of: &'a CudaSlice<u32>,
+    pub(crate) token_of: &'a CudaSlice<u32>,
 }
 
 /// Tokens each KV head of a bucket launch attends besides its visited buckets: the
@@ -371,7 +386,15 @@ macro_rules! impl_copy {
         impl<T> Copy for $name<'_, T> {}
     )*};
 }
-impl_copy!(Query, KvRows, Selected, Buckets, ListPart, Dense);
+impl_copy!(
+    Query,
+    KvRows,
+    Selected,
+    Buckets,
+    ListPart,
+    Dense,
+    CachedBuckets
+);
 
 /// Work items per head merged by one block in one level (see `launch`).
 const SINGLE_MERGE: usize = 32;
@@ -402,6 +425,7 @@ struct Rows<'a, T> {
     count: Option<&'a CudaSlice<u64>>,
     tokens: Option<SlotTokens<'a>>,
     follow: Option<Followed<'a>>,
+    cache: Option<CachedBuckets<'a, T>>,
 }
 
 impl<T> Rows<'_, T> {
@@ -429,6 +453,20 @@ impl<T> Rows<'_, T> {
                 (f.ids.len() / self.lists.map_or(1, Csr::lists).max(1)) as u32,
                 gpu.address(&f.buckets.lists),
                 f.buckets.rows as u32,
+            ),
+            None => (0, 0, 0, 0),
+        }
+    }
+
+    /// The bucket cache's arguments of a kernel: its keys, values, each bucket's first row
+    /// and each row's token (zeros without).
+    fn cache_args(&self, gpu: &Gpu) -> (u64, u64, u64, u64) {
+        match self.cache {
+            Some(c) => (
+                gpu.address(c.keys),
+                gpu.address(c.values),
+                gpu.address(c.slot_of),
+                gpu.address(c.token_of),
             ),
             None => (0, 0, 0, 0),
         }
@@ -767,6 +805,9 @@ struct PartArgs {
     follow_count: u32,
     bucket_of: u64,
     head_rows: u32,
+    cache_keys: u64,
+    slot_of: u64,
+    token_of: u64,
 }
 
 impl PartArgs {
@@ -778,6 +819,7 @@ impl PartArgs {
             .buckets
             .map_or((0, 0), |b| (gpu.address(&b.offsets), gpu.address(&b.items)));
         let (follow, follow_count, bucket_of, head_rows) = rows.follow_args(gpu);
+        let (cache_keys, _, slot_of, token_of) = rows.cache_args(gpu);
         Self {
             q: w.q,
             scale_log2: w.scale_log2,
@@ -794,6 +836,9 @@ impl PartArgs {
             follow_count,
             bucket_of,
             head_rows,
+            cache_keys,
+            slot_of,
+            token_of,
         }
     }
 
@@ -818,7 +863,10 @@ impl PartArgs {
             .arg(&self.follow)
             .arg(&self.follow_count)
             .arg(&self.bucket_of)
-            .arg(&self.head_rows);
+            .arg(&self.head_rows)
+            .arg(&self.cache_keys)
+            .arg(&self.slot_of)
+            .arg(&self.token_of);
     }
 }
 
@@ -955,6 +1003,7 @@ fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
             count: None,
             tokens: selected.tokens,
             follow: None,
+            cache: None,
         }),
         ListPart::Buckets(b) => {
             b.ids.check("bucket token ids", b.ids.lists(), b.kv.rows)?;
@@ -973,6 +1022,7 @@ fn list_rows<T>(part: ListPart<'_, T>) -> Result<Rows<'_, T>> {
                 count: b.count,
                 tokens: None,
                 follow: b.follow,
+                cache: b.cache,
             })
         }
     }
@@ -987,6 +1037,15 @@ fn check_rows<T>(rows: &Rows<'_, T>, kv_heads: usize) -> Result<()> {
             None => rows.rows.rows,
         };
         lists.check("selected rows or visited buckets", kv_heads, bound)?;
+    }
+    if let (Some(cache), Some(buckets)) = (rows.cache, rows.buckets) {
+        // The cache's tables are its own (made by `BucketCache`); they must cover the
+        // partition's lists.
+        length(
+            "bucket cache table (one entry per list)",
+            buckets.lists(),
+            cache.slot_of.len(),
+        )?;
     }
     if let Some(follow) = rows.follow {
         length(
@@ -1179,6 +1238,7 @@ fn launch<T: KvElement>(
         count: None,
         tokens: None,
         follow: None,
+        cache: None,
     };
     let list = launch.list.unwrap_or(none);
     let (list_keys, list_values, list_stride) = match launch.list {
@@ -1196,6 +1256,7 @@ fn launch<T: KvElement>(
         .buckets
         .map_or((0, 0), |b| (address(&b.offsets), address(&b.items)));
     let (follow, follow_count, bucket_of, head_rows) = list.follow_args(gpu);
+    let (cache_keys, cache_values, slot_of, token_of) = list.cache_args(gpu);
     let args = Args {
         q: launch.query.heads.device_ptr(gpu.stream()).0,
         scale_log2: launch.query.scale * std::f32::consts::LOG2_E,
@@ -1219,6 +1280,10 @@ fn launch<T: KvElement>(
         follow_count,
         bucket_of,
         head_rows,
+        cache_keys,
+        cache_values,
+        slot_of,
+        token_of,
         group_size: group_size as u32,
         partials: gpu.address(&workspace.partials),
         counters: gpu.address(&workspace.counters),
@@ -1231,7 +1296,7 @@ fn launch<T: KvElement>(
     // it) and the device has programmatic dependent launch (compute capability 9.0 on).
     let programmatic = after_route && gpu.programmatic_launch();
     let after_route_u32 = u32::from(programmatic);
-    let mut params: [*mut std::ffi::c_void; 36] = [
+    let mut params: [*mut std::ffi::c_void; 40] = [
         param(&args.q),
         param(&args.scale_log2),
         param(&args.dense_keys),
@@ -1260,6 +1325,10 @@ fn launch<T: KvElement>(
         param(&args.follow_count),
         param(&args.bucket_of),
         param(&args.head_rows),
+        param(&args.cache_keys),
+        param(&args.cache_values),
+        param(&args.slot_of),
+        param(&args.token_of),
         param(&args.group_size),
         param(&args.partials),
         param(&args.counters),
@@ -1309,6 +1378,10 @@ struct Args {
     follow_count: u32,
     bucket_of: u64,
     head_rows: u32,
+    cache_keys: u64,
+    cache_values: u64,
+    slot_of: u64,
+    token_of: u64,
     group_size: u32,
     partials: u64,
     counters: u64,

@@ -501,7 +501,7 @@ impl<T: KvElement> BlockCache<T> {
     /// Copies the blocks of `jobs` from host memory into their slots, in one launch.
     fn fill(&mut self, gpu: &Gpu, jobs: &[u32]) -> Result<()> {
         write_into(gpu, &mut self.jobs, jobs)?;
-        let function = gpu.fill_kernel()?;
+        let function = gpu.fill_kernel("fill_slots")?;
         let vecs = (self.host.block_tokens * self.host.head_dim * size_of::<T>() / 16) as u32;
         let (pool_keys, pool_values) = (gpu.address(&self.keys), gpu.address(&self.values));
         let jobs_address = gpu.address(&self.jobs);

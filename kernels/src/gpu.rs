@@ -159,7 +159,6 @@ pub struct Gpu {
     hopper: bool,
     multiprocessors: u32,
     attend: Arc<Mutex<HashMap<Variant, AttendKernel>>>,
-    fill: Arc<Mutex<Option<CudaFunction>>>,
     /// The model's kernels (ops, prefill), by entry point and defines.
     compiled: Arc<Mutex<HashMap<String, CudaFunction>>>,
     /// Where compiled PTX is kept between runs, if anywhere.
@@ -219,7 +218,6 @@ impl Gpu {
             hopper: (major, minor) == (9, 0),
             multiprocessors: multiprocessors.max(1) as u32,
             attend: Arc::default(),
-            fill: Arc::default(),
             compiled: Arc::default(),
             ptx_cache: None,
         })
@@ -287,7 +285,6 @@ impl Gpu {
             hopper: self.hopper,
             multiprocessors: self.multiprocessors,
             attend: self.attend.clone(),
-            fill: self.fill.clone(),
             compiled: self.compiled.clone(),
             ptx_cache: self.ptx_cache.clone(),
         })
@@ -479,15 +476,10 @@ impl Gpu {
         self.kernel(ATTEND_SOURCE, entry, &defines)
     }
 
-    /// The block-cache fill kernel, compiled on first use.
-    pub(crate) fn fill_kernel(&self) -> Result<CudaFunction> {
-        let mut fill = self.fill.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(function) = fill.as_ref() {
-            return Ok(function.clone());
-        }
-        let function = self.kernel(FILL_SOURCE, "fill_slots", &[])?;
-        *fill = Some(function.clone());
-        Ok(function)
+    /// Kernel `entry` of `fill.cu` (`fill_slots`, `fill_buckets`: the caches' copies from
+    /// host memory), compiled on first use.
+    pub(crate) fn fill_kernel(&self, entry: &'static str) -> Result<CudaFunction> {
+        self.kernel(FILL_SOURCE, entry, &[])
     }
 
     /// Kernel `entry` of `follow.cu` (`bucket_of`, `follow_pick`), compiled on first use.

@@ -20,6 +20,7 @@
 //! | `attention_weights` | the same weights per item of the last launch's selection, in list order: what a query following its most attended tokens ranks them by |
 //! | `Partition`, `Visits` | a bucket index's centroids and buckets on the GPU; routing a step's queries to buckets there, and the ids the bucket attention then attended |
 //! | `HostKv`, `BlockCache` | keys and values in pinned host memory behind an LRU GPU cache of blocks |
+//! | `BucketCache` | a GPU cache of whole buckets of a partition in front of its rows in host memory, which bucket launches read the buckets it holds from |
 //! | `Gemm` | the model's matrix products: cuBLASLt, and a matrix-vector kernel (`cuda/gemv.cu`) for a decode step's one row |
 //! | `ops` | the model's element-wise kernels: embedding, norms, attention inputs (RoPE, KV writes), activations |
 //! | `prefill_attention`, `Causal` | causal (sliding-window) attention of a chunk of queries `[tokens, heads, head_dim]` over a `KvCache` ring: flash attention on the tensor cores for f16/bf16, a plain kernel for f32 |
@@ -42,6 +43,8 @@
 #[cfg(feature = "gpu")]
 mod attention;
 #[cfg(feature = "gpu")]
+mod bucket_cache;
+#[cfg(feature = "gpu")]
 mod buffers;
 #[cfg(feature = "gpu")]
 mod cache;
@@ -61,9 +64,11 @@ mod route;
 #[cfg(feature = "gpu")]
 pub use attention::{
     attention_mass, attention_weights, bucket_attention, flash_decode, follow_most_attended,
-    retrieval_attention, BucketOf, Buckets, Dense, FollowScratch, Followed, KvRows, ListPart,
-    Query, Selected, Workspace, MAX_VISITED_BUCKETS, NO_TOKEN,
+    retrieval_attention, BucketOf, Buckets, CachedBuckets, Dense, FollowScratch, Followed, KvRows,
+    ListPart, Query, Selected, Workspace, MAX_VISITED_BUCKETS, NO_TOKEN,
 };
+#[cfg(feature = "gpu")]
+pub use bucket_cache::BucketCache;
 #[cfg(feature = "gpu")]
 pub use buffers::{Csr, KvCache};
 #[cfg(feature = "gpu")]

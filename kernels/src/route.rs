@@ -6,11 +6,14 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaEvent, CudaSlice, CudaView, CudaViewMut, DevicePtr, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
+};
 
 use crate::attention::{
-    bucket_attention_after_route, lanes_of, BucketOf, Buckets, Dense, Followed, KvRows, Query,
-    Workspace, MAX_VISITED_BUCKETS,
+    bucket_attention_after_route, lanes_of, BucketOf, Buckets, CachedBuckets, Dense, Followed,
+    KvRows, Query, Workspace, MAX_VISITED_BUCKETS,
 };
 use crate::buffers::Csr;
 use crate::error::{driver, length, KernelError, Result};
@@ -206,6 +209,11 @@ pub struct Visits {
     /// A classifier partition's scratch (`route.cu`): hidden units and logits, then a
     /// counter per KV head and a flag word per bucket.
     scratch: Option<(CudaSlice<f32>, CudaSlice<u32>)>,
+    /// The visited buckets' last copy to the host ([`Visits::copy_to_host`]) and the event
+    /// recorded after it (the pinned slice's own is not: the context tracks no events), and
+    /// whether [`Visits::take_copied`] has not taken it yet.
+    copied: Option<(PinnedHostSlice<u32>, CudaEvent)>,
+    copy_pending: bool,
 }
 
 impl std::fmt::Debug for Visits {
@@ -226,6 +234,48 @@ impl Visits {
     /// outside each step's dense runs (waits for the stream).
     pub fn selected(&self, gpu: &Gpu) -> Result<u64> {
         Ok(gpu.download(&self.selected)?.first().copied().unwrap_or(0))
+    }
+
+    /// Queues a copy of the visited buckets to the host, after the launches queued so far
+    /// (the routing that wrote them): [`Visits::take_copied`] reads it later, by when the
+    /// stream is long past it, so that the host waits for nothing.
+    pub fn copy_to_host(&mut self, gpu: &Gpu) -> Result<()> {
+        let items = &self.visited.items;
+        let (copied, done) = match self.copied.take() {
+            Some((copied, done)) if copied.len() == items.len() => (copied, done),
+            // Plain pinned memory (not write-combined): the CPU reads it. Safety: the copy
+            // below writes every element before `take_copied` reads them (after its event).
+            _ => (
+                unsafe { gpu.context().alloc_pinned_with_flags::<u32>(items.len(), 0) }
+                    .map_err(driver("allocating pinned host memory for visits"))?,
+                gpu.event()?,
+            ),
+        };
+        let (copied, done) = self.copied.insert((copied, done));
+        gpu.stream()
+            .memcpy_dtoh(items, copied)
+            .map_err(driver("copying visits to the host"))?;
+        gpu.record(done)?;
+        self.copy_pending = true;
+        Ok(())
+    }
+
+    /// The visited buckets (every KV head's, as [`Visits::visited`]'s items) that the last
+    /// [`Visits::copy_to_host`] copied, once: `None` when none was made since the last call.
+    /// Waits for the copy.
+    pub fn take_copied(&mut self) -> Result<Option<Vec<u32>>> {
+        if !std::mem::take(&mut self.copy_pending) {
+            return Ok(None);
+        }
+        let Some((copied, done)) = &self.copied else {
+            return Ok(None);
+        };
+        let waiting = driver("waiting for visits copied to the host");
+        done.synchronize().map_err(waiting)?;
+        let visited = copied
+            .as_slice()
+            .map_err(driver("reading visits copied to the host"))?;
+        Ok(Some(visited.to_vec()))
     }
 }
 
@@ -419,6 +469,8 @@ impl Partition {
             visited: Csr::uniform(gpu, self.kv_heads, probes, self.ids.lists() as u32)?,
             selected: gpu.zeros(1)?,
             scratch,
+            copied: None,
+            copy_pending: false,
         })
     }
 
@@ -463,6 +515,7 @@ impl Partition {
             visited: &visits.visited,
             count: Some(&visits.selected),
             follow: None,
+            cache: None,
         }
     }
 
@@ -667,8 +720,8 @@ impl Partition {
     /// attention's blocks start while routing runs (programmatic dependent launch), and
     /// only those that attend the visited buckets wait for it. The same results as the two
     /// calls; everything the attention reads but the visits (queries, rows, workspace,
-    /// `follow`: ids attended besides the visits) must be ready before this call, as for
-    /// them.
+    /// `follow`: ids attended besides the visits, `cache`: a GPU cache of buckets in front
+    /// of `kv`) must be ready before this call, as for them.
     #[allow(clippy::too_many_arguments)]
     pub fn route_and_attend<'k, T: KvElement>(
         &self,
@@ -682,11 +735,13 @@ impl Partition {
         kv: impl Into<KvRows<'k, T>>,
         runs: &[Range<u32>],
         follow: Option<Followed<'_>>,
+        cache: Option<CachedBuckets<'_, T>>,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         self.route(gpu, route_queries, step, visits)?;
         let part = Buckets {
             follow,
+            cache,
             ..self.list_part(visits, kv.into(), runs)
         };
         bucket_attention_after_route(gpu, workspace, query, dense, part, out)

@@ -22,10 +22,10 @@ mod on_gpu {
     use kvdb_kernels::ops::RopePairs;
     use kvdb_kernels::{
         attention_mass, attention_weights, bucket_attention, flash_decode, follow_most_attended,
-        retrieval_attention, BlockCache, BucketOf, Buckets, ClassifierHead, Csr, Dense,
-        FollowScratch, Followed, Gpu, HostKv, KernelError, KvCache, KvElement, ListPart, Partition,
-        Query, RouteRope, RouteStep, Selected, Workspace, MAX_ROUTED_BUCKETS, MAX_VISITED_BUCKETS,
-        NO_TOKEN,
+        retrieval_attention, BlockCache, BucketCache, BucketOf, Buckets, ClassifierHead, Csr,
+        Dense, FollowScratch, Followed, Gpu, HostKv, KernelError, KvCache, KvElement, ListPart,
+        Partition, Query, RouteRope, RouteStep, Selected, Workspace, MAX_ROUTED_BUCKETS,
+        MAX_VISITED_BUCKETS, NO_TOKEN,
     };
     use kvdb_model::{Rope, RopeConfig, RopeScaling, RopeStyle};
     use rand::rngs::StdRng;
@@ -580,7 +580,9 @@ mod on_gpu {
     /// visited buckets, and in some launches ids followed besides them) and a query's own
     /// tail in another buffer (the last rows, as a ring whose runs may wrap), against the
     /// reference over the same ids; then the attention mass each corpus row received against
-    /// the reference's weights, and what a following launch would follow next.
+    /// the reference's weights, and what a following launch would follow next. Each launch
+    /// twice: over the corpus resident on the GPU, and over it in host memory behind a
+    /// bucket cache that holds about half of the visited buckets (the rest read in place).
     fn bucket_case<T: KvElement, const TC: bool>(
         gpu: &Gpu,
         rng: &mut StdRng,
@@ -616,6 +618,20 @@ mod on_gpu {
             .collect();
         let bucket_of = BucketOf::new(gpu, &buckets, kv_heads, count, n)?;
         let mut scratch = FollowScratch::new(gpu)?;
+        // The corpus in host memory, and its partition (the same lists, one empty list after
+        // them) with a cache of every row.
+        let mut on_host = match n {
+            0 => None,
+            _ => {
+                let host = HostKv::from_device(gpu, &corpus, 16)?;
+                let zeros = vec![0f32; kv_heads * count * layer.head_dim];
+                let partition =
+                    Partition::new(gpu, &zeros, &bucket_lists, kv_heads, layer.head_dim)?;
+                let row_bytes = 2 * layer.head_dim * size_of::<T>();
+                let cache = BucketCache::new(gpu, &partition, &host, kv_heads * n * row_bytes)?;
+                Some((host, partition, cache))
+            }
+        };
         // No bucket, some, and all of them.
         for fraction in [0.0, rng.random_range(0.0..0.5), 1.0] {
             let visited: Vec<Vec<u32>> = (0..kv_heads)
@@ -653,121 +669,145 @@ mod on_gpu {
                 .as_ref()
                 .map(|f| gpu.upload(&f.concat()))
                 .transpose()?;
-            let counted: CudaSlice<u64> = gpu.upload(&[7])?;
-            let part = Buckets {
-                kv: (&corpus).into(),
-                runs: &runs,
-                ids: &buckets,
-                visited: &visited_csr,
-                count: Some(&counted),
-                follow: follow_ids.as_ref().map(|ids| Followed {
-                    ids,
-                    buckets: &bucket_of,
-                }),
-            };
-            bucket_attention(
-                gpu,
-                &mut workspace,
-                query,
-                dense,
-                part,
-                &mut out.as_view_mut(),
-            )?;
-            let got = written(gpu, &out)?;
-            let in_runs = |id: &u32| runs.iter().any(|r| r.contains(id));
-            let attended: Vec<Vec<u32>> = visited_ids
-                .iter()
-                .enumerate()
-                .map(|(h, bucket_ids)| {
-                    let mut ids = dense_ids.clone();
-                    ids.extend(bucket_ids.iter().filter(|id| !in_runs(id)));
-                    if let Some(followed) = &followed {
-                        ids.extend(followed[h].iter().filter(|&&id| {
-                            (id as usize) < n && !in_runs(&id) && !bucket_ids.contains(&id)
-                        }));
-                    }
-                    ids
-                })
-                .collect();
-            let what = format!(
+            if let Some((host, partition, cache)) = on_host.as_mut() {
+                // Other buckets first, so that those of this launch lie past the first rows.
+                let (half, others): (Vec<u32>, Vec<u32>) =
+                    (0..(kv_heads * count) as u32).partition(|_| rng.random_bool(0.5));
+                cache.fill(gpu, partition, host, &others)?;
+                cache.fill(gpu, partition, host, &half)?;
+            }
+            for placement in ["resident", "host memory, half cached"] {
+                let counted: CudaSlice<u64> = gpu.upload(&[7])?;
+                let part = match (placement, &on_host) {
+                    ("resident", _) | (_, None) => Buckets {
+                        kv: (&corpus).into(),
+                        runs: &runs,
+                        ids: &buckets,
+                        visited: &visited_csr,
+                        count: Some(&counted),
+                        follow: follow_ids.as_ref().map(|ids| Followed {
+                            ids,
+                            buckets: &bucket_of,
+                        }),
+                        cache: None,
+                    },
+                    (_, Some((host, partition, cache))) => Buckets {
+                        kv: host.into(),
+                        runs: &runs,
+                        ids: partition.ids(),
+                        visited: &visited_csr,
+                        count: Some(&counted),
+                        follow: follow_ids.as_ref().map(|ids| Followed {
+                            ids,
+                            buckets: &bucket_of,
+                        }),
+                        cache: Some(cache.cached()),
+                    },
+                };
+                bucket_attention(
+                    gpu,
+                    &mut workspace,
+                    query,
+                    dense,
+                    part,
+                    &mut out.as_view_mut(),
+                )?;
+                let got = written(gpu, &out)?;
+                let in_runs = |id: &u32| runs.iter().any(|r| r.contains(id));
+                let attended: Vec<Vec<u32>> = visited_ids
+                    .iter()
+                    .enumerate()
+                    .map(|(h, bucket_ids)| {
+                        let mut ids = dense_ids.clone();
+                        ids.extend(bucket_ids.iter().filter(|id| !in_runs(id)));
+                        if let Some(followed) = &followed {
+                            ids.extend(followed[h].iter().filter(|&&id| {
+                                (id as usize) < n && !in_runs(&id) && !bucket_ids.contains(&id)
+                            }));
+                        }
+                        ids
+                    })
+                    .collect();
+                let what = format!(
                 "buckets {:?} {shape:?} tail {tail} {count} buckets, visited {}, following {}, \
-                 tensor cores {TC}",
+                 tensor cores {TC}, {placement}",
                 T::DTYPE,
                 visited[0].len(),
                 followed.as_ref().map_or(0, |_| per_head),
             );
-            close(&what, &got, &layer.reference(&attended)?, TOLERANCE)?;
-            // The launch added the bucket ids it attended to the count.
-            let from_buckets = attended.iter().map(|ids| ids.len() - dense_ids.len());
-            let want = 7 + from_buckets.sum::<usize>() as u64;
-            let count = gpu.download(&counted)?[0];
-            ensure!(
-                count == want,
-                "{what}: counted {count} bucket ids, want {want}"
-            );
-            let mut mass = gpu.zeros::<f32>(n.max(1))?;
-            if n > 0 {
-                attention_mass(gpu, &workspace, ListPart::Buckets(part), &mut mass)?;
-            }
-            let want = layer.mass(&attended, n)?;
-            close(
-                &format!("{what}: mass"),
-                &gpu.download(&mass)?[..n],
-                &want,
-                TOLERANCE,
-            )?;
-            // What the next step follows: the successors of the most weighed of the bucket
-            // and followed ids (not the runs nor the tail).
-            let next_count = rng.random_range(1..=10);
-            let mut next = gpu.upload(&vec![5u32; kv_heads * next_count])?;
-            follow_most_attended(gpu, &workspace, part, &mut scratch, &mut next, None)?;
-            let got = gpu.download(&next)?;
-            for (h, ids) in attended.iter().enumerate() {
-                let weights = layer.head_weights(h, ids);
-                let candidates: Vec<(f64, u32)> = ids
-                    .iter()
-                    .zip(&weights)
-                    .skip(dense_ids.len())
-                    .map(|(&id, &w)| (w, id))
-                    .collect();
-                let weight_of = |id: u32| candidates.iter().find(|c| c.1 == id).map(|c| c.0);
-                let want = want_followed(candidates.clone(), next_count, n);
-                for (r, (&got, &(want, want_w))) in got[h * next_count..][..next_count]
-                    .iter()
-                    .zip(&want)
-                    .enumerate()
-                {
-                    // A near tie may rank the other way in f32: the weights must agree.
-                    let got_w = match got {
-                        NO_TOKEN if want == NO_TOKEN => want_w,
-                        NO_TOKEN => weight_of(n as u32 - 1).unwrap_or(-1.0),
-                        id => weight_of(id - 1).unwrap_or(-2.0),
-                    };
-                    ensure!(
-                        got == want || (got_w - want_w).abs() <= 1e-5,
-                        "{what}: head {h} follows {got} at rank {r} (weight {got_w:.6}), \
-                         want {want} (weight {want_w:.6})"
-                    );
-                }
-            }
-            // A step that counts towards provenance ranks and adds the mass in one launch:
-            // the same picks (each row weighed as alone) and the same mass.
-            if n > 0 {
-                let mut both = gpu.zeros::<f32>(n)?;
-                let mut fused = gpu.upload(&vec![5u32; kv_heads * next_count])?;
-                let mass = Some(&mut both);
-                follow_most_attended(gpu, &workspace, part, &mut scratch, &mut fused, mass)?;
+                close(&what, &got, &layer.reference(&attended)?, TOLERANCE)?;
+                // The launch added the bucket ids it attended to the count.
+                let from_buckets = attended.iter().map(|ids| ids.len() - dense_ids.len());
+                let want = 7 + from_buckets.sum::<usize>() as u64;
+                let count = gpu.download(&counted)?[0];
                 ensure!(
-                    gpu.download(&fused)? == got,
-                    "{what}: following with the mass picks otherwise"
+                    count == want,
+                    "{what}: counted {count} bucket ids, want {want}"
                 );
-                let got_mass = gpu.download(&both)?;
+                let mut mass = gpu.zeros::<f32>(n.max(1))?;
+                if n > 0 {
+                    attention_mass(gpu, &workspace, ListPart::Buckets(part), &mut mass)?;
+                }
+                let want = layer.mass(&attended, n)?;
                 close(
-                    &format!("{what}: mass beside following"),
-                    &got_mass,
+                    &format!("{what}: mass"),
+                    &gpu.download(&mass)?[..n],
                     &want,
                     TOLERANCE,
                 )?;
+                // What the next step follows: the successors of the most weighed of the bucket
+                // and followed ids (not the runs nor the tail).
+                let next_count = rng.random_range(1..=10);
+                let mut next = gpu.upload(&vec![5u32; kv_heads * next_count])?;
+                follow_most_attended(gpu, &workspace, part, &mut scratch, &mut next, None)?;
+                let got = gpu.download(&next)?;
+                for (h, ids) in attended.iter().enumerate() {
+                    let weights = layer.head_weights(h, ids);
+                    let candidates: Vec<(f64, u32)> = ids
+                        .iter()
+                        .zip(&weights)
+                        .skip(dense_ids.len())
+                        .map(|(&id, &w)| (w, id))
+                        .collect();
+                    let weight_of = |id: u32| candidates.iter().find(|c| c.1 == id).map(|c| c.0);
+                    let want = want_followed(candidates.clone(), next_count, n);
+                    for (r, (&got, &(want, want_w))) in got[h * next_count..][..next_count]
+                        .iter()
+                        .zip(&want)
+                        .enumerate()
+                    {
+                        // A near tie may rank the other way in f32: the weights must agree.
+                        let got_w = match got {
+                            NO_TOKEN if want == NO_TOKEN => want_w,
+                            NO_TOKEN => weight_of(n as u32 - 1).unwrap_or(-1.0),
+                            id => weight_of(id - 1).unwrap_or(-2.0),
+                        };
+                        ensure!(
+                            got == want || (got_w - want_w).abs() <= 1e-5,
+                            "{what}: head {h} follows {got} at rank {r} (weight {got_w:.6}), \
+                         want {want} (weight {want_w:.6})"
+                        );
+                    }
+                }
+                // A step that counts towards provenance ranks and adds the mass in one launch:
+                // the same picks (each row weighed as alone) and the same mass.
+                if n > 0 {
+                    let mut both = gpu.zeros::<f32>(n)?;
+                    let mut fused = gpu.upload(&vec![5u32; kv_heads * next_count])?;
+                    let mass = Some(&mut both);
+                    follow_most_attended(gpu, &workspace, part, &mut scratch, &mut fused, mass)?;
+                    ensure!(
+                        gpu.download(&fused)? == got,
+                        "{what}: following with the mass picks otherwise"
+                    );
+                    let got_mass = gpu.download(&both)?;
+                    close(
+                        &format!("{what}: mass beside following"),
+                        &got_mass,
+                        &want,
+                        TOLERANCE,
+                    )?;
+                }
             }
         }
         Ok(())
@@ -882,6 +922,7 @@ mod on_gpu {
                 visited: &visited_csr,
                 count: None,
                 follow: None,
+                cache: None,
             };
             let dense = Dense { kv: &kv, runs: &[] };
             bucket_attention(
@@ -1275,6 +1316,7 @@ mod on_gpu {
                     &kv,
                     &runs,
                     None,
+                    None,
                     &mut out.as_view_mut(),
                 )?;
                 let visited: Vec<u32> = visits.visited().to_lists(&gpu)?.concat();
@@ -1415,8 +1457,17 @@ mod on_gpu {
                 &host,
                 &runs,
                 None,
+                None,
                 &mut out_b.as_view_mut(),
             )?;
+            // The visits copied to the host (what a bucket cache fills from), once.
+            visits_b.copy_to_host(gpu)?;
+            let copied = visits_b.take_copied()?;
+            let visited = visits_b.visited().to_lists(gpu)?.concat();
+            ensure!(
+                copied.as_ref() == Some(&visited) && visits_b.take_copied()?.is_none(),
+                "visits copied to the host: {copied:?}, on the GPU {visited:?}"
+            );
             let (got_a, got_b) = (written(gpu, &out_a)?, written(gpu, &out_b)?);
             let (mut mass_a, mut mass_b) = (gpu.zeros::<f32>(n)?, gpu.zeros::<f32>(n)?);
             let part = partition.list_part(&visits_a, &corpus, &runs);
@@ -1725,6 +1776,7 @@ mod on_gpu {
             visited: &visited,
             count: None,
             follow: None,
+            cache: None,
         };
         ensure!(out_of_range(bucket_attention(
             &gpu,
@@ -1750,6 +1802,7 @@ mod on_gpu {
                 visited: &visited,
                 count: None,
                 follow: None,
+                cache: None,
             },
             &mut out.as_view_mut()
         )));

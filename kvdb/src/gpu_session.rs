@@ -52,9 +52,9 @@ use kvdb_kernels::cudarc::driver::CudaViewMut;
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
     attention_mass, attention_weights, follow_most_attended, retrieval_attention, BlockCache,
-    Buckets, CacheStats, ClassifierHead, Csr, Dense, FollowScratch, Followed, HostKv, KernelError,
-    KvCache, KvRows, ListPart, Partition, Query, RouteRope, RouteStep, Selected, Visits, Workspace,
-    MAX_VISITED_BUCKETS, NO_TOKEN,
+    BucketCache, Buckets, CacheStats, ClassifierHead, Csr, Dense, FollowScratch, Followed, HostKv,
+    KernelError, KvCache, KvRows, ListPart, Partition, Query, RouteRope, RouteStep, Selected,
+    Visits, Workspace, MAX_VISITED_BUCKETS, NO_TOKEN,
 };
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
@@ -89,6 +89,9 @@ pub(crate) struct GpuCorpusKv {
     partitions: Mutex<HashMap<String, Option<Arc<GpuPartitions>>>>,
     /// Seconds the upload spent reading the store and copying to the GPU.
     stages: Vec<(&'static str, f64)>,
+    /// The bucket caches' lookups of the questions routed on the GPU so far, all layers
+    /// together, added as each question closes ([`BucketCache`]: a question's own).
+    bucket_lookups: Mutex<CacheStats>,
 }
 
 /// Where one retrieval layer's corpus rows are.
@@ -218,7 +221,9 @@ pub struct GpuFootprint {
     pub cache_budget: usize,
     /// Bytes of keys and values in pinned host memory (0 when they are on the GPU).
     pub host_bytes: usize,
-    /// The block caches' lookups, all layers together (none when the rows are on the GPU).
+    /// The block caches' lookups, all layers together, and those of the bucket caches of
+    /// the questions routed on the GPU (a bucket a step visits counts as a lookup); none when
+    /// the rows are on the GPU.
     pub cache: CacheStats,
     /// Bytes of GPU memory of the partitions that questions routed on the GPU uploaded (not
     /// in `gpu_bytes`): centroids or classifiers, the lists' ids, and every row's bucket
@@ -468,6 +473,7 @@ impl GpuCorpusKv {
             layers,
             gpu: gpu.gpu().clone(),
             partitions: Mutex::new(HashMap::new()),
+            bucket_lookups: Mutex::new(CacheStats::default()),
             stages: vec![
                 ("reading the store", reading.as_secs_f64()),
                 (copied, copying.as_secs_f64()),
@@ -548,6 +554,11 @@ impl GpuCorpusKv {
         }
         if let Ok(partitions) = self.partitions.lock() {
             footprint.routing_bytes = partitions.values().flatten().map(|p| p.bytes()).sum();
+        }
+        if let Ok(lookups) = self.bucket_lookups.lock() {
+            footprint.cache.hits += lookups.hits;
+            footprint.cache.misses += lookups.misses;
+            footprint.cache.bytes_copied += lookups.bytes_copied;
         }
         footprint
     }
@@ -666,7 +677,14 @@ struct Routes {
     partitions: Arc<GpuPartitions>,
     /// Per layer of the model, as `partitions.layers`.
     visits: Vec<Option<Visits>>,
+    /// Per layer of the model: the query's GPU cache of the buckets it visits, at a layer
+    /// whose rows are in host memory ([`Routes::cache_buckets`]).
+    caches: Vec<Option<BucketCache<f16>>>,
 }
+
+/// GPU memory a question's bucket caches leave free (its other buffers and the next
+/// launches' need far less).
+const BUCKET_CACHES_LEAVE: usize = 1 << 30;
 
 impl Routes {
     /// Visits of `breadth` buckets per search (else each layer's own probes); `None` when
@@ -693,7 +711,40 @@ impl Routes {
             })
             .collect::<kvdb_kernels::Result<Vec<_>>>()
             .map_err(ModelError::from)?;
-        Ok(Some(Self { partitions, visits }))
+        let caches = visits.iter().map(|_| None).collect();
+        Ok(Some(Self {
+            partitions,
+            visits,
+            caches,
+        }))
+    }
+
+    /// Gives each routed layer whose rows are in host memory a cache of the buckets the
+    /// query visits, of the layer's block cache budget (which a routed question leaves
+    /// unused), while the GPU keeps [`BUCKET_CACHES_LEAVE`] free beside them: questions
+    /// answered together each have their own, and those that find too little memory read
+    /// their buckets in place, as with no budget (`--gpu-kv host:0`).
+    fn cache_buckets(&mut self, gpu: &kvdb_model::Gpu, kv: &GpuCorpusKv) -> Result<()> {
+        let layers = self.partitions.layers.iter().zip(&kv.layers);
+        for ((routed, rows), cache) in layers.zip(&mut self.caches) {
+            let (
+                Some((partition, _)),
+                Some(CorpusLayer::Host {
+                    rows,
+                    cache: Some(budget),
+                }),
+            ) = (routed, rows)
+            else {
+                continue;
+            };
+            let free = gpu.free_memory().map_err(ModelError::from)?;
+            if free < budget.bytes + BUCKET_CACHES_LEAVE {
+                break;
+            }
+            let made = BucketCache::new(gpu, partition, rows, budget.bytes);
+            *cache = Some(made.map_err(ModelError::from)?);
+        }
+        Ok(())
     }
 }
 
@@ -1017,7 +1068,13 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                 config.n_heads / config.n_kv_heads.max(1),
                 config.head_dim,
             )? {
-                Some(partitions) => Routes::new(partitions, gpu.gpu(), session.breadth())?,
+                Some(partitions) => match Routes::new(partitions, gpu.gpu(), session.breadth())? {
+                    Some(mut routes) => {
+                        routes.cache_buckets(gpu.gpu(), &kv)?;
+                        Some(routes)
+                    }
+                    None => None,
+                },
                 None => None,
             },
             None => None,
@@ -1074,6 +1131,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
             provenance,
             routes,
             timer,
+            kv,
             ..
         } = self;
         if let Some(timer) = timer {
@@ -1091,6 +1149,13 @@ impl<'c, 'm> GpuSession<'c, 'm> {
         for visits in routes.iter().flat_map(|r| r.visits.iter().flatten()) {
             let selected = visits.selected(device).map_err(ModelError::from)?;
             session.add_selected(selected as usize);
+        }
+        let mut lookups = kv.bucket_lookups.lock().unwrap_or_else(|p| p.into_inner());
+        for cache in routes.iter().flat_map(|r| r.caches.iter().flatten()) {
+            let stats = cache.stats();
+            lookups.hits += stats.hits;
+            lookups.misses += stats.misses;
+            lookups.bytes_copied += stats.bytes_copied;
         }
         Ok(session)
     }
@@ -1123,7 +1188,8 @@ impl<'c, 'm> GpuSession<'c, 'm> {
         let mut routed = self.routes.as_mut().and_then(|routes| {
             let partition = routes.partitions.layers.get(call.layer)?.as_ref()?;
             let visits = routes.visits.get_mut(call.layer)?.as_mut()?;
-            Some((&partition.0, visits))
+            let cache = routes.caches.get_mut(call.layer).and_then(Option::as_mut);
+            Some((&partition.0, visits, cache))
         });
         let retrieves = self.session.retrieves(call.layer);
         // Indexes searched on the CPU: the call's queries go to the host once.
@@ -1195,8 +1261,22 @@ impl<'c, 'm> GpuSession<'c, 'm> {
             // Whether the following's launch added this position's mass already.
             let mut mass_added = false;
             let part = match (&mut routed, &found) {
-                (Some((partition, visits)), _) => {
+                (Some((partition, visits, cache)), _) => {
                     let raw = call.raw_queries.slice(i * q..(i + 1) * q);
+                    // The call's first position: the bucket cache takes in what the layer's
+                    // last call visited (the stream is past every launch that read it: the
+                    // last mass launch was joined above).
+                    if let (0, Some(cache), CorpusLayer::Host { rows, .. }) =
+                        (i, cache.as_deref_mut(), layer_rows)
+                    {
+                        let visited = visits.take_copied().map_err(ModelError::from)?;
+                        if let Some(visited) = visited {
+                            StageTimer::time(&mut self.timer, gpu, "bucket cache", || {
+                                cache.fill(gpu, partition, rows, &visited)
+                            })?;
+                        }
+                    }
+                    let cached = cache.as_deref().map(BucketCache::cached);
                     // One stage: the attention's launch starts while routing runs (a
                     // programmatic dependent launch), so no event may sit between them. The
                     // attention counts the visited ids outside the corpus runs: those in the
@@ -1237,13 +1317,19 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                             corpus,
                             &corpus_runs,
                             follow,
+                            cached,
                             &mut out,
                         )
                     })?;
+                    // What the next call's fill takes in.
+                    if cached.is_some() && i + 1 == call.positions.len() {
+                        visits.copy_to_host(gpu).map_err(ModelError::from)?;
+                    }
                     self.session
                         .record_routed(position, kv_heads, partition.buckets());
                     let part = Buckets {
                         follow,
+                        cache: cached,
                         ..partition.list_part(visits, layer_rows.rows(), &corpus_runs)
                     };
                     // The step's last position decides what the layer's next step follows;
