@@ -204,8 +204,8 @@ mod on_gpu {
             "not in host memory behind caches allocated on first use: {upload:?}"
         );
         // Routed on the GPU, a question allocates none of the corpus's block caches: it reads
-        // the buckets through caches of its own (gone with it), filled from its earlier steps'
-        // visits, and the rest in place.
+        // its visited buckets through caches of its own (gone with it), which keep what its
+        // earlier steps copied in.
         ask(gpu, &on_host, retrieval("ivf16,np4,norope,all", None)?)?;
         let routed = on_host.gpu_footprint();
         println!("bucket caches of a routed question: {:?}", routed.cache);

@@ -713,7 +713,6 @@ impl<'g, T: KvElement> Bench<'g, T> {
                 kv,
                 &runs,
                 None,
-                None,
                 &mut out.as_view_mut(),
             )?)
         };

@@ -7,10 +7,11 @@
 //! asked for; and a question's visits change little from one step to the next (7.5-10.6% of
 //! the selected ids new over 56 answer steps, docs/benchmarks.md). So the unit here is the
 //! bucket: its rows copied in id order to consecutive rows of the cache, their tokens beside
-//! them. The cache is filled between steps from the visits of the step before (the host
-//! reads them without waiting: [`crate::Visits::copy_to_host`] queued their copy after that
-//! step's routing), so routing and attention stay one launch each with no host round trip;
-//! a bucket the cache lacks is read in place, as without a cache.
+//! them. At each step the host reads the step's visits once routing has written them
+//! ([`crate::Visits::on_host`], a wait), [`BucketCache::fill`] copies in the buckets the cache
+//! lacks, and the bucket launch reads every visited bucket the cache holds from there, so
+//! that a bucket crosses PCIe once however many steps visit it; one that does not fit beside
+//! the step's others is read in place.
 
 use std::collections::VecDeque;
 
@@ -220,8 +221,8 @@ impl<T: KvElement> BucketCache<T> {
     /// Copies into the cache the buckets of `visited` (list numbers of `partition`, as
     /// [`crate::Visits::visited`] holds them) that it lacks, evicting the oldest (never one of
     /// `visited`), in one launch on `gpu`'s stream, and the table of where each is after it:
-    /// launches queued on the stream after this read the cache as it is then. Launches
-    /// queued before it must not be running on another stream (their rows may be
+    /// launches queued on the stream after this read the cache as it is then. No launch
+    /// that read the cache may still be running on another stream (rows it read may be
     /// overwritten). On an error the cache is left empty.
     pub fn fill(
         &mut self,

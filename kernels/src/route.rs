@@ -12,8 +12,8 @@ use cudarc::driver::{
 };
 
 use crate::attention::{
-    bucket_attention_after_route, lanes_of, BucketOf, Buckets, CachedBuckets, Dense, Followed,
-    KvRows, Query, Workspace, MAX_VISITED_BUCKETS,
+    bucket_attention_after_route, lanes_of, BucketOf, Buckets, Dense, Followed, KvRows, Query,
+    Workspace, MAX_VISITED_BUCKETS,
 };
 use crate::buffers::Csr;
 use crate::error::{driver, length, KernelError, Result};
@@ -209,11 +209,10 @@ pub struct Visits {
     /// A classifier partition's scratch (`route.cu`): hidden units and logits, then a
     /// counter per KV head and a flag word per bucket.
     scratch: Option<(CudaSlice<f32>, CudaSlice<u32>)>,
-    /// The visited buckets' last copy to the host ([`Visits::copy_to_host`]) and the event
-    /// recorded after it (the pinned slice's own is not: the context tracks no events), and
-    /// whether [`Visits::take_copied`] has not taken it yet.
-    copied: Option<(PinnedHostSlice<u32>, CudaEvent)>,
-    copy_pending: bool,
+    /// Pinned host memory the visited buckets are copied to ([`Visits::on_host`]) and the
+    /// event recorded after the copy (the pinned slice's own is not: the context tracks no
+    /// events).
+    host: Option<(PinnedHostSlice<u32>, CudaEvent)>,
 }
 
 impl std::fmt::Debug for Visits {
@@ -236,46 +235,30 @@ impl Visits {
         Ok(gpu.download(&self.selected)?.first().copied().unwrap_or(0))
     }
 
-    /// Queues a copy of the visited buckets to the host, after the launches queued so far
-    /// (the routing that wrote them): [`Visits::take_copied`] reads it later, by when the
-    /// stream is long past it, so that the host waits for nothing.
-    pub fn copy_to_host(&mut self, gpu: &Gpu) -> Result<()> {
+    /// The visited buckets (every KV head's, as [`Visits::visited`]'s items) on the host:
+    /// copied once the launches queued so far (the routing that wrote them) have run, which
+    /// this waits for.
+    pub fn on_host(&mut self, gpu: &Gpu) -> Result<&[u32]> {
         let items = &self.visited.items;
-        let (copied, done) = match self.copied.take() {
-            Some((copied, done)) if copied.len() == items.len() => (copied, done),
+        let (host, done) = match self.host.take() {
+            Some((host, done)) if host.len() == items.len() => (host, done),
             // Plain pinned memory (not write-combined): the CPU reads it. Safety: the copy
-            // below writes every element before `take_copied` reads them (after its event).
+            // below writes every element before they are read (after its event).
             _ => (
                 unsafe { gpu.context().alloc_pinned_with_flags::<u32>(items.len(), 0) }
                     .map_err(driver("allocating pinned host memory for visits"))?,
                 gpu.event()?,
             ),
         };
-        let (copied, done) = self.copied.insert((copied, done));
+        let (host, done) = self.host.insert((host, done));
         gpu.stream()
-            .memcpy_dtoh(items, copied)
+            .memcpy_dtoh(items, host)
             .map_err(driver("copying visits to the host"))?;
         gpu.record(done)?;
-        self.copy_pending = true;
-        Ok(())
-    }
-
-    /// The visited buckets (every KV head's, as [`Visits::visited`]'s items) that the last
-    /// [`Visits::copy_to_host`] copied, once: `None` when none was made since the last call.
-    /// Waits for the copy.
-    pub fn take_copied(&mut self) -> Result<Option<Vec<u32>>> {
-        if !std::mem::take(&mut self.copy_pending) {
-            return Ok(None);
-        }
-        let Some((copied, done)) = &self.copied else {
-            return Ok(None);
-        };
-        let waiting = driver("waiting for visits copied to the host");
-        done.synchronize().map_err(waiting)?;
-        let visited = copied
-            .as_slice()
-            .map_err(driver("reading visits copied to the host"))?;
-        Ok(Some(visited.to_vec()))
+        done.synchronize()
+            .map_err(driver("waiting for visits copied to the host"))?;
+        host.as_slice()
+            .map_err(driver("reading visits copied to the host"))
     }
 }
 
@@ -469,8 +452,7 @@ impl Partition {
             visited: Csr::uniform(gpu, self.kv_heads, probes, self.ids.lists() as u32)?,
             selected: gpu.zeros(1)?,
             scratch,
-            copied: None,
-            copy_pending: false,
+            host: None,
         })
     }
 
@@ -720,8 +702,8 @@ impl Partition {
     /// attention's blocks start while routing runs (programmatic dependent launch), and
     /// only those that attend the visited buckets wait for it. The same results as the two
     /// calls; everything the attention reads but the visits (queries, rows, workspace,
-    /// `follow`: ids attended besides the visits, `cache`: a GPU cache of buckets in front
-    /// of `kv`) must be ready before this call, as for them.
+    /// `follow`: ids attended besides the visits) must be ready before this call, as for
+    /// them.
     #[allow(clippy::too_many_arguments)]
     pub fn route_and_attend<'k, T: KvElement>(
         &self,
@@ -735,13 +717,11 @@ impl Partition {
         kv: impl Into<KvRows<'k, T>>,
         runs: &[Range<u32>],
         follow: Option<Followed<'_>>,
-        cache: Option<CachedBuckets<'_, T>>,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         self.route(gpu, route_queries, step, visits)?;
         let part = Buckets {
             follow,
-            cache,
             ..self.list_part(visits, kv.into(), runs)
         };
         bucket_attention_after_route(gpu, workspace, query, dense, part, out)

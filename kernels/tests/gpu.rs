@@ -1316,7 +1316,6 @@ mod on_gpu {
                     &kv,
                     &runs,
                     None,
-                    None,
                     &mut out.as_view_mut(),
                 )?;
                 let visited: Vec<u32> = visits.visited().to_lists(&gpu)?.concat();
@@ -1457,16 +1456,14 @@ mod on_gpu {
                 &host,
                 &runs,
                 None,
-                None,
                 &mut out_b.as_view_mut(),
             )?;
-            // The visits copied to the host (what a bucket cache fills from), once.
-            visits_b.copy_to_host(gpu)?;
-            let copied = visits_b.take_copied()?;
+            // The visits on the host (what a bucket cache fills from).
             let visited = visits_b.visited().to_lists(gpu)?.concat();
+            let on_host = visits_b.on_host(gpu)?.to_vec();
             ensure!(
-                copied.as_ref() == Some(&visited) && visits_b.take_copied()?.is_none(),
-                "visits copied to the host: {copied:?}, on the GPU {visited:?}"
+                on_host == visited,
+                "visits on the host {on_host:?}, on the GPU {visited:?}"
             );
             let (got_a, got_b) = (written(gpu, &out_a)?, written(gpu, &out_b)?);
             let (mut mass_a, mut mass_b) = (gpu.zeros::<f32>(n)?, gpu.zeros::<f32>(n)?);

@@ -7,9 +7,13 @@
 //! The corpus's rows are resident on the GPU when they fit (or as [`GpuKv`] says); else the
 //! first retrieval layers that fit are, and each other retrieval layer keeps its rows in
 //! pinned host memory mapped into the GPU's address space (`HostKv`). Routing on the GPU
-//! then reads the visited buckets' rows there in place, over PCIe: an inverted list's ids
-//! are scattered over the corpus, so a cache of token blocks would copy mostly rows nobody
-//! asked for. A selection searched on the CPU goes through a GPU cache of hot blocks
+//! then goes through a cache of whole buckets of the question's own (`BucketCache`, of the
+//! layer's block cache budget, while the GPU has the memory): an inverted list's ids are
+//! scattered over the corpus, so a cache of token blocks would copy mostly rows nobody asked
+//! for. At each step the visits come to the host (a wait for routing), the buckets the cache
+//! lacks are copied in, and the bucket launch reads them from there; without a budget
+//! (`GpuKv::Host` of 0 bytes) or the memory, the visited rows are read in place over PCIe at
+//! every step. A selection searched on the CPU goes through a GPU cache of hot blocks
 //! (`BlockCache`, allocated by the first question that needs it): every step's selected ids
 //! and the corpus's sinks and window are gathered into it (the missing blocks copied straight
 //! from mapped host memory in one launch) and attended from there; queries take turns at a
@@ -51,10 +55,10 @@ use kvdb_kernels::cudarc::driver::sys::{CUevent_flags, CUresult};
 use kvdb_kernels::cudarc::driver::CudaViewMut;
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView};
 use kvdb_kernels::{
-    attention_mass, attention_weights, follow_most_attended, retrieval_attention, BlockCache,
-    BucketCache, Buckets, CacheStats, ClassifierHead, Csr, Dense, FollowScratch, Followed, HostKv,
-    KernelError, KvCache, KvRows, ListPart, Partition, Query, RouteRope, RouteStep, Selected,
-    Visits, Workspace, MAX_VISITED_BUCKETS, NO_TOKEN,
+    attention_mass, attention_weights, bucket_attention, follow_most_attended, retrieval_attention,
+    BlockCache, BucketCache, Buckets, CacheStats, ClassifierHead, Csr, Dense, FollowScratch,
+    Followed, HostKv, KernelError, KvCache, KvRows, ListPart, Partition, Query, RouteRope,
+    RouteStep, Selected, Visits, Workspace, MAX_VISITED_BUCKETS, NO_TOKEN,
 };
 use kvdb_model::{
     ExternalAttention, Forward, GpuModel, LayerAttention, LayerCall, Logits, ModelError, Rope,
@@ -1263,24 +1267,8 @@ impl<'c, 'm> GpuSession<'c, 'm> {
             let part = match (&mut routed, &found) {
                 (Some((partition, visits, cache)), _) => {
                     let raw = call.raw_queries.slice(i * q..(i + 1) * q);
-                    // The call's first position: the bucket cache takes in what the layer's
-                    // last call visited (the stream is past every launch that read it: the
-                    // last mass launch was joined above).
-                    if let (0, Some(cache), CorpusLayer::Host { rows, .. }) =
-                        (i, cache.as_deref_mut(), layer_rows)
-                    {
-                        let visited = visits.take_copied().map_err(ModelError::from)?;
-                        if let Some(visited) = visited {
-                            StageTimer::time(&mut self.timer, gpu, "bucket cache", || {
-                                cache.fill(gpu, partition, rows, &visited)
-                            })?;
-                        }
-                    }
-                    let cached = cache.as_deref().map(BucketCache::cached);
-                    // One stage: the attention's launch starts while routing runs (a
-                    // programmatic dependent launch), so no event may sit between them. The
-                    // attention counts the visited ids outside the corpus runs: those in the
-                    // policy's candidates, since every corpus id precedes `position`.
+                    // The attention counts the visited ids outside the corpus runs: those in
+                    // the policy's candidates, since every corpus id precedes `position`.
                     let step = RouteStep {
                         position,
                         candidates: policy.candidates(position),
@@ -1304,27 +1292,51 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                         }),
                         None => None,
                     };
-                    let workspace = &mut self.workspace;
-                    StageTimer::time(&mut self.timer, gpu, "routing and attention", || {
-                        partition.route_and_attend(
-                            gpu,
-                            &raw,
-                            &step,
-                            visits,
-                            workspace,
-                            query,
-                            dense,
-                            corpus,
-                            &corpus_runs,
-                            follow,
-                            cached,
-                            &mut out,
-                        )
-                    })?;
-                    // What the next call's fill takes in.
-                    if cached.is_some() && i + 1 == call.positions.len() {
-                        visits.copy_to_host(gpu).map_err(ModelError::from)?;
+                    let (workspace, timer) = (&mut self.workspace, &mut self.timer);
+                    match (cache.as_deref_mut(), layer_rows) {
+                        // Rows in host memory behind the question's bucket cache: the visits
+                        // come to the host (a wait for routing), the cache copies in the
+                        // buckets it lacks (never evicting one of them), and the attention
+                        // reads every visited bucket it holds from there, so that a bucket
+                        // crosses PCIe once however many steps visit it. Nothing still reads
+                        // the rows a copy may overwrite: the stream has run everything queued
+                        // before the visits' copy, the last mass launch's wait included.
+                        (Some(cache), CorpusLayer::Host { rows, .. }) => {
+                            StageTimer::time(timer, gpu, "routing", || {
+                                partition.route(gpu, &raw, &step, visits)
+                            })?;
+                            let visited = visits.on_host(gpu).map_err(ModelError::from)?;
+                            StageTimer::time(timer, gpu, "bucket cache", || {
+                                cache.fill(gpu, partition, rows, visited)
+                            })?;
+                            let part = Buckets {
+                                follow,
+                                cache: Some(cache.cached()),
+                                ..partition.list_part(visits, corpus, &corpus_runs)
+                            };
+                            StageTimer::time(timer, gpu, "attention", || {
+                                bucket_attention(gpu, workspace, query, dense, part, &mut out)
+                            })?;
+                        }
+                        // One stage: the attention's launch starts while routing runs (a
+                        // programmatic dependent launch), so no event may sit between them.
+                        _ => StageTimer::time(timer, gpu, "routing and attention", || {
+                            partition.route_and_attend(
+                                gpu,
+                                &raw,
+                                &step,
+                                visits,
+                                workspace,
+                                query,
+                                dense,
+                                corpus,
+                                &corpus_runs,
+                                follow,
+                                &mut out,
+                            )
+                        })?,
                     }
+                    let cached = cache.as_deref().map(BucketCache::cached);
                     self.session
                         .record_routed(position, kv_heads, partition.buckets());
                     let part = Buckets {
