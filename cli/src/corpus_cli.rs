@@ -207,8 +207,9 @@ pub(crate) fn open_for_questions<'i>(
                 match upload.cache_budget {
                     0 => format!("{host} in pinned host memory, read in place"),
                     budget => format!(
-                        "{host} in pinned host memory behind {} of GPU block caches, taken \
-                         when a question searched on the CPU first needs them",
+                        "{host} in pinned host memory behind {} of GPU caches: block caches \
+                         taken when a question searched on the CPU first needs them, or each \
+                         question routed on the GPU its own caches of buckets",
                         HumanBytes(budget as u64)
                     ),
                 }

@@ -118,8 +118,9 @@ struct Row {
     /// Whether the last answer's tokens equal full attention's (the first mode's when full
     /// attention did not run).
     same_answer: bool,
-    /// With the corpus in host memory, the share of block lookups over the measured answers
-    /// that found the block on the GPU.
+    /// With the corpus in host memory, the share of cache lookups over the measured answers
+    /// that found their block (a selection searched on the CPU) or bucket (routed on the GPU)
+    /// on the GPU.
     cache_hit_ratio: Option<f64>,
     /// With the corpus in host memory, MiB copied from host memory per measured answer.
     cache_mib_per_answer: Option<f64>,
@@ -307,7 +308,7 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
     };
     writeln!(
         out,
-        "| mode | first token (s) | ms/token | vs full | selected | scored | tokens | same answer as {reference} | warm-up first token (s) | block cache hits | MiB copied per answer | GPU ms/position by stage | host ms/position |"
+        "| mode | first token (s) | ms/token | vs full | selected | scored | tokens | same answer as {reference} | warm-up first token (s) | cache hits | MiB copied per answer | GPU ms/position by stage | host ms/position |"
     )?;
     writeln!(
         out,
@@ -372,7 +373,8 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Block cache lookups: blocks found on the GPU, blocks copied, bytes copied.
+/// Cache lookups: blocks or buckets found on the GPU, those copied (or read in place), bytes
+/// copied.
 #[derive(Debug, Clone, Copy)]
 struct Lookups {
     hits: u64,
@@ -380,8 +382,9 @@ struct Lookups {
     bytes_copied: u64,
 }
 
-/// The block caches' lookups so far when the corpus's keys and values are in host memory
-/// behind them (a GPU question uploaded them), else `None`.
+/// The caches' lookups so far (block caches, and the bucket caches of the questions routed
+/// on the GPU) when the corpus's keys and values are in host memory (a GPU question uploaded
+/// them), else `None`.
 fn cache_stats(corpus: &kvdb::Corpus) -> Option<Lookups> {
     #[cfg(feature = "gpu")]
     {
