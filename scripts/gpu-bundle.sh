@@ -38,6 +38,9 @@ for line in sys.stdin:
         print(m["executable"])' "$package" "$target"
 }
 
+# The retrieval kernels compiled with NVRTC here first: a source NVRTC refuses would fail every
+# test on the GPU machine and cost a device call.
+python3 scripts/nvrtc-check.py
 cargo build --release --workspace --features "$features" --bins --examples
 target=${CARGO_TARGET_DIR:-target}
 cp "$target/release/kvdb" "$target/release/random_model" "$target/release/gpu_model_bench" "$stage/bin/"

@@ -333,12 +333,6 @@ impl<T> BucketCache<T> {
     pub fn stats(&self) -> CacheStats {
         self.stats
     }
-
-    /// Bytes of GPU memory the cache takes.
-    pub fn bytes(&self) -> usize {
-        let rows = self.ring.capacity as usize;
-        2 * rows * self.head_dim * size_of::<T>() + 4 * (rows + self.ring.sizes.len())
-    }
 }
 
 #[cfg(test)]

@@ -122,8 +122,9 @@ impl CorpusLayer {
 }
 
 /// A layer's GPU block cache, allocated by the first question that searches the layer on
-/// the CPU: questions routed on the GPU read the rows in place and never use it, so a corpus
-/// only they ask keeps that GPU memory free. Questions take turns at the cache.
+/// the CPU: questions routed on the GPU never use it (each takes a bucket cache of the same
+/// budget for the time it runs, [`Routes::cache_buckets`]), so a corpus only they ask keeps
+/// that GPU memory free between questions. Questions take turns at the cache.
 struct LazyCache {
     /// The GPU memory the cache takes.
     bytes: usize,
@@ -205,7 +206,8 @@ pub struct GpuUpload {
     /// The block caches' part of `bytes`.
     pub cache_bytes: usize,
     /// Bytes of GPU memory the block caches take once allocated: each by the first question
-    /// that searches its layer on the CPU (questions routed on the GPU need none).
+    /// that searches its layer on the CPU; a question routed on the GPU takes as much for
+    /// its own bucket caches while it runs.
     pub cache_budget: usize,
     /// Bytes of keys and values in pinned host memory (0 when they are on the GPU).
     pub host_bytes: usize,
