@@ -678,30 +678,25 @@ mod on_gpu {
             }
             for placement in ["resident", "host memory, half cached"] {
                 let counted: CudaSlice<u64> = gpu.upload(&[7])?;
+                let resident = Buckets {
+                    kv: (&corpus).into(),
+                    runs: &runs,
+                    ids: &buckets,
+                    visited: &visited_csr,
+                    count: Some(&counted),
+                    follow: follow_ids.as_ref().map(|ids| Followed {
+                        ids,
+                        buckets: &bucket_of,
+                    }),
+                    cache: None,
+                };
                 let part = match (placement, &on_host) {
-                    ("resident", _) | (_, None) => Buckets {
-                        kv: (&corpus).into(),
-                        runs: &runs,
-                        ids: &buckets,
-                        visited: &visited_csr,
-                        count: Some(&counted),
-                        follow: follow_ids.as_ref().map(|ids| Followed {
-                            ids,
-                            buckets: &bucket_of,
-                        }),
-                        cache: None,
-                    },
+                    ("resident", _) | (_, None) => resident,
                     (_, Some((host, partition, cache))) => Buckets {
                         kv: host.into(),
-                        runs: &runs,
                         ids: partition.ids(),
-                        visited: &visited_csr,
-                        count: Some(&counted),
-                        follow: follow_ids.as_ref().map(|ids| Followed {
-                            ids,
-                            buckets: &bucket_of,
-                        }),
                         cache: Some(cache.cached()),
+                        ..resident
                     },
                 };
                 bucket_attention(

@@ -747,8 +747,16 @@ impl Routes {
             if free < budget.bytes + BUCKET_CACHES_LEAVE {
                 break;
             }
-            let made = BucketCache::new(gpu, partition, rows, budget.bytes);
-            *cache = Some(made.map_err(ModelError::from)?);
+            match BucketCache::new(gpu, partition, rows, budget.bytes) {
+                Ok(made) => *cache = Some(made),
+                // Another question took the memory meanwhile: this one reads in place.
+                Err(KernelError::Driver { source, .. })
+                    if source.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY =>
+                {
+                    break
+                }
+                Err(e) => return Err(ModelError::from(e).into()),
+            }
         }
         Ok(())
     }
