@@ -26,8 +26,9 @@
 # the corpus reads the store from disk, as a first question after a restart would. GPU_KV
 # placements to run decode-bench under again on the GPU, separated by spaces (e.g. `host`,
 # `host:16G`, `host:0`: the corpus's keys and values in pinned host memory, read in place or
-# behind block caches; full attention is skipped there, so its rows compare with the resident
-# run before them). STORE_DIR the folder the stores go in instead of WORK_DIR (e.g. a tmpfs
+# behind block caches (a selection searched on the CPU) or a routed question's bucket caches;
+# full attention is skipped there, so its rows compare with the resident run before them).
+# STORE_DIR the folder the stores go in instead of WORK_DIR (e.g. a tmpfs
 # for a store larger than the disk left beside the model: the Qwen shape at 1M tokens is
 # 57 GB; the model stays in WORK_DIR). INGEST_TIMEOUT cuts an ingest after that many seconds
 # (it commits as it goes) and exits with status 75: running the script again with the same

@@ -574,7 +574,8 @@ pub(crate) fn bucket_attention_after_route<T: KvElement>(
 /// head's query heads, and over the KV heads): the attention mass of stored tokens that
 /// provenance ranks passages by. `part` must be the last launch's list part. `mass` holds one
 /// weight per token of a KV head: for a resident [`KvCache`] the rows are the tokens; for a
-/// [`crate::BlockCache::gather`] selection each slot's row is added to the token it holds.
+/// [`crate::BlockCache::gather`] selection each slot's row is added to the token it holds, as
+/// is each row a bucket launch reads from its [`crate::BucketCache`].
 ///
 /// It reads nothing the caller may change after the launch but `part`'s buffers, so `gpu`
 /// may be another stream's handle ([`Gpu::fork`]) that waits for the launch's event; the
