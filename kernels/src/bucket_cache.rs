@@ -168,7 +168,6 @@ pub struct BucketCache<T> {
     ring: BucketRing,
     /// The last fill's jobs: [list, first row] pairs.
     jobs: CudaSlice<u32>,
-    buckets: usize,
     head_dim: usize,
     stats: CacheStats,
 }
@@ -212,7 +211,6 @@ impl<T: KvElement> BucketCache<T> {
             slot_of: gpu.upload(ring.slot_of())?,
             ring,
             jobs: gpu.zeros(2)?,
-            buckets: partition.buckets(),
             head_dim,
             stats: CacheStats::default(),
         })
@@ -285,7 +283,7 @@ impl<T: KvElement> BucketCache<T> {
         let ids = partition.ids();
         let (offsets, items) = (gpu.address(&ids.offsets), gpu.address(&ids.items));
         let jobs_address = gpu.address(&self.jobs);
-        let buckets = self.buckets as u32;
+        let buckets = partition.buckets() as u32;
         let row_vecs = (self.head_dim * size_of::<T>() / 16) as u32;
         let (cache_k, cache_v) = (gpu.address(&self.keys), gpu.address(&self.values));
         let token_of = gpu.address(&self.token_of);
