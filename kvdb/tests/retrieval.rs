@@ -20,13 +20,17 @@ use kvdb_attention::DensePolicy;
 use kvdb_model::{EncodeOptions, FullAttention, LoadOptions, Logits, WeightMode};
 use kvdb_tests::relative_max_error;
 
-/// The default model, on the device `KVDB_TEST_DEVICE` names (the CPU when unset).
+/// The device `KVDB_TEST_DEVICE` names (the CPU when unset).
+fn test_device() -> Result<ComputeDevice> {
+    match std::env::var("KVDB_TEST_DEVICE") {
+        Ok(device) => device.parse().map_err(anyhow::Error::msg),
+        Err(_) => Ok(ComputeDevice::Cpu),
+    }
+}
+
+/// The default model, on the device `KVDB_TEST_DEVICE` names.
 fn default_model(weights: WeightMode) -> Result<LoadedModel> {
-    let device: ComputeDevice = match std::env::var("KVDB_TEST_DEVICE") {
-        Ok(device) => device.parse().map_err(anyhow::Error::msg)?,
-        Err(_) => ComputeDevice::Cpu,
-    };
-    default_model_on(weights, device)
+    default_model_on(weights, test_device()?)
 }
 
 /// The default model loaded for `device`.
@@ -113,10 +117,14 @@ fn selecting_every_token_equals_full_attention() -> Result<()> {
     );
     let retrieved = corpus.score(model.as_ref(), &ids, everything.clone())?;
     let full = corpus.score(model.as_ref(), &ids, AttentionMode::Full)?;
-    // Same f16-rounded keys and values, different summation order only.
+    // Same f16-rounded keys and values, different summation order only. The GPU's kernels
+    // round the attention weights to 16 bits for the tensor cores, and the retrieval and
+    // full-attention launches split the keys differently: 3.2e-3 on an H200 (2026-11-29).
+    let on_gpu = !matches!(test_device()?, ComputeDevice::Cpu);
+    let tolerance = if on_gpu { 1e-2 } else { 1e-4 };
     let err = relative_max_error(&retrieved, &full)?;
     eprintln!("retrieval (k = {n}) vs full attention over the stored cache: {err:.2e}");
-    assert!(err < 1e-4, "relative max |Δlogit| {err}");
+    assert!(err < tolerance, "relative max |Δlogit| {err}");
 
     // Against a fresh f32 prefill of corpus + question: the store's f16 rounding is the
     // only other difference.
@@ -136,10 +144,16 @@ fn selecting_every_token_equals_full_attention() -> Result<()> {
             &Logits::Rows((n..n + ids.len()).collect()),
         )?
         .ok_or_else(|| anyhow::anyhow!("no logits"))?;
+    // On the GPU the weights are bf16 besides (the CPU's reference keeps f32).
     let err = relative_max_error(&retrieved, &fresh)?;
-    eprintln!("retrieval (k = {n}) vs a fresh f32 prefill: {err:.2e}");
-    assert!(err < 2e-2, "relative max |Δlogit| {err}");
-    assert_eq!(argmax(&retrieved)?, argmax(&fresh)?);
+    let (picked, reference_picked) = (argmax(&retrieved)?, argmax(&fresh)?);
+    eprintln!(
+        "retrieval (k = {n}) vs a fresh f32 prefill: {err:.2e}, greedy picks {picked:?} vs \
+         {reference_picked:?}"
+    );
+    let tolerance = if on_gpu { 5e-2 } else { 2e-2 };
+    assert!(err < tolerance, "relative max |Δlogit| {err}");
+    assert_eq!(picked, reference_picked);
 
     // Greedy answers agree token for token.
     let ask = |mode| -> Result<Vec<u32>> {
@@ -156,7 +170,9 @@ fn selecting_every_token_equals_full_attention() -> Result<()> {
             .ask(model.as_ref(), question, &options, &mut |_| Ok(()))?
             .tokens)
     };
-    assert_eq!(ask(everything)?, ask(AttentionMode::Full)?);
+    let (selected, full) = (ask(everything)?, ask(AttentionMode::Full)?);
+    eprintln!("greedy answers, every token selected: {selected:?}; full attention: {full:?}");
+    assert_eq!(selected, full);
     Ok(())
 }
 
@@ -393,10 +409,21 @@ fn every_index_finds_the_needle_at_its_default_spec() -> Result<()> {
         let options = ask_options(&spec.parse()?, None, true);
         Ok(corpus.ask(model.as_ref(), &question, &options, &mut |_| Ok(())))
     };
-    let estimated = ask("ivf")??;
-    let stats = estimated.retrieval.clone().unwrap_or_default();
-    assert!(stats.searches > 0 && stats.selected > 0, "{stats:?}");
-    assert!(!estimated.tokens.is_empty());
+    // The GPU session has no estimate yet: it says so.
+    if matches!(test_device()?, ComputeDevice::Cpu) {
+        let estimated = ask("ivf")??;
+        let stats = estimated.retrieval.clone().unwrap_or_default();
+        assert!(stats.searches > 0 && stats.selected > 0, "{stats:?}");
+        assert!(!estimated.tokens.is_empty());
+    } else {
+        match ask("ivf")? {
+            Err(kvdb::Error::NotOnGpu { what }) => assert!(what.contains("estimat"), "{what}"),
+            other => panic!(
+                "ivf with an estimate on the GPU: {:?}",
+                other.map(|a| a.answer)
+            ),
+        }
+    }
     match ask("flat")? {
         Err(kvdb::Error::NotBucketIndex { spec }) => assert_eq!(spec, "flat"),
         other => panic!("flat with an estimate: {:?}", other.map(|a| a.answer)),
@@ -416,14 +443,24 @@ fn saap_finds_the_needle_at_its_default_spec() -> Result<()> {
     let model = default_model(WeightMode::Hybrid)?;
     let spec: kvdb_index::IndexSpec = "saap".parse()?;
     let seeds = std::env::var("KVDB_SAAP_SEEDS").unwrap_or_else(|_| "1".into());
+    let on_cpu;
+    let trainer = match test_device()? {
+        ComputeDevice::Cpu => &model,
+        _ => {
+            on_cpu = default_model_on(WeightMode::Hybrid, ComputeDevice::Cpu)?;
+            &on_cpu
+        }
+    };
     let mut missed = Vec::new();
     for seed in seeds.split(',') {
         let seed: u64 = seed.trim().parse()?;
         // A corpus of its own: `update_indexes` builds a spec a corpus lacks, once.
         let (dir, store, question) = needle_corpus(&model)?;
         let artifact = dir.path().join("gemma.saap");
+        // Training runs the model on the CPU (as `kvdb saap train` does): a model loaded for
+        // the GPU keeps its weights there only. The artifact names the file, which both share.
         train_artifact(
-            &model,
+            trainer,
             &gpl()?,
             &SaapTraining::drilled(kvdb_index::SaapSpec::DEFAULT.centroids, seed),
             &mut |_| {},
