@@ -77,24 +77,6 @@ pub enum Error {
         /// Bytes free on the device.
         free: usize,
     },
-    /// A corpus's retrieval layers to be kept in pinned host memory need more than the host
-    /// has available.
-    #[error(
-        "corpus `{corpus}` would keep {layers} retrieval layers in pinned host memory: {needed} \
-         bytes with the layers read meanwhile, and the host has {available} available (a store \
-         on a tmpfs takes from it): free host memory, keep more layers on the GPU (`--gpu-kv \
-         auto` or `split:SIZE`), or ask with `--device cpu`"
-    )]
-    HostMemory {
-        /// The corpus.
-        corpus: String,
-        /// Layers that would be kept on the host.
-        layers: usize,
-        /// Bytes they and the layers read meanwhile take.
-        needed: usize,
-        /// Bytes of host memory available.
-        available: usize,
-    },
     /// Full attention on a GPU over a corpus kept in host memory.
     #[error(
         "full attention reads every key of corpus `{corpus}`, whose keys and values are (some \

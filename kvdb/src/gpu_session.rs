@@ -79,38 +79,6 @@ use crate::session::{backend_failed, Corpus, GpuKv, QueryState, Step, StepPlace}
 /// cache's tables stay small.
 const HOST_BLOCK_TOKENS: usize = 16;
 
-/// Bytes of memory the host has available for new allocations (Linux's `MemAvailable`, or
-/// less where a cgroup limits this process), `None` where that cannot be read.
-fn host_available() -> Option<usize> {
-    let mut system = sysinfo::System::new().ok()?;
-    system.refresh_memory();
-    let available = match system.cgroup_limits() {
-        Some(limits) => system.available_memory().min(limits.free_memory),
-        None => system.available_memory(),
-    };
-    // Zero is what a system that reports nothing gives.
-    (available > 0).then(|| usize::try_from(available).unwrap_or(usize::MAX))
-}
-
-/// [`Error::HostMemory`] when `needed` bytes for `layers` layers of `corpus` exceed the host
-/// memory `available` (unchecked when that is unknown).
-fn ensure_host_memory(
-    corpus: &str,
-    layers: usize,
-    needed: usize,
-    available: Option<usize>,
-) -> Result<()> {
-    match available {
-        Some(available) if needed > available => Err(Error::HostMemory {
-            corpus: corpus.to_string(),
-            layers,
-            needed,
-            available,
-        }),
-        _ => Ok(()),
-    }
-}
-
 /// A corpus's retrieval layers' keys (rotated at their positions) and values for one GPU,
 /// f16 `[kv_heads, tokens, head_dim]` per layer: what every query's retrieval reads.
 pub(crate) struct GpuCorpusKv {
@@ -437,17 +405,6 @@ impl GpuCorpusKv {
             GpuKv::Split { gpu_bytes } => split(gpu_bytes),
             GpuKv::Host { cache_bytes } => (0, cache_bytes.unwrap_or(free / 2)),
         };
-        // Pinned memory is never paged out: a corpus the host cannot hold would be killed
-        // by the kernel halfway through the copy (the Qwen2.5-7B-1M shape's 54 GiB at 1M
-        // tokens beside a store on a tmpfs, docs/benchmarks.md), so it is said first. The
-        // reader holds up to three layers of stored rows besides (below).
-        let hosted = layers_in_all - on_gpu;
-        if hosted > 0 {
-            let padded = n.div_ceil(HOST_BLOCK_TOKENS) * HOST_BLOCK_TOKENS;
-            let host_layer = 2 * kv_heads * padded * d * size_of::<f16>();
-            let needed = hosted * host_layer + 3 * layer_bytes;
-            ensure_host_memory(&corpus.manifest().name, hosted, needed, host_available())?;
-        }
         // One thread reads the layers from the store (each by every core, f16 as stored)
         // while this one uploads the layer read before and the GPU rotates its keys: at most
         // three layers are on the host at once (one read, one waiting, one uploading).
@@ -1656,36 +1613,7 @@ fn tail_rows(positions: Range<usize>, capacity: usize) -> impl Iterator<Item = R
 
 #[cfg(test)]
 mod tests {
-    use super::{ensure_host_memory, host_available, tail_rows};
-    use crate::error::Error;
-
-    #[test]
-    fn a_corpus_the_host_cannot_hold_is_refused_before_it_is_copied() {
-        let refused = ensure_host_memory("c", 28, 60 << 30, Some(50 << 30));
-        match refused {
-            Err(e @ Error::HostMemory { .. }) => {
-                let message = e.to_string();
-                for says in [
-                    "corpus `c`",
-                    "28 retrieval layers",
-                    "--gpu-kv",
-                    "--device cpu",
-                ] {
-                    assert!(message.contains(says), "{message}");
-                }
-            }
-            other => panic!("{other:?}"),
-        }
-        assert!(ensure_host_memory("c", 28, 50 << 30, Some(50 << 30)).is_ok());
-        assert!(ensure_host_memory("c", 28, usize::MAX, None).is_ok());
-        // Linux reports its memory: some, and no more than the machine has.
-        if cfg!(target_os = "linux") {
-            let available = host_available().expect("the host's available memory");
-            let mut system = sysinfo::System::new().expect("sysinfo on Linux");
-            system.refresh_memory();
-            assert!(available > 0 && available as u64 <= system.total_memory());
-        }
-    }
+    use super::tail_rows;
 
     #[test]
     fn tail_rows_wrap_around_the_ring() {
