@@ -4,7 +4,12 @@
 # named part-*), checks its sha256, generates 32 greedy tokens on the CPU (`--weights exact`)
 # and on the GPU for a short and a 1,938-token prompt and compares them, then plants a needle
 # in the GPL, ingests it on the GPU and asks for it through the corpus's index and with full
-# attention. The log goes to $OUT/default-model.log (or ./gpu-default-model/).
+# attention, and runs the retrieval tests (kvdb/tests/retrieval.rs: every token selected
+# against full attention, needles at five depths, every index at its default spec, saap) with
+# `KVDB_TEST_DEVICE=cuda`, ingest and questions on the GPU, into test-retrieval.log (about 3
+# minutes on an H200; TEST_TIMEOUT, default 400 s, bounds it; they read the GPL from the
+# repository's path at build time, which the device's copy of the tree has). The log goes to
+# $OUT/default-model.log (or ./gpu-default-model/).
 #
 # Usage (on the GPU machine, from the unpacked bundle of scripts/gpu-bundle.sh):
 #   scripts/gpu-default-model.sh BUNDLE_DIR PIECES_DIR
@@ -61,4 +66,10 @@ for how in "" --full-attention; do
         'What is the secret number of the archive? The secret number of the archive is' 2>>"$log")
     echo "ask ${how:-(index)}: $answer" | tee -a "$log"
 done
+mkdir -p "$KVDB_HOME/models"
+ln -sf "$model" "$KVDB_HOME/models/gemma-3-270m-q4_k_m.gguf"
+KVDB_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-400}" "$bundle/bin/test-retrieval" --nocapture \
+    >"$out/test-retrieval.log" 2>&1
+echo "retrieval tests on the GPU: exit $? ($(grep -h "^test result" "$out/test-retrieval.log"))" |
+    tee -a "$log"
 rm -rf "$work"
