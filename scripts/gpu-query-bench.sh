@@ -34,12 +34,24 @@
 # (it commits as it goes) and exits with status 75: running the script again with the same
 # WORK_DIR (and STORE_DIR) on the same machine resumes the ingest and goes on, so that an
 # ingest longer than one device call (the Qwen shape at 1M tokens: more than 10 minutes on an
-# H200) spans consecutive calls.
+# H200) spans consecutive calls. MEM_SAMPLE=N writes the host's memory (`free -m`: used,
+# cache, available, MiB) every N seconds to mem.log while the script runs: a corpus kept in
+# pinned host memory beside a store on a tmpfs fills most of it (119 of 125 GB for the Qwen
+# shape at 1M tokens).
 set -euo pipefail
 bundle=${1:?usage: gpu-query-bench.sh BUNDLE_DIR [WORK_DIR]}
 work=${2:-$(mktemp -d)}
 out=${OUT:-gpu-query-bench}
 mkdir -p "$out" "$work"
+if [ -n "${MEM_SAMPLE:-}" ]; then
+    # It ends with the script (however it ends: `$$` is the script's process), since a
+    # sampler left running would keep the caller waiting.
+    while kill -0 $$ 2>/dev/null; do
+        free -m | awk -v t="$(date +%T)" '/^Mem/ {print t, $3, $6, $7}'
+        sleep "$MEM_SAMPLE"
+    done >>"$out/mem.log" 2>&1 &
+    trap 'kill '"$!"' 2>/dev/null' EXIT
+fi
 export LD_LIBRARY_PATH=$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 kvdb=$bundle/bin/kvdb
 
