@@ -77,6 +77,29 @@ pub enum Error {
         /// Bytes free on the device.
         free: usize,
     },
+    /// The host has too little memory available to pin one more of a corpus's retrieval
+    /// layers (pinned memory is never paged out: the kernel would kill the process instead).
+    #[error(
+        "corpus `{corpus}` keeps {layers} retrieval layers in pinned host memory; {pinned} are \
+         pinned, the next needs {needed} bytes and the host has {available} available, \
+         {reserve} of which are left to the rest of the system (a store on a tmpfs takes from \
+         it): free host memory, keep more layers on the GPU (`--gpu-kv auto` or \
+         `split:SIZE`), or ask with `--device cpu`"
+    )]
+    HostMemory {
+        /// The corpus.
+        corpus: String,
+        /// Layers to be kept in host memory.
+        layers: usize,
+        /// Layers pinned before this one (released with the error).
+        pinned: usize,
+        /// Bytes the next layer takes.
+        needed: usize,
+        /// Bytes of host memory available.
+        available: usize,
+        /// Bytes that must stay available besides.
+        reserve: usize,
+    },
     /// Full attention on a GPU over a corpus kept in host memory.
     #[error(
         "full attention reads every key of corpus `{corpus}`, whose keys and values are (some \

@@ -79,6 +79,55 @@ use crate::session::{backend_failed, Corpus, GpuKv, QueryState, Step, StepPlace}
 /// cache's tables stay small.
 const HOST_BLOCK_TOKENS: usize = 16;
 
+/// Host memory that must stay available after a corpus layer is pinned: for the rest of this
+/// process (a question's buffers, the store's reads) and the system. The Qwen2.5-7B-1M shape at
+/// 1M tokens pinned 54 GiB beside a 55 GB store on a tmpfs and kept 9.5 GiB available at its
+/// peak (docs/gpu-runs/2026-11-29-qwen-1m-host/).
+const HOST_RESERVE_BYTES: usize = 2 << 30;
+
+/// Bytes of memory the host has available for new allocations without swapping (Linux's
+/// `MemAvailable`: free memory and the page cache it can reclaim; a tmpfs's files are not
+/// reclaimable), `None` where that cannot be read.
+fn host_available() -> Option<usize> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    mem_available(&meminfo)
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+fn mem_available(meminfo: &str) -> Option<usize> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let mut fields = line.split_whitespace().skip(1);
+    let kib: usize = fields.next()?.parse().ok()?;
+    (fields.next() == Some("kB")).then(|| kib.saturating_mul(1024))
+}
+
+/// [`Error::HostMemory`] when pinning `needed` more bytes (the next of `layers` host layers of
+/// `corpus`, `pinned` before it) would leave less than [`HOST_RESERVE_BYTES`] of the host
+/// memory `available` (unchecked when that is unknown). Checked layer by layer as they are
+/// pinned, not once before: what is available moves meanwhile (a model's host copy released,
+/// the store's reads cached), and a check of the whole beforehand refused the 1M-token run
+/// that then pinned 54 GiB with 9.5 GiB to spare.
+fn ensure_host_memory(
+    corpus: &str,
+    (pinned, layers): (usize, usize),
+    needed: usize,
+    available: Option<usize>,
+) -> Result<()> {
+    match available {
+        Some(available) if needed.saturating_add(HOST_RESERVE_BYTES) > available => {
+            Err(Error::HostMemory {
+                corpus: corpus.to_string(),
+                layers,
+                pinned,
+                needed,
+                available,
+                reserve: HOST_RESERVE_BYTES,
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// A corpus's retrieval layers' keys (rotated at their positions) and values for one GPU,
 /// f16 `[kv_heads, tokens, head_dim]` per layer: what every query's retrieval reads.
 pub(crate) struct GpuCorpusKv {
@@ -433,6 +482,14 @@ impl GpuCorpusKv {
                 if resident.len() < on_gpu {
                     resident.push((layer, kv));
                 } else {
+                    // Pinned memory is never paged out: a layer the host cannot hold would
+                    // have the kernel kill the process halfway through the copy.
+                    ensure_host_memory(
+                        &corpus.manifest().name,
+                        (hosted.len(), layers_in_all - on_gpu),
+                        layer_bytes,
+                        host_available(),
+                    )?;
                     // Rotated on the GPU, then back to the host: one layer on the GPU at a
                     // time.
                     hosted.push((
@@ -1613,7 +1670,55 @@ fn tail_rows(positions: Range<usize>, capacity: usize) -> impl Iterator<Item = R
 
 #[cfg(test)]
 mod tests {
-    use super::tail_rows;
+    use super::{ensure_host_memory, host_available, mem_available, tail_rows, HOST_RESERVE_BYTES};
+    use crate::error::Error;
+
+    #[test]
+    fn a_layer_the_host_cannot_hold_is_refused_before_it_is_pinned() {
+        let gib = 1usize << 30;
+        match ensure_host_memory("c", (20, 28), 2 * gib, Some(3 * gib)) {
+            Err(e @ Error::HostMemory { .. }) => {
+                let message = e.to_string();
+                for says in [
+                    "corpus `c`",
+                    "28 retrieval layers",
+                    "20 are",
+                    "--gpu-kv",
+                    "--device cpu",
+                ] {
+                    assert!(message.contains(says), "{message}");
+                }
+            }
+            other => panic!("{other:?}"),
+        }
+        // The reserve is kept exactly, and nothing is checked where nothing is known.
+        assert!(
+            ensure_host_memory("c", (0, 28), 2 * gib, Some(2 * gib + HOST_RESERVE_BYTES)).is_ok()
+        );
+        assert!(ensure_host_memory(
+            "c",
+            (0, 28),
+            2 * gib,
+            Some(2 * gib + HOST_RESERVE_BYTES - 1)
+        )
+        .is_err());
+        assert!(ensure_host_memory("c", (0, 28), usize::MAX, None).is_ok());
+    }
+
+    #[test]
+    fn mem_available_reads_meminfo() {
+        let meminfo = "MemTotal:       131987456 kB\nMemFree:         1024 kB\n\
+                       MemAvailable:   51380224 kB\nBuffers:  0 kB\n";
+        assert_eq!(mem_available(meminfo), Some(51380224 * 1024));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+        assert_eq!(mem_available("MemAvailable: lots kB\n"), None);
+        assert_eq!(mem_available("MemAvailable: 12 MB\n"), None);
+        // Linux reports it: some, and no more than the machine has.
+        if cfg!(target_os = "linux") {
+            let available = host_available().expect("MemAvailable on Linux");
+            assert!(available > 0);
+        }
+    }
 
     #[test]
     fn tail_rows_wrap_around_the_ring() {

@@ -258,10 +258,11 @@ impl From<kvdb::Error> for ApiError {
                 e.to_string(),
             ),
             E::Index(spec @ kvdb_index::IndexError::Spec { .. }) => Self::from(spec),
-            // The server's GPU cannot hold the corpus: not the request's fault.
+            // The server's GPU (or host) cannot hold the corpus: not the request's fault.
             E::StoreBusy { .. }
             | E::StoreOwned { .. }
             | E::GpuMemory { .. }
+            | E::HostMemory { .. }
             | E::GpuCacheTooSmall { .. }
             | E::GpuCacheMemory { .. } => Self::unavailable(e.to_string()),
             _ => Self::internal(e),
@@ -452,6 +453,15 @@ mod tests {
             free: 1 << 30,
         };
         assert_eq!(status(too_big), 503);
+        let host_too_small = E::HostMemory {
+            corpus: "c".into(),
+            layers: 28,
+            pinned: 20,
+            needed: 2 << 30,
+            available: 3 << 30,
+            reserve: 2 << 30,
+        };
+        assert_eq!(status(host_too_small), 503);
         let small_caches = E::GpuCacheTooSmall {
             corpus: "c".into(),
             layer: 3,
