@@ -37,23 +37,59 @@
 # H200) spans consecutive calls. MEM_SAMPLE=N writes the host's memory (`free -m`: used,
 # cache, available, MiB) every N seconds to mem.log while the script runs: a corpus kept in
 # pinned host memory beside a store on a tmpfs fills most of it (119 of 125 GB for the Qwen
-# shape at 1M tokens).
+# shape at 1M tokens). GPU_MEMORY_MIB=N runs the GPU_KV placements on a GPU of N MiB: another
+# process (PyTorch, which the device has) holds the rest of the GPU's memory meanwhile, so that
+# `auto` places the corpus as it would on the smaller GPU (81559, an 80 GB H100's, on an H200:
+# the Llama-3-8B shape at 512K, docs/benchmarks.md), the resident run before them keeping the
+# whole GPU for its baseline.
 set -euo pipefail
 bundle=${1:?usage: gpu-query-bench.sh BUNDLE_DIR [WORK_DIR]}
 work=${2:-$(mktemp -d)}
 out=${OUT:-gpu-query-bench}
 mkdir -p "$out" "$work"
+# Background processes ended with the script, however it ends (a sampler or a holder of GPU
+# memory left running would keep the caller waiting, or hold the GPU).
+helpers=()
+trap 'status=$?; kill "${helpers[@]}" 2>/dev/null || true; exit "$status"' EXIT
 if [ -n "${MEM_SAMPLE:-}" ]; then
-    # It ends with the script (however it ends: `$$` is the script's process), since a
-    # sampler left running would keep the caller waiting.
     while kill -0 $$ 2>/dev/null; do
         free -m | awk -v t="$(date +%T)" '/^Mem/ {print t, $3, $6, $7}'
         sleep "$MEM_SAMPLE"
     done >>"$out/mem.log" 2>&1 &
-    trap 'kill '"$!"' 2>/dev/null' EXIT
+    helpers+=($!)
 fi
 export LD_LIBRARY_PATH=$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 kvdb=$bundle/bin/kvdb
+
+# hold_gpu MIB: another process takes all of the GPU's memory but MIB (nothing when the GPU
+# has no more) until release_gpu; returns once it holds it.
+hold_gpu() {
+    local total take held=$work/gpu-held
+    total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    take=$((total - $1))
+    [ "$take" -gt 0 ] || return 0
+    rm -f "$held"
+    python3 -c "import time, torch
+x = torch.empty($take << 20, dtype=torch.uint8, device='cuda')
+open('$held', 'w').close()
+time.sleep(86400)" &
+    holder=$!
+    helpers+=("$holder")
+    until [ -e "$held" ]; do
+        if ! kill -0 "$holder" 2>/dev/null; then
+            echo "could not hold $take MiB of the GPU's $total" | tee -a "$log"
+            exit 1
+        fi
+        sleep 1
+    done
+    echo "the GPU limited to $1 MiB: another process holds $take of its $total MiB" \
+        "(used, free: $(nvidia-smi --query-gpu=memory.used,memory.free --format=csv,noheader | head -1))" |
+        tee -a "$log"
+}
+release_gpu() {
+    [ -z "${holder:-}" ] || { kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null || true; }
+    holder=
+}
 
 # serve_questions PRESET MODEL STORE N INDEX: N greedy questions at once to a GPU server on
 # STORE (its default batching), each answer and the batched count logged to serve.log.
@@ -144,8 +180,9 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
             --question "What does the license say about warranty?" \
             --json "$out/decode-$preset-$device.json" 2>>"$out/stderr.log" | tee -a "$log" ||
             echo "FAILED (stderr.log says why)" | tee -a "$log"
-        grep "^kvdb: \(loaded\|opened\)" "$out/stderr.log" | tail -n 2 | tee -a "$log"
+        { grep "^kvdb: \(loaded\|opened\)" "$out/stderr.log" || true; } | tail -n 2 | tee -a "$log"
         [ "$device" = cuda ] || continue
+        [ -z "${GPU_KV:-}" ] || [ -z "${GPU_MEMORY_MIB:-}" ] || hold_gpu "$GPU_MEMORY_MIB"
         for placement in ${GPU_KV:-}; do
             echo "$preset on $device, --gpu-kv $placement:" | tee -a "$log"
             "$kvdb" decode-bench --device cuda --gpu-kv "$placement" --model "$model" \
@@ -153,8 +190,9 @@ for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${
                 --repeats "${REPEATS:-2}" --question "What does the license say about warranty?" \
                 --json "$out/decode-$preset-$device-gpu-kv-${placement//:/-}.json" 2>>"$out/stderr.log" |
                 tee -a "$log" || echo "FAILED (stderr.log says why)" | tee -a "$log"
-            grep "^kvdb: \(loaded\|opened\)" "$out/stderr.log" | tail -n 2 | tee -a "$log"
+            { grep "^kvdb: \(loaded\|opened\)" "$out/stderr.log" || true; } | tail -n 2 | tee -a "$log"
         done
+        release_gpu
     done
     if [ -n "${SERVE:-}" ]; then
         serve_questions "$preset" "$model" "$store" "$SERVE" "${modes[-1]}"
