@@ -87,7 +87,9 @@ const HOST_RESERVE_BYTES: usize = 2 << 30;
 
 /// Bytes of memory the host has available for new allocations without swapping (Linux's
 /// `MemAvailable`: free memory and the page cache it can reclaim; a tmpfs's files are not
-/// reclaimable), `None` where that cannot be read.
+/// reclaimable), `None` where that cannot be read. A cgroup's limit is not read: its usage
+/// counts the page cache it could reclaim (a store just read), so a bound from it would refuse
+/// corpora that fit; in a container limited below the host, the limit can still be hit.
 fn host_available() -> Option<usize> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     mem_available(&meminfo)
