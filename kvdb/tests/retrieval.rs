@@ -307,8 +307,14 @@ fn needle_corpus(model: &LoadedModel) -> Result<(tempfile::TempDir, Arc<Store>, 
 const OBJECT: &str = "blue door";
 const NUMBER: &str = "2099391";
 
-/// Retrieval through `spec` (sink 4, window 64, 8 tokens), with `k` overridden when given.
-fn ask_options(spec: &kvdb_index::IndexSpec, k: Option<usize>, estimate: bool) -> AskOptions {
+/// Retrieval through `spec` (sink 4, window 64, 8 tokens), with `k` overridden when given,
+/// following `follow` most attended tokens ([`kvdb::Retrieval::follow`]).
+fn ask_options(
+    spec: &kvdb_index::IndexSpec,
+    k: Option<usize>,
+    estimate: bool,
+    follow: usize,
+) -> AskOptions {
     AskOptions {
         profile: false,
         mode: AttentionMode::Retrieval(kvdb::Retrieval {
@@ -319,6 +325,7 @@ fn ask_options(spec: &kvdb_index::IndexSpec, k: Option<usize>, estimate: bool) -
                 window: 64,
             },
             estimate,
+            follow,
             ..kvdb::Retrieval::default()
         }),
         generate: kvdb::GenerateOptions {
@@ -337,8 +344,9 @@ fn ask_through(
     question: &str,
     spec: &kvdb_index::IndexSpec,
     k: Option<usize>,
+    follow: usize,
 ) -> Result<(String, f64, f64)> {
-    let options = ask_options(spec, k, false);
+    let options = ask_options(spec, k, false, follow);
     let answer = corpus.ask(model.as_ref(), question, &options, &mut |_| Ok(()))?;
     let stats = answer.retrieval.clone().unwrap_or_default();
     Ok((answer.answer, stats.selectivity(), stats.scored_share()))
@@ -367,7 +375,8 @@ fn every_index_finds_the_needle_at_its_default_spec() -> Result<()> {
     let corpus = Corpus::open(store, "c", model.as_ref(), 1 << 30)?;
     let mut missed = Vec::new();
     for spec in parsed {
-        let (answer, selectivity, scored) = ask_through(&model, &corpus, &question, &spec, None)?;
+        let (answer, selectivity, scored) =
+            ask_through(&model, &corpus, &question, &spec, None, 0)?;
         eprintln!(
             "{spec:<48} {answer:?}: selectivity {selectivity:.4}, scored {scored:.4} of the \
              eligible keys"
@@ -383,10 +392,7 @@ fn every_index_finds_the_needle_at_its_default_spec() -> Result<()> {
     // still answered.
     let hip: kvdb_index::IndexSpec = "hip".parse()?;
     let per_search = |follow: usize| -> Result<(String, f64)> {
-        let mut options = ask_options(&hip, None, false);
-        if let AttentionMode::Retrieval(retrieval) = &mut options.mode {
-            retrieval.follow = follow;
-        }
+        let options = ask_options(&hip, None, false, follow);
         let answer = corpus.ask(model.as_ref(), &question, &options, &mut |_| Ok(()))?;
         let stats = answer.retrieval.unwrap_or_default();
         Ok((
@@ -406,7 +412,7 @@ fn every_index_finds_the_needle_at_its_default_spec() -> Result<()> {
     // Estimating the unvisited buckets (RetroInfer's idea) works through a bucket index and
     // is refused, naming the index, through one without buckets.
     let ask = |spec: &str| -> Result<kvdb::Result<kvdb::Answer>> {
-        let options = ask_options(&spec.parse()?, None, true);
+        let options = ask_options(&spec.parse()?, None, true, 0);
         Ok(corpus.ask(model.as_ref(), &question, &options, &mut |_| Ok(())))
     };
     // The GPU session has no estimate yet: it says so.
@@ -489,13 +495,8 @@ fn saap_finds_the_needle_at_its_default_spec() -> Result<()> {
             // Without following, and following 8 as `kvdb ask` does by default: a miss of
             // one repeated digit (" 209391.") is what following is for.
             for follow in [0, 8] {
-                let mut options = ask_options(&spec, None, false);
-                if let AttentionMode::Retrieval(retrieval) = &mut options.mode {
-                    retrieval.follow = follow;
-                }
-                let answer = corpus.ask(model.as_ref(), &question, &options, &mut |_| Ok(()))?;
-                let selectivity = answer.retrieval.unwrap_or_default().selectivity();
-                let answer = answer.answer;
+                let (answer, selectivity, _) =
+                    ask_through(&model, &corpus, &question, &spec, None, follow)?;
                 eprintln!(
                     "{spec} (artifact seed {seed}){ingested} following {follow}: {answer:?} \
                      at selectivity {selectivity:.4}"
