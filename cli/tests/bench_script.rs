@@ -108,6 +108,13 @@ impl FakeDevice {
         command.output().expect("run the script")
     }
 
+    /// Runs the script ([`Self::run`]) and checks that it exits with `code`; its stdout.
+    fn run_to(&self, env: &[(&str, &str)], code: i32) -> String {
+        let output = self.run(env);
+        assert_eq!(output.status.code(), Some(code), "{}", says(&output));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
     fn trace(&self) -> String {
         fs::read_to_string(self.dir.path().join("trace")).unwrap_or_default()
     }
@@ -136,14 +143,16 @@ fn says(output: &Output) -> String {
 fn placements_run_on_the_gpu_memory_asked_and_the_baseline_on_all_of_it() {
     let device = FakeDevice::new(false, 0);
     // Two models, so that the second's baseline shows the first's holder gone.
-    let output = device.run(&[
-        ("COPIES_GEMMA", "1"),
-        ("GEMMA_DEVICES", "cuda"),
-        ("GPU_KV", "auto split:50G"),
-        ("GPU_MEMORY_MIB", "81559"),
-        ("MEM_SAMPLE", "1"),
-    ]);
-    assert_eq!(output.status.code(), Some(0), "{}", says(&output));
+    let stdout = device.run_to(
+        &[
+            ("COPIES_GEMMA", "1"),
+            ("GEMMA_DEVICES", "cuda"),
+            ("GPU_KV", "auto split:50G"),
+            ("GPU_MEMORY_MIB", "81559"),
+            ("MEM_SAMPLE", "1"),
+        ],
+        0,
+    );
     let per_model = [
         "decode-bench resident held=no",
         // 143,771 MiB less the 81,559 asked.
@@ -154,8 +163,7 @@ fn placements_run_on_the_gpu_memory_asked_and_the_baseline_on_all_of_it() {
     assert_eq!(
         device.trace().lines().collect::<Vec<_>>(),
         [per_model, per_model].concat(),
-        "{}",
-        says(&output)
+        "{stdout}"
     );
     assert!(!device.holder_alive(), "the holder outlived the script");
     let log = fs::read_to_string(device.dir.path().join("out/query.log")).expect("query.log");
@@ -166,8 +174,7 @@ fn placements_run_on_the_gpu_memory_asked_and_the_baseline_on_all_of_it() {
 #[test]
 fn without_a_limit_nothing_holds_the_gpu() {
     let device = FakeDevice::new(false, 0);
-    let output = device.run(&[("GPU_KV", "auto")]);
-    assert_eq!(output.status.code(), Some(0), "{}", says(&output));
+    device.run_to(&[("GPU_KV", "auto")], 0);
     assert_eq!(
         device.trace().lines().collect::<Vec<_>>(),
         ["decode-bench resident held=no", "decode-bench auto held=no"]
@@ -177,9 +184,8 @@ fn without_a_limit_nothing_holds_the_gpu() {
 #[test]
 fn a_cut_ingest_exits_75_and_leaves_nothing_running() {
     let device = FakeDevice::new(false, 30);
-    let output = device.run(&[("INGEST_TIMEOUT", "1"), ("MEM_SAMPLE", "1")]);
-    assert_eq!(output.status.code(), Some(75), "{}", says(&output));
-    assert!(String::from_utf8_lossy(&output.stdout).contains("ingest cut after 1 s"));
+    let stdout = device.run_to(&[("INGEST_TIMEOUT", "1"), ("MEM_SAMPLE", "1")], 75);
+    assert!(stdout.contains("ingest cut after 1 s"), "{stdout}");
     assert!(device.trace().is_empty(), "{}", device.trace());
     // The memory sampler ends with the script: its log stops growing.
     let log = device.dir.path().join("out/mem.log");
@@ -192,9 +198,8 @@ fn a_cut_ingest_exits_75_and_leaves_nothing_running() {
 #[test]
 fn a_gpu_that_cannot_be_held_stops_the_script_before_the_placements() {
     let device = FakeDevice::new(true, 0);
-    let output = device.run(&[("GPU_KV", "auto"), ("GPU_MEMORY_MIB", "81559")]);
-    assert_eq!(output.status.code(), Some(1), "{}", says(&output));
-    assert!(String::from_utf8_lossy(&output.stdout).contains("could not hold 62212 MiB"));
+    let stdout = device.run_to(&[("GPU_KV", "auto"), ("GPU_MEMORY_MIB", "81559")], 1);
+    assert!(stdout.contains("could not hold 62212 MiB"), "{stdout}");
     assert_eq!(
         device.trace().lines().collect::<Vec<_>>(),
         ["decode-bench resident held=no"]
