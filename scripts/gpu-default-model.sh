@@ -7,7 +7,7 @@
 # attention, and runs the retrieval tests (kvdb/tests/retrieval.rs: every token selected
 # against full attention, needles at five depths, every index at its default spec, saap) with
 # `KVDB_TEST_DEVICE=cuda`, ingest and questions on the GPU, into test-retrieval.log (about 3
-# minutes on an H200; TEST_TIMEOUT, default 400 s, bounds it; they read the GPL from the
+# minutes on an H200 before the saap test also asked a CPU-ingested corpus, not timed since; TEST_TIMEOUT, default 400 s, bounds it; they read the GPL from the
 # repository's path at build time, which the device's copy of the tree has). The log goes to
 # $OUT/default-model.log (or ./gpu-default-model/).
 #

@@ -28,6 +28,11 @@ fn test_device() -> Result<ComputeDevice> {
     }
 }
 
+/// Whether the tests run on a GPU ([`test_device`]), where some bounds and refusals differ.
+fn on_gpu() -> Result<bool> {
+    Ok(!matches!(test_device()?, ComputeDevice::Cpu))
+}
+
 /// The default model, on the device `KVDB_TEST_DEVICE` names.
 fn default_model(weights: WeightMode) -> Result<LoadedModel> {
     default_model_on(weights, test_device()?)
@@ -120,7 +125,7 @@ fn selecting_every_token_equals_full_attention() -> Result<()> {
     // Same f16-rounded keys and values, different summation order only. The GPU's kernels
     // round the attention weights to 16 bits for the tensor cores, and the retrieval and
     // full-attention launches split the keys differently: 3.2e-3 on an H200 (2026-11-29).
-    let on_gpu = !matches!(test_device()?, ComputeDevice::Cpu);
+    let on_gpu = on_gpu()?;
     let tolerance = if on_gpu { 1e-2 } else { 1e-4 };
     let err = relative_max_error(&retrieved, &full)?;
     eprintln!("retrieval (k = {n}) vs full attention over the stored cache: {err:.2e}");
@@ -416,7 +421,7 @@ fn every_index_finds_the_needle_at_its_default_spec() -> Result<()> {
         Ok(corpus.ask(model.as_ref(), &question, &options, &mut |_| Ok(())))
     };
     // The GPU session has no estimate yet: it says so.
-    if matches!(test_device()?, ComputeDevice::Cpu) {
+    if !on_gpu()? {
         let estimated = ask("ivf")??;
         let stats = estimated.retrieval.clone().unwrap_or_default();
         assert!(stats.searches > 0 && stats.selected > 0, "{stats:?}");
