@@ -16,7 +16,8 @@
 //! root, RoPE takes angles in f64 and rounds cos and sin to f32 as `kvdb_model::Rope` does.
 
 use cudarc::driver::{
-    CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 
 use crate::buffers::KvCache;
@@ -29,6 +30,11 @@ const SOURCE: &str = include_str!("../cuda/ops.cu");
 const ROW_THREADS: u32 = 256;
 /// Threads of the norms' blocks, one per row (`NORM_THREADS` in `ops.cu`).
 const NORM_THREADS: u32 = 1024;
+/// Threads of `ops_argmax_rows`'s blocks (`ARGMAX_THREADS` in `ops.cu`).
+const ARGMAX_THREADS: u32 = 256;
+/// Values one block of `ops_argmax_rows` reads: 16 a thread, so that a 256K-token
+/// vocabulary spreads over 64 blocks.
+const ARGMAX_PER_BLOCK: usize = 16 * ARGMAX_THREADS as usize;
 /// Heads one block of `ops_attention_inputs` takes at a time: one a warp.
 const HEADS_PER_BLOCK: usize = ROW_THREADS as usize / 32;
 /// Threads of the grid-stride kernels.
@@ -757,29 +763,80 @@ pub fn convert<I: Float, O: Float>(
     Ok(())
 }
 
+/// What [`argmax_rows`] keeps between its blocks: a running best and a count of finished
+/// blocks a row, zero between launches (the last block of a row sets them back).
+#[derive(Debug)]
+pub struct ArgmaxScratch {
+    keys: CudaSlice<u64>,
+    done: CudaSlice<u32>,
+}
+
+impl ArgmaxScratch {
+    /// Scratch for launches of up to `rows` rows (more are refused).
+    pub fn new(gpu: &Gpu, rows: usize) -> Result<Self> {
+        Ok(Self {
+            keys: gpu.zeros(rows.max(1))?,
+            done: gpu.zeros(rows.max(1))?,
+        })
+    }
+
+    /// Rows a launch may have.
+    pub fn rows(&self) -> usize {
+        self.keys.len()
+    }
+}
+
 /// The greedy choice of each row of `logits` (`[rows, width]`, f32) into `out` (`[rows]`):
 /// the first index of the row's largest value, NaNs never chosen (a row that starts with one
 /// gives 0), as candle's `argmax` picks on the CPU. What a greedy decode step copies to the
-/// host instead of its logits.
+/// host instead of its logits. `scratch` holds at least the rows (else this is an error);
+/// launches that share one run one after another on the stream.
 pub fn argmax_rows(
     gpu: &Gpu,
     logits: &CudaView<'_, f32>,
     width: usize,
+    scratch: &mut ArgmaxScratch,
     out: &mut CudaViewMut<'_, u32>,
 ) -> Result<()> {
     let rows = whole_rows("argmax_rows logits [rows, width]", logits.len(), width)?;
     length("argmax_rows out [rows]", rows, out.len())?;
+    if rows > scratch.rows() {
+        return Err(KernelError::TooLarge {
+            what: "argmax_rows rows (more than its scratch holds)",
+            value: rows,
+        });
+    }
     let width = to_u32("argmax_rows width", width)?;
     if rows == 0 {
         return Ok(());
     }
+    let blocks = (width as usize).div_ceil(ARGMAX_PER_BLOCK).max(1);
+    let per_block = ARGMAX_PER_BLOCK as u32;
     let kernel = gpu.kernel(SOURCE, "ops_argmax_rows", &[])?;
     let mut builder = gpu.stream().launch_builder(&kernel);
-    builder.arg(logits).arg(&width).arg(out);
-    // Safety: the arguments match `ops_argmax_rows`; logits hold `rows` rows of `width`, out
-    // `rows` elements.
-    unsafe { builder.launch(rows_config(rows, 1, NORM_THREADS)?) }
-        .map_err(driver("launching ops_argmax_rows"))?;
+    builder
+        .arg(logits)
+        .arg(&width)
+        .arg(&per_block)
+        .arg(&mut scratch.keys)
+        .arg(&mut scratch.done)
+        .arg(out);
+    let rows = u32::try_from(rows)
+        .ok()
+        .filter(|&r| r <= u16::MAX as u32)
+        .ok_or(KernelError::TooLarge {
+            what: "argmax_rows rows (one grid row each)",
+            value: rows,
+        })?;
+    let config = LaunchConfig {
+        grid_dim: (blocks as u32, rows, 1),
+        block_dim: (ARGMAX_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // Safety: the arguments match `ops_argmax_rows`; logits hold `rows` rows of `width`,
+    // out `rows` elements, the scratch at least `rows` keys and counts, zero between
+    // launches; `blocks * per_block` covers the width.
+    unsafe { builder.launch(config) }.map_err(driver("launching ops_argmax_rows"))?;
     Ok(())
 }
 

@@ -1172,7 +1172,9 @@ mod on_gpu {
         };
         let nan = f32::NAN;
         let tiny = f32::from_bits(1); // the smallest subnormal
-        for width in [1usize, 7, 1025, 128_256] {
+                                      // One scratch for every launch: each must leave it as it found it.
+        let mut scratch = ops::ArgmaxScratch::new(&gpu, 16)?;
+        for width in [1usize, 7, 1025, 4097, 128_256, 262_144] {
             let random = |rng: &mut StdRng| -> Vec<f32> {
                 (0..width).map(|_| rng.random_range(-30.0..30.0)).collect()
             };
@@ -1204,6 +1206,7 @@ mod on_gpu {
                 &gpu,
                 &logits.as_view(),
                 width,
+                &mut scratch,
                 &mut out.slice_mut(..rows.len()),
             )?;
             let got = gpu.download(&out)?;
@@ -1221,12 +1224,38 @@ mod on_gpu {
         let logits = gpu.upload(&[0f32; 10])?;
         let mut out = gpu.upload(&[0u32; 3])?;
         ensure!(
-            ops::argmax_rows(&gpu, &logits.as_view(), 4, &mut out.slice_mut(..)).is_err(),
+            ops::argmax_rows(
+                &gpu,
+                &logits.as_view(),
+                4,
+                &mut scratch,
+                &mut out.slice_mut(..)
+            )
+            .is_err(),
             "a ragged last row was taken"
         );
         ensure!(
-            ops::argmax_rows(&gpu, &logits.as_view(), 5, &mut out.slice_mut(..)).is_err(),
+            ops::argmax_rows(
+                &gpu,
+                &logits.as_view(),
+                5,
+                &mut scratch,
+                &mut out.slice_mut(..)
+            )
+            .is_err(),
             "an output longer than the rows was taken"
+        );
+        let mut small = ops::ArgmaxScratch::new(&gpu, 1)?;
+        ensure!(
+            ops::argmax_rows(
+                &gpu,
+                &logits.as_view(),
+                5,
+                &mut small,
+                &mut out.slice_mut(..2)
+            )
+            .is_err(),
+            "more rows than the scratch holds were taken"
         );
         Ok(())
     }

@@ -1566,6 +1566,8 @@ struct PickBuffers {
     logits: CudaSlice<f32>,
     /// The rows' greedy choices.
     tokens: CudaSlice<u32>,
+    /// What picking them keeps between blocks.
+    argmax: ops::ArgmaxScratch,
 }
 
 impl PickBuffers {
@@ -1573,6 +1575,7 @@ impl PickBuffers {
         Ok(Self {
             logits: gpu.zeros(1)?,
             tokens: gpu.zeros(1)?,
+            argmax: ops::ArgmaxScratch::new(gpu, 1)?,
         })
     }
 }
@@ -1635,6 +1638,9 @@ fn pick_rows<T: Float, A: Float>(
         if device_logits.len() < run * vocab {
             *device_logits = gpu.zeros(run * vocab)?;
         }
+        if pick == Pick::Greedy && buffers.argmax.rows() < run {
+            buffers.argmax = ops::ArgmaxScratch::new(gpu, run)?;
+        }
         let first = rows[i];
         let norm_weight = model.output_norm.weight.as_view();
         ops::rms_norm(
@@ -1674,6 +1680,7 @@ fn pick_rows<T: Float, A: Float>(
                 gpu,
                 &device_logits.slice(..run * vocab),
                 vocab,
+                &mut buffers.argmax,
                 &mut buffers.tokens.slice_mut(i..i + run),
             )?,
         }
