@@ -515,6 +515,20 @@ pub fn flash_decode<T: KvElement>(
         kv,
         runs: std::slice::from_ref(&all),
     };
+    dense_attention(gpu, workspace, query, dense, out)
+}
+
+/// Exact attention of one decode step over `dense` alone (up to two runs of rows of every KV
+/// head: a prefix, as [`flash_decode`] takes, or a sliding window's rows of a ring, as
+/// [`KvCache::rows_of`] gives them), split over blocks and merged as [`flash_decode`] does.
+/// Writes `out` `[kv_heads, group, head_dim]` (f32).
+pub fn dense_attention<T: KvElement>(
+    gpu: &Gpu,
+    workspace: &mut Workspace,
+    query: Query<'_, T>,
+    dense: Dense<'_, T>,
+    out: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
     launch(gpu, workspace, plan(query, dense, None)?, out, false)
 }
 

@@ -1,6 +1,8 @@
 //! Device buffers: a layer's keys and values ([`KvCache`]) and per-head or per-bucket lists
 //! of ids ([`Csr`]).
 
+use std::ops::Range;
+
 use cudarc::driver::CudaSlice;
 
 use crate::error::{driver, length, KernelError, Result};
@@ -136,6 +138,27 @@ impl<T> KvCache<T> {
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
+
+    /// The rows that hold token `positions` where position `p` is row `p % tokens` (a ring,
+    /// as a sliding-window layer's buffer is; a buffer whose rows are positions gives
+    /// `positions` itself), as at most two runs of rows. `positions` must be no longer than
+    /// the buffer.
+    pub fn rows_of(&self, positions: Range<usize>) -> impl Iterator<Item = Range<u32>> {
+        ring_runs(positions, self.tokens)
+    }
+}
+
+/// [`KvCache::rows_of`] for a buffer of `capacity` rows.
+fn ring_runs(positions: Range<usize>, capacity: usize) -> impl Iterator<Item = Range<u32>> {
+    let capacity = capacity.max(1);
+    let start = positions.start % capacity;
+    let len = positions.len().min(capacity);
+    let first = start..(start + len).min(capacity);
+    let wrapped = 0..(start + len).saturating_sub(capacity);
+    [first, wrapped]
+        .into_iter()
+        .filter(|r| !r.is_empty())
+        .map(|r| r.start as u32..r.end as u32)
 }
 
 /// Lists of `u32` on the GPU in CSR form: list `r` is `items[offsets[r]..offsets[r + 1]]`.
@@ -316,4 +339,21 @@ pub(crate) fn write_into(gpu: &Gpu, buffer: &mut CudaSlice<u32>, data: &[u32]) -
     gpu.stream()
         .memcpy_htod(data, &mut buffer.slice_mut(..data.len()))
         .map_err(driver("copying lists to the device"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ring_runs;
+
+    #[test]
+    fn ring_runs_wrap_around_the_ring() {
+        let rows = |p: std::ops::Range<usize>, c| ring_runs(p, c).collect::<Vec<_>>();
+        assert_eq!(rows(100..101, 8), vec![4..5]);
+        assert_eq!(rows(100..104, 8), vec![4..8]);
+        assert_eq!(rows(100..106, 8), vec![4..8, 0..2]);
+        assert_eq!(rows(96..104, 8), vec![0..8]);
+        assert_eq!(rows(5..5, 8), Vec::<std::ops::Range<u32>>::new());
+        // A buffer whose rows are positions: the positions themselves.
+        assert_eq!(rows(0..37, 64), vec![0..37]);
+    }
 }

@@ -63,9 +63,10 @@ mod route;
 
 #[cfg(feature = "gpu")]
 pub use attention::{
-    attention_mass, attention_weights, bucket_attention, flash_decode, follow_most_attended,
-    retrieval_attention, BucketOf, Buckets, CachedBuckets, Dense, FollowScratch, Followed, KvRows,
-    ListPart, Query, Selected, Workspace, MAX_VISITED_BUCKETS, NO_TOKEN,
+    attention_mass, attention_weights, bucket_attention, dense_attention, flash_decode,
+    follow_most_attended, retrieval_attention, BucketOf, Buckets, CachedBuckets, Dense,
+    FollowScratch, Followed, KvRows, ListPart, Query, Selected, Workspace, MAX_VISITED_BUCKETS,
+    NO_TOKEN,
 };
 #[cfg(feature = "gpu")]
 pub use bucket_cache::BucketCache;
@@ -80,7 +81,7 @@ pub use error::{KernelError, Result};
 #[cfg(feature = "gpu")]
 pub use gemm::Gemm;
 #[cfg(feature = "gpu")]
-pub use gpu::{Float, Gpu, KvDtype, KvElement};
+pub use gpu::{Float, Gpu, Graph, KvDtype, KvElement};
 #[cfg(feature = "gpu")]
 pub use prefill::{prefill_attention, Causal};
 #[cfg(feature = "gpu")]

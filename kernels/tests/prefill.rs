@@ -40,7 +40,10 @@ mod on_gpu {
     use anyhow::{ensure, Context, Result};
     use half::{bf16, f16};
     use kvdb_kernels::cudarc::driver::CudaSlice;
-    use kvdb_kernels::{prefill_attention, Causal, Float, Gpu, KernelError, KvCache};
+    use kvdb_kernels::{
+        dense_attention, prefill_attention, Causal, Dense, Float, Gpu, KernelError, KvCache,
+        KvElement, Query, Workspace,
+    };
     use rand::rngs::StdRng;
     use rand::Rng;
 
@@ -447,6 +450,81 @@ mod on_gpu {
             chunked::<bf16>(&gpu, &mut rng, &mut worst)?;
             worst.print(&format!("{test} [{kernel}]"));
         }
+        Ok(())
+    }
+
+    /// A sliding-window layer's decode step as the GPU model runs it: the decode kernel
+    /// (`dense_attention`, split over blocks) over the window's rows of the ring
+    /// (`KvCache::rows_of`), against the f64 reference: Gemma 3's 512-token window in a ring
+    /// of 512 + 4,096 rows, the window clipped at position 0, ending at the ring's last row,
+    /// straddling its wrap (two runs) and wrapped many times.
+    fn window_decode<A: Float + KvElement>(
+        gpu: &Gpu,
+        rng: &mut StdRng,
+        worst: &mut Worst,
+    ) -> Result<()> {
+        const WINDOW: usize = 512;
+        const CAPACITY: usize = WINDOW + 4096;
+        let mut workspace = Workspace::new(gpu)?;
+        for head_dim in [64, 128, 256] {
+            for (heads, kv_heads) in [(8, 2), (8, 1), (4, 1)] {
+                for position in [300, CAPACITY - 1, CAPACITY + 100, 5 * CAPACITY + 333] {
+                    let c = Case {
+                        heads,
+                        kv_heads,
+                        head_dim,
+                        tokens: 1,
+                        first_position: position,
+                        window: Some(WINDOW),
+                        capacity: CAPACITY,
+                    };
+                    let inputs = Inputs::<A>::new(rng, &c);
+                    let kv = inputs.buffer(gpu, &c)?;
+                    let queries = gpu.upload(&inputs.queries)?;
+                    let runs: Vec<std::ops::Range<u32>> = kv
+                        .rows_of((position + 1).saturating_sub(WINDOW)..position + 1)
+                        .collect();
+                    let mut out: CudaSlice<f32> =
+                        gpu.upload(&vec![f32::NAN; inputs.queries.len()])?;
+                    let heads_view = queries.as_view();
+                    let query = Query {
+                        heads: &heads_view,
+                        scale: inputs.scale,
+                    };
+                    let dense = Dense {
+                        kv: &kv,
+                        runs: &runs,
+                    };
+                    dense_attention(gpu, &mut workspace, query, dense, &mut out.as_view_mut())?;
+                    let got = gpu.download(&out)?;
+                    ensure!(
+                        got.iter().all(|x| x.is_finite()),
+                        "{} {c:?}: outputs not written",
+                        A::NAME
+                    );
+                    let error = rel_l2(&got, &inputs.reference(&c));
+                    worst.check(
+                        A::NAME,
+                        format!("runs {runs:?} {c:?}"),
+                        error,
+                        tolerance::<A>(),
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn window_decode_over_the_ring_matches_reference() -> Result<()> {
+        let test = "window_decode_over_the_ring_matches_reference";
+        let Some((gpu, mut rng)) = start(test) else {
+            return Ok(());
+        };
+        let mut worst = Worst::default();
+        window_decode::<f16>(&gpu, &mut rng, &mut worst)?;
+        window_decode::<bf16>(&gpu, &mut rng, &mut worst)?;
+        worst.print(test);
         Ok(())
     }
 

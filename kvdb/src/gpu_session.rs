@@ -1256,7 +1256,6 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                 call.layer
             ))),
         };
-        let capacity = call.tail.tokens();
         let first = call.positions.start;
         let mut routed = self.routes.as_mut().and_then(|routes| {
             let partition = routes.partitions.layers.get(call.layer)?.as_ref()?;
@@ -1295,7 +1294,7 @@ impl<'c, 'm> GpuSession<'c, 'm> {
                 scale: call.scale,
             };
             let mut out = call.out.slice_mut(i * q..(i + 1) * q);
-            let tail_runs: Vec<Range<u32>> = tail_rows(n..position + 1, capacity).collect();
+            let tail_runs: Vec<Range<u32>> = call.tail.rows_of(n..position + 1).collect();
             if !retrieves {
                 // Full attention: the corpus densely, the tail's rows as every head's list.
                 let rows: Vec<u32> = tail_runs.iter().cloned().flatten().collect();
@@ -1657,22 +1656,9 @@ fn download<T: kvdb_kernels::cudarc::driver::DeviceRepr + Default + Clone>(
     Ok(host)
 }
 
-/// The rows of a ring of `capacity` rows that hold `positions` (row `p % capacity`), as at
-/// most two runs.
-fn tail_rows(positions: Range<usize>, capacity: usize) -> impl Iterator<Item = Range<u32>> {
-    let start = positions.start % capacity;
-    let len = positions.len().min(capacity);
-    let first = start..(start + len).min(capacity);
-    let wrapped = 0..(start + len).saturating_sub(capacity);
-    [first, wrapped]
-        .into_iter()
-        .filter(|r| !r.is_empty())
-        .map(|r| r.start as u32..r.end as u32)
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{ensure_host_memory, host_available, mem_available, tail_rows, HOST_RESERVE_BYTES};
+    use super::{ensure_host_memory, host_available, mem_available, HOST_RESERVE_BYTES};
     use crate::error::Error;
 
     #[test]
@@ -1720,15 +1706,5 @@ mod tests {
             let available = host_available().expect("MemAvailable on Linux");
             assert!(available > 0);
         }
-    }
-
-    #[test]
-    fn tail_rows_wrap_around_the_ring() {
-        let rows = |p: std::ops::Range<usize>, c| tail_rows(p, c).collect::<Vec<_>>();
-        assert_eq!(rows(100..101, 8), vec![4..5]);
-        assert_eq!(rows(100..104, 8), vec![4..8]);
-        assert_eq!(rows(100..106, 8), vec![4..8, 0..2]);
-        assert_eq!(rows(96..104, 8), vec![0..8]);
-        assert_eq!(rows(5..5, 8), Vec::<std::ops::Range<u32>>::new());
     }
 }
