@@ -58,6 +58,11 @@ pub(crate) struct DecodeBenchArgs {
     /// (`kvdb ask --follow`): one more mode per index, named `SPEC follow N`.
     #[arg(long, default_value_t = 0, value_name = "N", value_parser = crate::retrieval_follow)]
     follow: usize,
+    /// On a GPU, launch every kernel of a decode step instead of running each layer's work
+    /// besides its attention from CUDA graphs (the default): the two compared, one command
+    /// with the flag and one without.
+    #[arg(long)]
+    no_step_graphs: bool,
     /// Also write the rows as JSON here: `{"single": [...], "concurrent": [...]}`.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -136,6 +141,10 @@ struct Row {
 
 pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
     let opened = open_for_questions(&args.open, args.index.iter())?;
+    #[cfg(feature = "gpu")]
+    if let Some(gpu) = &opened.model.gpu {
+        gpu.set_step_graphs(!args.no_step_graphs);
+    }
     let (model, corpus) = (opened.model.as_ref(), &opened.corpus);
     let n = corpus.manifest().tokens;
     let k = args.k.unwrap_or((n / 100).max(1));
@@ -302,6 +311,15 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
         "corpus `{}`: {n} tokens, {} on {}; {} measured answers per mode after a warm-up",
         args.open.target.corpus, opened.model.record.name, args.open.device, args.repeats
     )?;
+    #[cfg(feature = "gpu")]
+    if let Some(gpu) = &opened.model.gpu {
+        writeln!(
+            out,
+            "decode steps' layers from CUDA graphs: {} ({} graphs launched)",
+            if args.no_step_graphs { "off" } else { "on" },
+            gpu.step_graph_launches()
+        )?;
+    }
     let reference = match in_host {
         true => "the first mode (keys and values of some or all layers in host memory)",
         false => "full",

@@ -11,6 +11,7 @@
 
 use std::marker::PhantomData;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
@@ -18,14 +19,15 @@ use half::{bf16, f16};
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut};
 use kvdb_kernels::ops::{self, GateActivation, Norm, QkvShape, RopePairs, Rotary, StoreRows};
 use kvdb_kernels::{
-    flash_decode, prefill_attention, Causal, Float, Gemm, Gpu, KernelError, KvCache, Query,
-    Workspace,
+    dense_attention, prefill_attention, Causal, Dense, Float, Gemm, Gpu, KernelError, KvCache,
+    Query, Workspace,
 };
 use rayon::prelude::*;
 
 use crate::config::{Activation, LayerKind, ModelConfig, RopeStyle};
 use crate::error::{ModelError, Result};
 use crate::forward::{check_call, preload_widened, Forward, SequenceOptions, StoredKv};
+use crate::graphs::StepGraphs;
 use crate::model::{Linear, Logits, Model, RmsNorm};
 
 /// Rows one launch sequence processes at most: longer calls run in chunks of this many
@@ -111,6 +113,28 @@ impl GpuModel {
         match &self.weights {
             Weights::Bf16(m) => &m.gpu,
             Weights::F32(m) => &m.gpu,
+        }
+    }
+
+    /// Whether calls of a few tokens (decode steps, a sequence's or a batch's) run each
+    /// layer's work besides its attention from CUDA graphs, captured at the second call of a
+    /// number of tokens and launched once a layer after that: on by default; off, every
+    /// kernel is launched as in a prefill. The same kernels run either way, so the results
+    /// are the same; a small model's step is faster with them (its kernels are about as short
+    /// as their launches). Applies to calls made after it.
+    pub fn set_step_graphs(&self, on: bool) {
+        match &self.weights {
+            Weights::Bf16(m) => m.step_graphs.store(on, Ordering::Relaxed),
+            Weights::F32(m) => m.step_graphs.store(on, Ordering::Relaxed),
+        }
+    }
+
+    /// CUDA graphs of layers launched so far (see [`GpuModel::set_step_graphs`]), over every
+    /// sequence of this model.
+    pub fn step_graph_launches(&self) -> u64 {
+        match &self.weights {
+            Weights::Bf16(m) => m.graph_launches.load(Ordering::Relaxed),
+            Weights::F32(m) => m.graph_launches.load(Ordering::Relaxed),
         }
     }
 
@@ -254,21 +278,22 @@ pub struct LayerCall<'a> {
     pub out: CudaViewMut<'a, f32>,
 }
 
-/// An attention element type: f16 attends decode steps of global layers with the
-/// flash-decoding kernel, which splits the sequence over blocks; f32 (the exact mode) with
-/// the prefill kernel.
+/// An attention element type: f16 attends decode steps with the flash-decoding kernel,
+/// which splits the keys over blocks (a global layer's prefix, a sliding window's rows of
+/// its ring); f32 (the exact mode) with the prefill kernel.
 trait AttentionType: Float {
     /// Whether [`AttentionType::flash_decode`] exists for this type.
     const FLASH_DECODE: bool;
 
-    /// Runs one decode step's attention over `kv`'s first `len` rows with flash decoding.
+    /// Runs one decode step's attention over `runs` of `kv`'s rows (at most two) with flash
+    /// decoding.
     fn flash_decode(
         gpu: &Gpu,
         workspace: &mut Workspace,
         query: &CudaSlice<Self>,
         scale: f32,
         kv: &KvCache<Self>,
-        len: usize,
+        runs: &[Range<u32>],
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()>;
 
@@ -311,7 +336,7 @@ impl AttentionType for f16 {
         query: &CudaSlice<Self>,
         scale: f32,
         kv: &KvCache<Self>,
-        len: usize,
+        runs: &[Range<u32>],
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let heads = query.as_view();
@@ -319,7 +344,13 @@ impl AttentionType for f16 {
             heads: &heads,
             scale,
         };
-        Ok(flash_decode(gpu, workspace, query, kv, len, out)?)
+        Ok(dense_attention(
+            gpu,
+            workspace,
+            query,
+            Dense { kv, runs },
+            out,
+        )?)
     }
 
     fn external(attention: &mut dyn LayerAttention, call: ExternalCall<'_, Self>) -> Result<()> {
@@ -360,7 +391,7 @@ impl AttentionType for f32 {
         _: &CudaSlice<Self>,
         _: f32,
         _: &KvCache<Self>,
-        _: usize,
+        _: &[Range<u32>],
         _: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         Err(ModelError::Backend {
@@ -732,6 +763,10 @@ struct Inner<T, A> {
     output_norm: GpuNorm,
     /// `[vocab, hidden]`; `None` when tied to the embedding.
     output: Option<CudaSlice<T>>,
+    /// Whether short calls run their layers from CUDA graphs ([`GpuModel::set_step_graphs`]).
+    step_graphs: AtomicBool,
+    /// CUDA graphs launched so far ([`GpuModel::step_graph_launches`]).
+    graph_launches: AtomicU64,
     _attention: PhantomData<A>,
 }
 
@@ -913,6 +948,8 @@ impl<T: Float, A: AttentionType> Inner<T, A> {
             output,
             config,
             gpu,
+            step_graphs: AtomicBool::new(true),
+            graph_launches: AtomicU64::new(0),
             _attention: PhantomData,
         })
     }
@@ -937,6 +974,8 @@ struct Scratch<T, A> {
     projected: CudaSlice<f32>,
     gate_up: CudaSlice<f32>,
     gated: CudaSlice<T>,
+    /// The graphs of calls of these buffers.
+    graphs: StepGraphs,
 }
 
 impl<T: Float, A: Float> Scratch<T, A> {
@@ -954,6 +993,7 @@ impl<T: Float, A: Float> Scratch<T, A> {
             projected: gpu.zeros(rows * c.hidden_size)?,
             gate_up: gpu.zeros(rows * 2 * c.intermediate_size)?,
             gated: gpu.zeros(rows * c.intermediate_size)?,
+            graphs: StepGraphs::default(),
         })
     }
 }
@@ -1262,7 +1302,10 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                 store,
             )
         };
-        let flash = decode.filter(|_| layer.window.is_none());
+        // A decode step's keys: a global layer's prefix, or a sliding window's rows of its
+        // ring.
+        let flash = decode;
+        let lowest = layer.window.map_or(0, |w| (start + 1).saturating_sub(w));
         let external = self.external.as_mut().filter(|e| e.claimed[i]);
         let n = t * q_dim;
         match (external, flash) {
@@ -1300,13 +1343,14 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
             }
             (None, Some(buffers)) => {
                 place(1, store, &mut buffers.queries.as_view_mut(), kv, store_rows)?;
+                let runs: Vec<Range<u32>> = kv.rows_of(lowest..start + 1).collect();
                 A::flash_decode(
                     gpu,
                     &mut buffers.workspace,
                     &buffers.queries,
                     c.attention_scale,
                     kv,
-                    start + 1,
+                    &runs,
                     &mut f32_out.slice_mut(..q_dim),
                 )?;
                 return Ok(true);
@@ -1424,26 +1468,98 @@ fn run_layers<T: Float, A: AttentionType>(
     tokens: &[u32],
     attend: &mut LayerAttend<'_, T, A>,
 ) -> Result<()> {
-    let (gpu, c) = (&*model.gpu, &model.config);
+    let gpu = &*model.gpu;
     let t = tokens.len();
-    let (hidden, inter) = (c.hidden_size, c.intermediate_size);
-    let (q_dim, qkv_dim) = attention_dims(c);
     gpu.stream()
         .memcpy_htod(tokens, &mut s.ids.slice_mut(..t))
         .map_err(|e| KernelError::Driver {
             op: "copying token ids",
             source: e,
         })?;
-    ops::embed(
+    // Out of the scratch while its buffers are borrowed.
+    let mut graphs = std::mem::take(&mut s.graphs);
+    let ran = graphs.run(
         gpu,
-        &model.embedding.as_view(),
-        hidden,
-        &s.ids.slice(..t),
-        model.embedding_scale,
-        &mut s.x.slice_mut(..t * hidden),
-    )?;
-    for (i, layer) in model.layers.iter().enumerate() {
-        // Attention.
+        model.step_graphs.load(Ordering::Relaxed).then_some(t),
+        model.layers.len() + 1,
+        s,
+        |s, k| layer_piece(model, s, t, k),
+        |s, i| attend(i, s),
+    );
+    s.graphs = graphs;
+    model
+        .graph_launches
+        .fetch_add(ran? as u64, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Piece `k` of a call's layers between their attention launches (see `graphs`): the
+/// embedding (`k = 0`) or the rest of layer `k - 1` after its attention (output projection,
+/// MLP), then layer `k` up to its attention (its norm and Q/K/V projection into `s.qkv`),
+/// for `t` rows. Nothing here depends on the position, so it can be replayed.
+fn layer_piece<T: Float, A: AttentionType>(
+    model: &Inner<T, A>,
+    s: &mut Scratch<T, A>,
+    t: usize,
+    k: usize,
+) -> Result<()> {
+    let (gpu, c) = (&*model.gpu, &model.config);
+    let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+    let (q_dim, qkv_dim) = attention_dims(c);
+    match k.checked_sub(1).map(|i| &model.layers[i]) {
+        None => ops::embed(
+            gpu,
+            &model.embedding.as_view(),
+            hidden,
+            &s.ids.slice(..t),
+            model.embedding_scale,
+            &mut s.x.slice_mut(..t * hidden),
+        )?,
+        Some(layer) => {
+            project_residual(
+                gpu,
+                &model.gemm,
+                &s.attention.slice(..t * q_dim),
+                &layer.wo,
+                q_dim,
+                layer.post_attn_norm.as_ref(),
+                &mut s.projected,
+                &mut s.x.slice_mut(..t * hidden),
+                hidden,
+            )?;
+            // MLP.
+            norm_into(gpu, &s.x, t, hidden, &layer.ffn_norm, &mut s.h)?;
+            model.gemm.linear(
+                gpu,
+                &s.h.slice(..t * hidden),
+                &layer.gate_up.as_view(),
+                hidden,
+                None,
+                false,
+                &mut s.gate_up.slice_mut(..t * 2 * inter),
+            )?;
+            ops::gated_activation(
+                gpu,
+                &s.gate_up.slice(..t * 2 * inter),
+                inter,
+                model.activation,
+                &mut s.gated.slice_mut(..t * inter),
+            )?;
+            project_residual(
+                gpu,
+                &model.gemm,
+                &s.gated.slice(..t * inter),
+                &layer.down,
+                inter,
+                layer.post_ffn_norm.as_ref(),
+                &mut s.projected,
+                &mut s.x.slice_mut(..t * hidden),
+                hidden,
+            )?;
+        }
+    }
+    if let Some(layer) = model.layers.get(k) {
+        // Attention's inputs.
         norm_into(gpu, &s.x, t, hidden, &layer.attn_norm, &mut s.h)?;
         model.gemm.linear(
             gpu,
@@ -1453,47 +1569,6 @@ fn run_layers<T: Float, A: AttentionType>(
             None,
             false,
             &mut s.qkv.slice_mut(..t * qkv_dim),
-        )?;
-        attend(i, s)?;
-        project_residual(
-            gpu,
-            &model.gemm,
-            &s.attention.slice(..t * q_dim),
-            &layer.wo,
-            q_dim,
-            layer.post_attn_norm.as_ref(),
-            &mut s.projected,
-            &mut s.x.slice_mut(..t * hidden),
-            hidden,
-        )?;
-        // MLP.
-        norm_into(gpu, &s.x, t, hidden, &layer.ffn_norm, &mut s.h)?;
-        model.gemm.linear(
-            gpu,
-            &s.h.slice(..t * hidden),
-            &layer.gate_up.as_view(),
-            hidden,
-            None,
-            false,
-            &mut s.gate_up.slice_mut(..t * 2 * inter),
-        )?;
-        ops::gated_activation(
-            gpu,
-            &s.gate_up.slice(..t * 2 * inter),
-            inter,
-            model.activation,
-            &mut s.gated.slice_mut(..t * inter),
-        )?;
-        project_residual(
-            gpu,
-            &model.gemm,
-            &s.gated.slice(..t * inter),
-            &layer.down,
-            inter,
-            layer.post_ffn_norm.as_ref(),
-            &mut s.projected,
-            &mut s.x.slice_mut(..t * hidden),
-            hidden,
         )?;
     }
     Ok(())

@@ -31,6 +31,8 @@ mod forward;
 mod gguf;
 #[cfg(feature = "gpu")]
 mod gpu;
+#[cfg(feature = "gpu")]
+mod graphs;
 mod model;
 mod ops;
 mod rope;

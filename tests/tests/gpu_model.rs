@@ -249,6 +249,69 @@ mod on_gpu {
         Ok(())
     }
 
+    /// Decode steps whose layers run from CUDA graphs (the default) give the logits that
+    /// launching every kernel gives: a sequence's steps past the tiny gemma3's 16-token
+    /// window (its ring wraps while the graphs replay) and a batch's of two; graphs are
+    /// launched from each shape's second call on (which captures them), one a layer and one
+    /// more, and none when they are off. Both precisions.
+    #[test]
+    fn step_graphs_replay_what_launches_compute() -> Result<()> {
+        let Some(gpu) = gpu("step_graphs_replay_what_launches_compute") else {
+            return Ok(());
+        };
+        const STEPS: usize = 60;
+        for (name, spec) in tiny_models() {
+            let (_file, model) = cpu_model(&spec)?;
+            let prompt = random_tokens(30, spec.vocab, 21);
+            let steps = random_tokens(STEPS, spec.vocab, 22);
+            let pieces = model.config().n_layers() + 1;
+            for (precision, tolerance) in [(Precision::F32, 1e-6), (Precision::Bf16, 1e-4)] {
+                let gpu_model = GpuModel::new(&model, gpu.clone(), precision)?;
+                let mut runs = Vec::new();
+                for graphs in [true, false] {
+                    gpu_model.set_step_graphs(graphs);
+                    let before = gpu_model.step_graph_launches();
+                    let mut sequence = gpu_model.sequence(&SequenceOptions::default())?;
+                    sequence.forward(&prompt, &Logits::None)?;
+                    let alone = logits_all(&mut *sequence, &steps, 1)?;
+                    let mut batch = gpu_model.batch_with(vec![None, None])?;
+                    for b in 0..2 {
+                        batch
+                            .sequence(b)?
+                            .forward(&prompt[..20 + 5 * b], &Logits::None)?;
+                    }
+                    let mut batched = Vec::new();
+                    for pair in steps.chunks(2) {
+                        let step = [(0, pair[0]), (1, pair[1])];
+                        let Picked::Logits(logits) = batch.step(&step, Pick::Logits)?.picked else {
+                            anyhow::bail!("{name}: a step asked for logits returned none");
+                        };
+                        batched.push(logits);
+                    }
+                    let launched = gpu_model.step_graph_launches() - before;
+                    runs.push((alone, Tensor::cat(&batched, 0)?, launched));
+                }
+                let [(alone, batched, on), (alone_off, batched_off, off)] = &runs[..] else {
+                    anyhow::bail!("two runs");
+                };
+                let e = relative_max_error(alone, alone_off)?
+                    .max(relative_max_error(batched, batched_off)?);
+                println!(
+                    "{name} {precision:?}: {on} graphs launched; graphs against launches {e:.3e}"
+                );
+                // Each shape's first call launches its kernels, the second captures its graphs.
+                let expected = (STEPS - 1 + STEPS / 2 - 1) * pieces;
+                ensure!(
+                    *on as usize == expected,
+                    "{name} {precision:?}: {on} graphs launched, {expected} expected"
+                );
+                ensure!(*off == 0, "{name}: {off} graphs launched while off");
+                ensure!(e <= tolerance, "{name} {precision:?}: {e} > {tolerance}");
+            }
+        }
+        Ok(())
+    }
+
     #[test]
     fn greedy_generations_match_the_cpu() -> Result<()> {
         let Some(gpu) = gpu("greedy_generations_match_the_cpu") else {
