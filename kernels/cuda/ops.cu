@@ -420,7 +420,7 @@ extern "C" __global__ void ops_convert(const IN_T* __restrict__ x, u64 n, OUT_T*
 // compared by their bits alone (no float arithmetic, so neither fast math nor flushed
 // denormals change a pick): each candidate is a 64-bit key, the value's bits mapped to an
 // order-preserving unsigned integer above the index's complement, and the largest key wins.
-// A row is split over gridDim.x blocks of `per_block` values (one block reading a 256K-token
+// A row (blockIdx.x) is split over gridDim.y blocks of `per_block` values (one block reading a 256K-token
 // vocabulary alone took 117 us on an H200): each folds its best key into the row's `keys`
 // entry with an atomic max, and the row's last block to finish (counted in `done`) writes the
 // pick and sets both entries back to zero for the next launch (they start at zero).
@@ -446,9 +446,9 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
                     unsigned long long* __restrict__ keys, u32* __restrict__ done,
                     u32* __restrict__ out) {
     __shared__ u64 scratch[ARGMAX_THREADS / 32];
-    const u32 row = blockIdx.y;
+    const u32 row = blockIdx.x;
     const float* x = logits + (u64)row * n;
-    const u32 start = blockIdx.x * per_block;
+    const u32 start = blockIdx.y * per_block;
     const u32 end = min(n, start + per_block);
     u64 best = 0;
     for (u32 i = start + threadIdx.x; i < end; i += blockDim.x) {
@@ -464,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
     atomicMax(&keys[row], (unsigned long long)best);
     // The max is visible before the count that lets the last block read it.
     __threadfence();
-    if (atomicAdd(&done[row], 1u) + 1 != gridDim.x) return;
+    if (atomicAdd(&done[row], 1u) + 1 != gridDim.y) return;
     best = atomicExch(&keys[row], 0ull);
     done[row] = 0;
     // A NaN first, or a row of NaNs (no key above 0): candle keeps index 0.

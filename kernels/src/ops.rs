@@ -810,8 +810,10 @@ pub fn argmax_rows(
     if rows == 0 {
         return Ok(());
     }
-    let blocks = (width as usize).div_ceil(ARGMAX_PER_BLOCK).max(1);
-    let per_block = ARGMAX_PER_BLOCK as u32;
+    // Past 65,535 blocks a row (the grid's y limit), longer slices.
+    let per_block = ARGMAX_PER_BLOCK.max((width as usize).div_ceil(u16::MAX as usize));
+    let blocks = (width as usize).div_ceil(per_block).max(1);
+    let per_block = per_block as u32;
     let kernel = gpu.kernel(SOURCE, "ops_argmax_rows", &[])?;
     let mut builder = gpu.stream().launch_builder(&kernel);
     builder
@@ -821,18 +823,7 @@ pub fn argmax_rows(
         .arg(&mut scratch.keys)
         .arg(&mut scratch.done)
         .arg(out);
-    let rows = u32::try_from(rows)
-        .ok()
-        .filter(|&r| r <= u16::MAX as u32)
-        .ok_or(KernelError::TooLarge {
-            what: "argmax_rows rows (one grid row each)",
-            value: rows,
-        })?;
-    let config = LaunchConfig {
-        grid_dim: (blocks as u32, rows, 1),
-        block_dim: (ARGMAX_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let config = rows_config(rows, blocks, ARGMAX_THREADS)?;
     // Safety: the arguments match `ops_argmax_rows`; logits hold `rows` rows of `width`,
     // out `rows` elements, the scratch at least `rows` keys and counts, zero between
     // launches; `blocks * per_block` covers the width.
