@@ -141,8 +141,8 @@ impl<T> KvCache<T> {
 
     /// The rows that hold token `positions` where position `p` is row `p % tokens` (a ring,
     /// as a sliding-window layer's buffer is; a buffer whose rows are positions gives
-    /// `positions` itself), as at most two runs of rows. `positions` must be no longer than
-    /// the buffer.
+    /// `positions` itself), as at most two runs of rows. Of more positions than the buffer
+    /// has rows, the ring holds the last ones: their rows.
     pub fn rows_of(&self, positions: Range<usize>) -> impl Iterator<Item = Range<u32>> {
         ring_runs(positions, self.tokens)
     }
@@ -151,8 +151,9 @@ impl<T> KvCache<T> {
 /// [`KvCache::rows_of`] for a buffer of `capacity` rows.
 fn ring_runs(positions: Range<usize>, capacity: usize) -> impl Iterator<Item = Range<u32>> {
     let capacity = capacity.max(1);
-    let start = positions.start % capacity;
-    let len = positions.len().min(capacity);
+    let kept = positions.start.max(positions.end.saturating_sub(capacity));
+    let start = kept % capacity;
+    let len = positions.end.saturating_sub(kept);
     let first = start..(start + len).min(capacity);
     let wrapped = 0..(start + len).saturating_sub(capacity);
     [first, wrapped]
@@ -355,5 +356,8 @@ mod tests {
         assert_eq!(rows(5..5, 8), Vec::<std::ops::Range<u32>>::new());
         // A buffer whose rows are positions: the positions themselves.
         assert_eq!(rows(0..37, 64), vec![0..37]);
+        // More positions than rows: the last 8 (96..104), all of them.
+        assert_eq!(rows(90..104, 8), vec![0..8]);
+        assert_eq!(rows(91..102, 8), vec![6..8, 0..6]);
     }
 }
