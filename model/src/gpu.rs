@@ -1302,13 +1302,9 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                 store,
             )
         };
-        // A decode step's keys: a global layer's prefix, or a sliding window's rows of its
-        // ring.
-        let flash = decode;
-        let lowest = layer.window.map_or(0, |w| (start + 1).saturating_sub(w));
         let external = self.external.as_mut().filter(|e| e.claimed[i]);
         let n = t * q_dim;
-        match (external, flash) {
+        match (external, decode) {
             (Some(e), _) => {
                 // Taken while the call runs, which borrows the sequence.
                 let mut raw = e.raw.take().ok_or_else(|| ModelError::Backend {
@@ -1343,6 +1339,9 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
             }
             (None, Some(buffers)) => {
                 place(1, store, &mut buffers.queries.as_view_mut(), kv, store_rows)?;
+                // The step's keys: a global layer's prefix, or a sliding window's rows of its
+                // ring.
+                let lowest = layer.window.map_or(0, |w| (start + 1).saturating_sub(w));
                 let runs: Vec<Range<u32>> = kv.rows_of(lowest..start + 1).collect();
                 A::flash_decode(
                     gpu,
