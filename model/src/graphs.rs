@@ -2,7 +2,9 @@
 //!
 //! A decode step of a small model is hundreds of short kernels (Gemma 3 270M: about a dozen a
 //! layer, each a few microseconds on the GPU), and launching each costs the CPU about as much
-//! as the GPU spends running it: the step is launch-bound. Everything of a layer but its
+//! as the GPU spends running it, so the GPU waits between some of them (on an H200, graphs
+//! took 0.07-0.10 ms off a 1.2 ms Gemma step; a Llama-3-8B step, which reads 16 GB of
+//! weights, never waits and gains nothing). Everything of a layer but its
 //! attention (the norms, the projections, the MLP, the residual adds) takes the same
 //! arguments at every step of the same number of rows: the scratch's buffers and the
 //! weights. So those parts are captured once into CUDA graphs and replayed, one launch a
