@@ -31,9 +31,7 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use half::{bf16, f16};
-use kvdb_kernels::cudarc::driver::sys::{
-    CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
-};
+use kvdb_kernels::cudarc::driver::sys::CUevent_flags;
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice};
 use kvdb_kernels::ops::RopePairs;
 use kvdb_kernels::{
@@ -244,12 +242,8 @@ fn time_graph(
     mut step: impl FnMut(usize) -> Result<()>,
 ) -> Result<f64> {
     let stream = gpu.stream();
-    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-    for i in 0..sets {
-        step(i)?;
-    }
-    let graph = stream
-        .end_capture(CUgraphInstantiate_flags(0))?
+    let graph = gpu
+        .capture(|| (0..sets).try_for_each(&mut step))?
         .context("empty graph")?;
     let replays = iters.div_ceil(sets).max(2);
     graph.launch()?;
