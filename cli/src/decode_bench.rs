@@ -63,6 +63,11 @@ pub(crate) struct DecodeBenchArgs {
     /// with the flag and one without.
     #[arg(long)]
     no_step_graphs: bool,
+    /// On a GPU, start every kernel only once the one before it has finished, instead of
+    /// letting its blocks start while that one finishes (programmatic dependent launch, the
+    /// default on Hopper): the two compared, one command with the flag and one without.
+    #[arg(long)]
+    no_programmatic_launch: bool,
     /// Also write the rows as JSON here: `{"single": [...], "concurrent": [...]}`.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -144,6 +149,8 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
     #[cfg(feature = "gpu")]
     if let Some(gpu) = &opened.model.gpu {
         gpu.set_step_graphs(!args.no_step_graphs);
+        gpu.gpu()
+            .set_programmatic_launch(!args.no_programmatic_launch);
     }
     let (model, corpus) = (opened.model.as_ref(), &opened.corpus);
     let n = corpus.manifest().tokens;
@@ -315,9 +322,15 @@ pub(crate) fn decode_bench(args: DecodeBenchArgs) -> Result<()> {
     if let Some(gpu) = &opened.model.gpu {
         writeln!(
             out,
-            "decode steps' layers from CUDA graphs: {} ({} graphs launched)",
+            "decode steps' layers from CUDA graphs: {} ({} graphs launched); programmatic \
+             dependent launches: {}",
             if args.no_step_graphs { "off" } else { "on" },
-            gpu.step_graph_launches()
+            gpu.step_graph_launches(),
+            if args.no_programmatic_launch {
+                "off"
+            } else {
+                "on"
+            },
         )?;
     }
     let reference = match in_host {

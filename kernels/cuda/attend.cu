@@ -792,6 +792,12 @@ attend(const u16* __restrict__ q, float scale_log2,
        u16* __restrict__ q_keep, u32 after_route) {
     const u32 h = blockIdx.x, x = blockIdx.y, items = gridDim.y, heads = gridDim.x;
     const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+#if __CUDA_ARCH__ >= 900
+    // The launch after this one may start its blocks now: the output projection's `gemv`, a
+    // programmatic dependent launch that reads only its weights before it waits for this
+    // grid (a plain launch waits for this grid whatever this says).
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
     // The first item of each head keeps the head's queries for `attention_mass`, which may
     // run after the caller's query buffer has changed.
     if (x == 0) {

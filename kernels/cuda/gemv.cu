@@ -91,6 +91,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     if (row < n) load_batch(w + (u64)row * chunks, lane, chunks, wv);
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    // The launch after this one (a norm, an activation, attention's inputs: programmatic
+    // dependent launches that wait for this grid first) may start its blocks now.
+    asm volatile("griddepcontrol.launch_dependents;");
 #endif
     for (; row < n; row += warps) {
         const uint4* w_row = w + (u64)row * chunks;

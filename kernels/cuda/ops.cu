@@ -8,6 +8,8 @@
 //   TABLE_T, IN_T, OUT_T, KV_T  element types (float, __half or __nv_bfloat16): the embedding
 //                  table, convert's input, an output, attention's queries and KV buffer
 //   NORMED          ops_add_rms_norm: 1 to normalise y before adding it, 0 to add it as is
+//   THEN            ops_add_rms_norm: 1 to also write RMSNorm of the new residual to
+//                   next_out (OUT_T), 0 not to
 //
 // Layouts are row-major and every row is contiguous. The residual stream, projection outputs
 // and norm weights are float. Arithmetic is float, in the CPU's order where it matters:
@@ -41,6 +43,9 @@ struct __nv_bfloat16 {
 #endif
 #ifndef NORMED
 #define NORMED 0
+#endif
+#ifndef THEN
+#define THEN 0
 #endif
 
 typedef unsigned int u32;
@@ -114,11 +119,27 @@ __device__ __forceinline__ float normed(float x, float rms, float weight, float 
     return __fmul_rn(__fdiv_rn(x, rms), weight + offset);
 }
 
+// Every kernel here is a programmatic dependent launch (`Gpu::launch_raw`, Hopper on): its
+// blocks may be resident before the launch before it on the stream has finished, so that a
+// decode step's chain of short kernels does not pay each launch's start-up in turn. So each
+// first waits for that launch (griddepcontrol.wait: it has finished and its writes are
+// visible; a no-op when launched plainly) before it touches any buffer, then lets the launch
+// after it start its blocks (which wait in turn, or, as `gemv`, read only their weights
+// first). Called by every entry point of this file before it reads any buffer but the
+// model's constants (attention's inputs compute their RoPE angles first).
+__device__ __forceinline__ void follow_previous_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 // out [rows, hidden] (float) = table[ids[row]] * scale; a row of zeros for an id >= vocab.
 // Grid: rows × (blocks per row), the row's elements strided over its blocks' threads.
 extern "C" __global__ void __launch_bounds__(ROW_THREADS)
     ops_embed(const TABLE_T* __restrict__ table, u32 vocab, u32 hidden, const u32* __restrict__ ids,
               float scale, float* __restrict__ out) {
+    follow_previous_launch();
     const u32 id = ids[blockIdx.x];
     float* dst = out + (u64)blockIdx.x * hidden;
     const u32 first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
@@ -155,22 +176,13 @@ __device__ __forceinline__ float sum_squares(const float* __restrict__ row, u32 
     return block_sum(ss, scratch);
 }
 
-// Lets the launch after this one on the stream start its blocks now, if it is a programmatic
-// dependent launch (`gemv`, which reads its weights and then waits for this grid to finish
-// before it reads what this grid writes). Called first thing: this kernel was itself launched
-// plainly, so everything before it has finished.
-__device__ __forceinline__ void let_dependents_start() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
 
 // out [rows, width] (OUT_T) = RMSNorm(x [rows, width]) with weight [width]. Grid: one block
 // of NORM_THREADS per row.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     ops_rms_norm(const float* __restrict__ x, u32 width, const float* __restrict__ weight,
                  float eps, float offset, OUT_T* __restrict__ out) {
-    let_dependents_start();
+    follow_previous_launch();
     __shared__ float scratch[32];
     const float* row = x + (u64)blockIdx.x * width;
     const float r = rms(sum_squares(row, width, scratch), width, eps);
@@ -187,16 +199,28 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     }
 }
 
-// residual [rows, width] += RMSNorm(y) (NORMED 1) or y (NORMED 0). Grid: one block of
+// residual [rows, width] += RMSNorm(y) (NORMED 1) or y (NORMED 0); with THEN 1, also
+// next_out [rows, width] (OUT_T) = RMSNorm(new residual) by next_weight: the norm that
+// follows a sublayer's residual add (Gemma's post-norm, then the next sublayer's input norm)
+// in one launch, with the numbers ops_rms_norm would give (each thread sums the squares of
+// the elements it wrote in ops_rms_norm's order, then block_sum). Grid: one block of
 // NORM_THREADS per row.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     ops_add_rms_norm(float* __restrict__ residual, const float* __restrict__ y, u32 width,
-                     const float* __restrict__ weight, float eps, float offset) {
+                     const float* __restrict__ weight, float eps, float offset,
+                     const float* __restrict__ next_weight, float next_eps, float next_offset,
+                     OUT_T* __restrict__ next_out) {
+    follow_previous_launch();
     const float* row = y + (u64)blockIdx.x * width;
     float* dst = residual + (u64)blockIdx.x * width;
-#if NORMED
+#if NORMED || THEN
     __shared__ float scratch[32];
+#endif
+#if NORMED
     const float r = rms(sum_squares(row, width, scratch), width, eps);
+#endif
+#if THEN
+    float ss = 0.0f;
 #endif
     for (u32 base = threadIdx.x; base < width; base += NORM_THREADS * NORM_UNROLL) {
         float v[NORM_UNROLL], old[NORM_UNROLL];
@@ -210,12 +234,32 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
         for (int u = 0; u < NORM_UNROLL; ++u) {
             const u32 j = base + u * NORM_THREADS;
 #if NORMED
-            if (j < width) dst[j] = __fadd_rn(old[u], normed(v[u], r, w[u], offset));
+            const float sum = __fadd_rn(old[u], normed(v[u], r, w[u], offset));
 #else
-            if (j < width) dst[j] = __fadd_rn(old[u], v[u]);
+            const float sum = __fadd_rn(old[u], v[u]);
+#endif
+            if (j < width) dst[j] = sum;
+#if THEN
+            // Past the width both loads gave 0, and so does the sum: ops_rms_norm's 0 too.
+            ss += sum * sum;
 #endif
         }
     }
+#if THEN
+    // Each thread reads back only what it wrote itself.
+    const float r_next = rms(block_sum(ss, scratch), width, next_eps);
+    OUT_T* out = next_out + (u64)blockIdx.x * width;
+    for (u32 base = threadIdx.x; base < width; base += NORM_THREADS * NORM_UNROLL) {
+        float v[NORM_UNROLL], w[NORM_UNROLL];
+        load_step(dst, width, base, v);
+        load_step(next_weight, width, base, w);
+#pragma unroll
+        for (int u = 0; u < NORM_UNROLL; ++u) {
+            const u32 j = base + u * NORM_THREADS;
+            if (j < width) out[j] = from_float<OUT_T>(normed(v[u], r_next, w[u], next_offset));
+        }
+    }
+#endif
 }
 
 // RoPE of one pair, as the CPU computes it: products rounded separately, then the sum.
@@ -263,7 +307,10 @@ __device__ __forceinline__ void attention_inputs(
     __shared__ float cos_t[MAX_HEAD_DIM / 2], sin_t[MAX_HEAD_DIM / 2];
     __shared__ float buffer[WARPS][MAX_HEAD_DIM];
     const u32 half_dim = head_dim / 2;
+    // The angles depend on nothing the launch before writes: computed (in double, the
+    // slowest part of a decode step's call) while it finishes.
     rope_table(position, inv_freq, half_dim, cos_t, sin_t);
+    follow_previous_launch();
 
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const u32 all_heads = heads + 2 * kv_heads;
@@ -371,6 +418,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs_r
 extern "C" __global__ void __launch_bounds__(ROW_THREADS)
     ops_rotate_keys(KV_T* __restrict__ keys, u32 kv_heads, u32 tokens, u32 head_dim,
                     const double* __restrict__ inv_freq, u32 interleaved, u64 first_position) {
+    follow_previous_launch();
     __shared__ float cos_t[MAX_HEAD_DIM / 2], sin_t[MAX_HEAD_DIM / 2];
     const u32 token = blockIdx.x, half_dim = head_dim / 2;
     rope_table(first_position + token, inv_freq, half_dim, cos_t, sin_t);
@@ -389,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS)
 // act 1: SiLU x / (1 + exp(-x)). Grid-stride over the n = rows * width outputs.
 extern "C" __global__ void ops_gated_activation(const float* __restrict__ gate_up, u32 width,
                                                 u64 n, u32 act, OUT_T* __restrict__ out) {
-    let_dependents_start();
+    follow_previous_launch();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (u64)gridDim.x * blockDim.x) {
         const u64 row = i / width, col = i % width;
@@ -408,7 +456,7 @@ extern "C" __global__ void ops_gated_activation(const float* __restrict__ gate_u
 
 // out[i] = x[i] converted from IN_T to OUT_T (through float). Grid-stride.
 extern "C" __global__ void ops_convert(const IN_T* __restrict__ x, u64 n, OUT_T* __restrict__ out) {
-    let_dependents_start();
+    follow_previous_launch();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (u64)gridDim.x * blockDim.x)
         out[i] = from_float<OUT_T>(to_float(x[i]));
@@ -445,6 +493,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
     ops_argmax_rows(const float* __restrict__ logits, u32 n, u32 per_block,
                     unsigned long long* __restrict__ keys, u32* __restrict__ done,
                     u32* __restrict__ out) {
+    follow_previous_launch();
     __shared__ u64 scratch[ARGMAX_THREADS / 32];
     const u32 row = blockIdx.x;
     const float* x = logits + (u64)row * n;
@@ -475,6 +524,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 // out [rows, n] += bias [n] (float). Grid-stride over the rows * n elements.
 extern "C" __global__ void ops_add_bias(float* __restrict__ out, const float* __restrict__ bias,
                                         u32 n, u64 len) {
+    follow_previous_launch();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;
          i += (u64)gridDim.x * blockDim.x)
         out[i] = __fadd_rn(out[i], bias[i % n]);

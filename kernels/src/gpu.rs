@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{self, CUdevice_attribute};
@@ -163,6 +164,9 @@ pub struct Gpu {
     compiled: Arc<Mutex<HashMap<String, CudaFunction>>>,
     /// Where compiled PTX is kept between runs, if anywhere.
     ptx_cache: Option<PathBuf>,
+    /// Whether launches that may overlap the launch before them do so (see
+    /// [`Gpu::set_programmatic_launch`]); shared with forks.
+    overlap: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -220,6 +224,7 @@ impl Gpu {
             attend: Arc::default(),
             compiled: Arc::default(),
             ptx_cache: None,
+            overlap: Arc::new(AtomicBool::new(true)),
         })
     }
 
@@ -287,6 +292,7 @@ impl Gpu {
             attend: self.attend.clone(),
             compiled: self.compiled.clone(),
             ptx_cache: self.ptx_cache.clone(),
+            overlap: self.overlap.clone(),
         })
     }
 
@@ -341,12 +347,25 @@ impl Gpu {
     }
 
     /// Whether launches may overlap the launch before them on the stream (programmatic
-    /// dependent launch: compute capability 9.0 and up).
+    /// dependent launch: compute capability 9.0 and up, unless turned off).
     pub(crate) fn programmatic_launch(&self) -> bool {
-        self.arch
-            .trim_start_matches("compute_")
-            .parse::<u32>()
-            .is_ok_and(|cc| cc >= 90)
+        self.overlap.load(Ordering::Relaxed)
+            && self
+                .arch
+                .trim_start_matches("compute_")
+                .parse::<u32>()
+                .is_ok_and(|cc| cc >= 90)
+    }
+
+    /// Whether kernels start their blocks while the launch before them on the stream
+    /// finishes (programmatic dependent launch, on by default where the device has it: the
+    /// model's kernels, the matrix-vector products, the attention after its routing): off,
+    /// every launch waits for the one before it to finish and only then starts. The results
+    /// are the same either way (each kernel waits for its inputs); how benchmarks measure
+    /// what the overlap saves. Applies to this handle and its forks, for launches made after
+    /// it (a CUDA graph keeps what it captured).
+    pub fn set_programmatic_launch(&self, on: bool) {
+        self.overlap.store(on, Ordering::Relaxed);
     }
 
     /// Launches `function` on the stream with raw parameters (`cuLaunchKernelEx`): a grid

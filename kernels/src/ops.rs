@@ -9,20 +9,24 @@
 //! `[tokens, heads, head_dim]`, a layer's KV buffer `[kv_heads, capacity, head_dim]`
 //! ([`KvCache`]). Inputs are views, so a caller can pass rows of a larger buffer
 //! (`slice.slice(a..b)`). Every launch goes on [`Gpu::stream`] and returns before the
-//! kernel runs; every length is checked on the host first.
+//! kernel runs; every length is checked on the host first. Every launch is a programmatic
+//! dependent launch on GPUs that have them (`follow_previous_launch` in `ops.cu`): a decode
+//! step's short kernels start their blocks while the launch before them finishes.
 //!
 //! Arithmetic is f32 in the CPU's order where the CPU's numbers are the reference: RMSNorm
 //! is candle's `x / sqrt(mean(x²) + eps) * w` with correctly rounded division and square
 //! root, RoPE takes angles in f64 and rounds cos and sin to f32 as `kvdb_model::Rope` does.
 
+use std::ffi::c_void;
+
 use cudarc::driver::{
-    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig,
 };
 
 use crate::buffers::KvCache;
-use crate::error::{driver, length, KernelError, Result};
-use crate::gpu::{Float, Gpu};
+use crate::error::{length, KernelError, Result};
+use crate::gpu::{param, Float, Gpu};
 
 const SOURCE: &str = include_str!("../cuda/ops.cu");
 
@@ -138,18 +142,22 @@ pub fn embed<W: Float>(
         few_rows(gpu, ids.len()).then(|| (hidden as usize).div_ceil(ROW_THREADS as usize));
     let config = rows_config(ids.len(), per_row.unwrap_or(1), ROW_THREADS)?;
     let kernel = gpu.kernel(SOURCE, "ops_embed", &[("TABLE_T", W::NAME.to_string())])?;
-    let mut builder = gpu.stream().launch_builder(&kernel);
-    builder
-        .arg(table)
-        .arg(&vocab)
-        .arg(&hidden)
-        .arg(ids)
-        .arg(&scale)
-        .arg(out);
+    let (table, ids, out) = (
+        address(gpu, table),
+        address(gpu, ids),
+        address_mut(gpu, out),
+    );
+    let mut params = [
+        param(&table),
+        param(&vocab),
+        param(&hidden),
+        param(&ids),
+        param(&scale),
+        param(&out),
+    ];
     // Safety: the arguments match `ops_embed` in order and type; `out` holds `ids` rows of
     // `hidden` and the kernel reads only rows `< vocab` of `table`.
-    unsafe { builder.launch(config) }.map_err(driver("launching ops_embed"))?;
-    Ok(())
+    unsafe { launch(gpu, &kernel, config, &mut params, "launching ops_embed") }
 }
 
 /// `out = RMSNorm(x)` row by row, rows of `width` (`x.len() / width` rows), in f32 with the
@@ -169,19 +177,23 @@ pub fn rms_norm<O: Float>(
         return Ok(());
     }
     let kernel = gpu.kernel(SOURCE, "ops_rms_norm", &[("OUT_T", O::NAME.to_string())])?;
-    let mut builder = gpu.stream().launch_builder(&kernel);
-    builder
-        .arg(x)
-        .arg(&width)
-        .arg(norm.weight)
-        .arg(&norm.eps)
-        .arg(&norm.offset)
-        .arg(out);
+    let (x, weight, out) = (
+        address(gpu, x),
+        address(gpu, norm.weight),
+        address_mut(gpu, out),
+    );
+    let mut params = [
+        param(&x),
+        param(&width),
+        param(&weight),
+        param(&norm.eps),
+        param(&norm.offset),
+        param(&out),
+    ];
+    let config = rows_config(rows, 1, NORM_THREADS)?;
     // Safety: the arguments match `ops_rms_norm`; x and out hold `rows` rows of `width`, the
     // weight `width` elements.
-    unsafe { builder.launch(rows_config(rows, 1, NORM_THREADS)?) }
-        .map_err(driver("launching ops_rms_norm"))?;
-    Ok(())
+    unsafe { launch(gpu, &kernel, config, &mut params, "launching ops_rms_norm") }
 }
 
 /// `residual += RMSNorm(y)` (or `residual += y` without a norm), rows of `width`: the
@@ -193,6 +205,32 @@ pub fn add_rms_norm(
     width: usize,
     norm: Option<&Norm<'_>>,
 ) -> Result<()> {
+    add_then_norm::<f32>(gpu, residual, y, width, norm, None)
+}
+
+/// [`add_rms_norm`], then `out = RMSNorm(residual)` by `next` (rounded to `O`) in the same
+/// launch: the next sublayer's input norm, with the numbers [`rms_norm`] would give.
+pub fn add_rms_norm_then_norm<O: Float>(
+    gpu: &Gpu,
+    residual: &mut CudaViewMut<'_, f32>,
+    y: &CudaView<'_, f32>,
+    width: usize,
+    norm: Option<&Norm<'_>>,
+    next: &Norm<'_>,
+    out: &mut CudaViewMut<'_, O>,
+) -> Result<()> {
+    add_then_norm(gpu, residual, y, width, norm, Some((next, out)))
+}
+
+/// `ops_add_rms_norm`, with `then` (THEN=1) or without.
+fn add_then_norm<O: Float>(
+    gpu: &Gpu,
+    residual: &mut CudaViewMut<'_, f32>,
+    y: &CudaView<'_, f32>,
+    width: usize,
+    norm: Option<&Norm<'_>>,
+    then: Option<(&Norm<'_>, &mut CudaViewMut<'_, O>)>,
+) -> Result<()> {
     let rows = whole_rows("add_rms_norm y [rows, width]", y.len(), width)?;
     length(
         "add_rms_norm residual [rows, width]",
@@ -202,30 +240,61 @@ pub fn add_rms_norm(
     if let Some(norm) = norm {
         length("add_rms_norm weight [width]", width, norm.weight.len())?;
     }
+    if let Some((next, out)) = &then {
+        length("add_rms_norm next weight [width]", width, next.weight.len())?;
+        length("add_rms_norm next out [rows, width]", y.len(), out.len())?;
+    }
     let width = to_u32("add_rms_norm width", width)?;
     if rows == 0 {
         return Ok(());
     }
-    let normed = u32::from(norm.is_some()).to_string();
-    let kernel = gpu.kernel(SOURCE, "ops_add_rms_norm", &[("NORMED", normed)])?;
-    // Without a norm the kernel reads no weight: any address will do.
+    let defines = [
+        ("NORMED", u32::from(norm.is_some()).to_string()),
+        ("THEN", u32::from(then.is_some()).to_string()),
+        ("OUT_T", O::NAME.to_string()),
+    ];
+    let kernel = gpu.kernel(SOURCE, "ops_add_rms_norm", &defines)?;
+    // Without a norm the kernel reads no weight, without `then` no next weight and no out:
+    // any address will do.
     let (weight, eps, offset) = match norm {
         Some(norm) => (address(gpu, norm.weight), norm.eps, norm.offset),
         None => (0u64, 0.0f32, 0.0f32),
     };
-    let mut builder = gpu.stream().launch_builder(&kernel);
-    builder
-        .arg(residual)
-        .arg(y)
-        .arg(&width)
-        .arg(&weight)
-        .arg(&eps)
-        .arg(&offset);
-    // Safety: the arguments match `ops_add_rms_norm`; residual and y hold `rows` rows of
-    // `width`, the weight (read only with NORMED=1) `width` elements.
-    unsafe { builder.launch(rows_config(rows, 1, NORM_THREADS)?) }
-        .map_err(driver("launching ops_add_rms_norm"))?;
-    Ok(())
+    let (next_weight, next_eps, next_offset, out) = match then {
+        Some((next, out)) => (
+            address(gpu, next.weight),
+            next.eps,
+            next.offset,
+            address_mut(gpu, out),
+        ),
+        None => (0u64, 0.0f32, 0.0f32, 0u64),
+    };
+    let (residual, y) = (address_mut(gpu, residual), address(gpu, y));
+    let mut params = [
+        param(&residual),
+        param(&y),
+        param(&width),
+        param(&weight),
+        param(&eps),
+        param(&offset),
+        param(&next_weight),
+        param(&next_eps),
+        param(&next_offset),
+        param(&out),
+    ];
+    let config = rows_config(rows, 1, NORM_THREADS)?;
+    // Safety: the arguments match `ops_add_rms_norm`; residual and y (and out, read only
+    // with THEN=1) hold `rows` rows of `width`, the weights (read only with NORMED=1 and
+    // THEN=1) `width` elements.
+    unsafe {
+        launch(
+            gpu,
+            &kernel,
+            config,
+            &mut params,
+            "launching ops_add_rms_norm",
+        )
+    }
 }
 
 /// Attention's inputs for a chunk of tokens, from the fused projection's output `qkv`
@@ -314,46 +383,50 @@ pub fn attention_inputs<A: Float>(
     match placement {
         KvPlacement::Chunk { kv, first_position } => {
             let (first_position, capacity) = (first_position as u64, kv.tokens() as u32);
-            let mut builder = gpu.stream().launch_builder(&kernel);
-            args.push(&mut builder);
-            builder
-                .arg(&first_position)
-                .arg(&args.round_kv)
-                .arg(&args.store.0)
-                .arg(&args.store.1)
-                .arg(&args.store.2)
-                .arg(&args.queries)
-                .arg(&mut kv.keys)
-                .arg(&mut kv.values)
-                .arg(&capacity);
+            let keys = kv.keys.device_ptr_mut(gpu.stream()).0;
+            let values = kv.values.device_ptr_mut(gpu.stream()).0;
+            let mut params = args.params().to_vec();
+            params.extend([
+                param(&first_position),
+                param(&args.round_kv),
+                param(&args.store.0),
+                param(&args.store.1),
+                param(&args.store.2),
+                param(&args.queries),
+                param(&keys),
+                param(&values),
+                param(&capacity),
+            ]);
+            let config = args.config(gpu, tokens)?;
             // Safety: the arguments match `ops_attention_inputs` in order and type; every
             // buffer's length was checked against the shape (qkv, bias, norm weights,
             // inv_freq, queries, store rows and queries), the KV buffer has `kv_heads` heads
             // of `capacity >= tokens` rows of `head_dim`, and head_dim is even and at most
             // MAX_HEAD_DIM.
-            unsafe { builder.launch(args.config(gpu, tokens)?) }
-                .map_err(driver("launching ops_attention_inputs"))?;
+            let op = "launching ops_attention_inputs";
+            unsafe { launch(gpu, &kernel, config, &mut params, op) }?;
         }
         KvPlacement::Rows(targets) => {
             for (c, chunk) in targets.chunks_mut(MAX_TARGET_ROWS).enumerate() {
                 let rows = RowTargets::of(gpu, chunk);
                 let chunk_args = args.at_row(c * MAX_TARGET_ROWS, shape, std::mem::size_of::<A>());
-                let mut builder = gpu.stream().launch_builder(&kernel);
-                chunk_args.push(&mut builder);
-                builder
-                    .arg(&chunk_args.round_kv)
-                    .arg(&chunk_args.store.0)
-                    .arg(&chunk_args.store.1)
-                    .arg(&chunk_args.store.2)
-                    .arg(&chunk_args.queries)
-                    .arg(&rows);
+                let mut params = chunk_args.params().to_vec();
+                params.extend([
+                    param(&chunk_args.round_kv),
+                    param(&chunk_args.store.0),
+                    param(&chunk_args.store.1),
+                    param(&chunk_args.store.2),
+                    param(&chunk_args.queries),
+                    param(&rows),
+                ]);
+                let config = args.config(gpu, chunk.len())?;
                 // Safety: the arguments match `ops_attention_inputs_rows` in order and type;
                 // the batch-wide buffers' lengths were checked against the shape (the
                 // chunk's rows are within them), each target's KV buffer against one token,
                 // and the targets are distinct buffers (mutable borrows), so no two rows
                 // write the same row.
-                unsafe { builder.launch(args.config(gpu, chunk.len())?) }
-                    .map_err(driver("launching ops_attention_inputs_rows"))?;
+                let op = "launching ops_attention_inputs_rows";
+                unsafe { launch(gpu, &kernel, config, &mut params, op) }?;
             }
         }
     }
@@ -465,21 +538,30 @@ pub fn rotate_keys<A: Float>(
         u32::from(rotary.pairs == RopePairs::Interleaved),
         first_position as u64,
     );
-    let mut builder = gpu.stream().launch_builder(&kernel);
-    builder
-        .arg(&mut kv.keys)
-        .arg(&kv_heads_arg)
-        .arg(&tokens_arg)
-        .arg(&head_dim_arg)
-        .arg(rotary.inv_freq)
-        .arg(&interleaved)
-        .arg(&first);
+    let keys = kv.keys.device_ptr_mut(gpu.stream()).0;
+    let inv_freq = address(gpu, rotary.inv_freq);
+    let mut params = [
+        param(&keys),
+        param(&kv_heads_arg),
+        param(&tokens_arg),
+        param(&head_dim_arg),
+        param(&inv_freq),
+        param(&interleaved),
+        param(&first),
+    ];
+    let config = rows_config(tokens, 1, ROW_THREADS)?;
     // Safety: the arguments match `ops_rotate_keys` in order and type; the keys hold
     // kv_heads * tokens rows of head_dim (the buffer's own shape), head_dim is even and at
     // most MAX_HEAD_DIM, and inv_freq holds head_dim / 2 angles.
-    unsafe { builder.launch(rows_config(tokens, 1, ROW_THREADS)?) }
-        .map_err(driver("launching ops_rotate_keys"))?;
-    Ok(())
+    unsafe {
+        launch(
+            gpu,
+            &kernel,
+            config,
+            &mut params,
+            "launching ops_rotate_keys",
+        )
+    }
 }
 
 /// `attention_inputs`' checks of the shape against the KV buffer.
@@ -665,22 +747,24 @@ impl Args {
         }
     }
 
-    /// Pushes the kernels' first parameters, up to `inv_freq` and `interleaved`.
-    fn push<'b>(&'b self, builder: &mut cudarc::driver::LaunchArgs<'b>) {
-        builder
-            .arg(&self.qkv)
-            .arg(&self.bias)
-            .arg(&self.heads)
-            .arg(&self.kv_heads)
-            .arg(&self.head_dim)
-            .arg(&self.q_norm.0)
-            .arg(&self.q_norm.1)
-            .arg(&self.q_norm.2)
-            .arg(&self.k_norm.0)
-            .arg(&self.k_norm.1)
-            .arg(&self.k_norm.2)
-            .arg(&self.inv_freq)
-            .arg(&self.interleaved);
+    /// The kernels' first parameters, up to `inv_freq` and `interleaved` (addresses of
+    /// this struct's fields, for as long as it lives).
+    fn params(&self) -> [*mut c_void; 13] {
+        [
+            param(&self.qkv),
+            param(&self.bias),
+            param(&self.heads),
+            param(&self.kv_heads),
+            param(&self.head_dim),
+            param(&self.q_norm.0),
+            param(&self.q_norm.1),
+            param(&self.q_norm.2),
+            param(&self.k_norm.0),
+            param(&self.k_norm.1),
+            param(&self.k_norm.2),
+            param(&self.inv_freq),
+            param(&self.interleaved),
+        ]
     }
 
     /// The grid of `tokens` rows: a decode step's tokens over a block per 8 heads (each
@@ -731,12 +815,25 @@ pub fn gated_activation<O: Float>(
         "ops_gated_activation",
         &[("OUT_T", O::NAME.to_string())],
     )?;
-    let mut builder = gpu.stream().launch_builder(&kernel);
-    builder.arg(gate_up).arg(&width).arg(&n).arg(&act).arg(out);
+    let (gate_up, out) = (address(gpu, gate_up), address_mut(gpu, out));
+    let mut params = [
+        param(&gate_up),
+        param(&width),
+        param(&n),
+        param(&act),
+        param(&out),
+    ];
     // Safety: the arguments match `ops_gated_activation`; gate_up holds `2 n` elements, out
     // `n`, and the grid strides over `n`.
-    unsafe { builder.launch(config) }.map_err(driver("launching ops_gated_activation"))?;
-    Ok(())
+    unsafe {
+        launch(
+            gpu,
+            &kernel,
+            config,
+            &mut params,
+            "launching ops_gated_activation",
+        )
+    }
 }
 
 /// `out[i] = x[i]` converted from `I` to `O` through f32 (rounding to nearest even).
@@ -756,11 +853,10 @@ pub fn convert<I: Float, O: Float>(
     ];
     let config = flat_config(gpu, x.len());
     let kernel = gpu.kernel(SOURCE, "ops_convert", &defines)?;
-    let mut builder = gpu.stream().launch_builder(&kernel);
-    builder.arg(x).arg(&n).arg(out);
+    let (x, out) = (address(gpu, x), address_mut(gpu, out));
+    let mut params = [param(&x), param(&n), param(&out)];
     // Safety: the arguments match `ops_convert`; x and out hold `n` elements.
-    unsafe { builder.launch(config) }.map_err(driver("launching ops_convert"))?;
-    Ok(())
+    unsafe { launch(gpu, &kernel, config, &mut params, "launching ops_convert") }
 }
 
 /// What [`argmax_rows`] keeps between its blocks: a running best and a count of finished
@@ -815,20 +911,30 @@ pub fn argmax_rows(
     let blocks = (width as usize).div_ceil(per_block).max(1);
     let per_block = per_block as u32;
     let kernel = gpu.kernel(SOURCE, "ops_argmax_rows", &[])?;
-    let mut builder = gpu.stream().launch_builder(&kernel);
-    builder
-        .arg(logits)
-        .arg(&width)
-        .arg(&per_block)
-        .arg(&mut scratch.keys)
-        .arg(&mut scratch.done)
-        .arg(out);
+    let (logits, out) = (address(gpu, logits), address_mut(gpu, out));
+    let keys = scratch.keys.device_ptr_mut(gpu.stream()).0;
+    let done = scratch.done.device_ptr_mut(gpu.stream()).0;
+    let mut params = [
+        param(&logits),
+        param(&width),
+        param(&per_block),
+        param(&keys),
+        param(&done),
+        param(&out),
+    ];
     let config = rows_config(rows, blocks, ARGMAX_THREADS)?;
     // Safety: the arguments match `ops_argmax_rows`; logits hold `rows` rows of `width`,
     // out `rows` elements, the scratch at least `rows` keys and counts, zero between
     // launches; `blocks * per_block` covers the width.
-    unsafe { builder.launch(config) }.map_err(driver("launching ops_argmax_rows"))?;
-    Ok(())
+    unsafe {
+        launch(
+            gpu,
+            &kernel,
+            config,
+            &mut params,
+            "launching ops_argmax_rows",
+        )
+    }
 }
 
 /// The keys and values of a [`KvCache`] (`[kv_heads, capacity, head_dim]` each), as views:
@@ -852,11 +958,10 @@ pub(crate) fn add_bias(
     let len = out.len() as u64;
     let config = flat_config(gpu, out.len());
     let kernel = gpu.kernel(SOURCE, "ops_add_bias", &[])?;
-    let mut builder = gpu.stream().launch_builder(&kernel);
-    builder.arg(out).arg(bias).arg(&n).arg(&len);
+    let (out, bias) = (address_mut(gpu, out), address(gpu, bias));
+    let mut params = [param(&out), param(&bias), param(&n), param(&len)];
     // Safety: the arguments match `ops_add_bias`; out holds whole rows of `n`, bias `n`.
-    unsafe { builder.launch(config) }.map_err(driver("launching ops_add_bias"))?;
-    Ok(())
+    unsafe { launch(gpu, &kernel, config, &mut params, "launching ops_add_bias") }
 }
 
 /// The number of rows of `width` in `len` elements: an error unless `width > 0` divides `len`.
@@ -912,6 +1017,38 @@ fn flat_config(gpu: &Gpu, n: usize) -> LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: (FLAT_THREADS, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+/// Launches `kernel` (an entry point of `ops.cu`) with `config` and `params` as a
+/// programmatic dependent launch where the device has them: every entry point first waits
+/// for the launch before it (`follow_previous_launch`).
+///
+/// # Safety
+/// As [`Gpu::launch_raw`]'s: `params` hold the address of a value of each of the kernel's
+/// parameters, in order and of its types, and every buffer among them is long enough for
+/// what the kernel does with it.
+unsafe fn launch(
+    gpu: &Gpu,
+    kernel: &CudaFunction,
+    config: LaunchConfig,
+    params: &mut [*mut c_void],
+    op: &'static str,
+) -> Result<()> {
+    let LaunchConfig {
+        grid_dim: (x, y, _),
+        block_dim: (threads, _, _),
+        shared_mem_bytes,
+    } = config;
+    // Safety: the caller's.
+    unsafe {
+        gpu.launch_raw(
+            kernel,
+            ((x, y), threads, shared_mem_bytes),
+            params,
+            true,
+            op,
+        )
     }
 }
 

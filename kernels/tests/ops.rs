@@ -365,6 +365,98 @@ mod on_gpu {
         )
     }
 
+    /// `add_rms_norm_then_norm` is `add_rms_norm` then `rms_norm` in one launch: the same
+    /// residual and the same normalised output, bit for bit (widths past one step of the
+    /// norms' loop included: 5,000 > 4,096), with and without the post-norm, f32 and bf16.
+    #[test]
+    fn add_rms_norm_then_norm_is_the_two_launches() -> Result<()> {
+        let Some((gpu, mut rng)) = start("add_rms_norm_then_norm_is_the_two_launches") else {
+            return Ok(());
+        };
+        for (rows, width) in NORM_SHAPES {
+            for offset in [None, Some(0.0), Some(1.0)] {
+                then_norm_case::<f32>(&gpu, &mut rng, rows, width, offset)?;
+                then_norm_case::<bf16>(&gpu, &mut rng, rows, width, offset)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn then_norm_case<O: Float>(
+        gpu: &Gpu,
+        rng: &mut StdRng,
+        rows: usize,
+        width: usize,
+        offset: Option<f32>,
+    ) -> Result<()> {
+        let residual = uniform(rng, rows * width, -3.0, 3.0);
+        let y = norm_input(rng, rows, width);
+        let (weight, next_weight) = (
+            uniform(rng, width, -1.0, 1.0),
+            uniform(rng, width, 0.5, 1.5),
+        );
+        let (y_d, weight_d, next_d) = (
+            gpu.upload(&y)?,
+            gpu.upload(&weight)?,
+            gpu.upload(&next_weight)?,
+        );
+        let (w, nw) = (weight_d.as_view(), next_d.as_view());
+        let norm = offset.map(|offset| Norm {
+            weight: &w,
+            eps: 1e-6,
+            offset,
+        });
+        let next = Norm {
+            weight: &nw,
+            eps: 1e-5,
+            offset: 0.0,
+        };
+        let mut fused_residual = gpu.upload(&residual)?;
+        let mut fused_out = poisoned::<O>(gpu, rows * width)?;
+        ops::add_rms_norm_then_norm(
+            gpu,
+            &mut fused_residual.as_view_mut(),
+            &y_d.as_view(),
+            width,
+            norm.as_ref(),
+            &next,
+            &mut fused_out.as_view_mut(),
+        )?;
+        let mut residual_d = gpu.upload(&residual)?;
+        let mut out = poisoned::<O>(gpu, rows * width)?;
+        ops::add_rms_norm(
+            gpu,
+            &mut residual_d.as_view_mut(),
+            &y_d.as_view(),
+            width,
+            norm.as_ref(),
+        )?;
+        ops::rms_norm(
+            gpu,
+            &residual_d.as_view(),
+            width,
+            &next,
+            &mut out.as_view_mut(),
+        )?;
+        let what = format!(
+            "[{rows}, {width}] {} post-norm offset {offset:?}",
+            name::<O>()
+        );
+        ensure!(
+            download(gpu, &fused_residual)? == download(gpu, &residual_d)?,
+            "{what}: the residuals differ"
+        );
+        let (fused, apart) = (download(gpu, &fused_out)?, download(gpu, &out)?);
+        ensure!(
+            fused
+                .iter()
+                .zip(&apart)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: the normalised outputs differ"
+        );
+        Ok(())
+    }
+
     // ------------------------------------------------------------- attention inputs
 
     /// One configuration of `attention_inputs`.
@@ -1465,6 +1557,32 @@ mod on_gpu {
         ensure!(
             e.as_ref().is_err_and(is_length),
             "add_rms_norm weight: {e:?}"
+        );
+        // add_rms_norm_then_norm: the next norm's weight, its output (left NaN too).
+        let mut next_out = poisoned::<f32>(&gpu, 64)?;
+        let e = ops::add_rms_norm_then_norm(
+            &gpu,
+            &mut out.as_view_mut(),
+            &v,
+            16,
+            None,
+            &norm,
+            &mut next_out.as_view_mut(),
+        );
+        ensure!(e.as_ref().is_err_and(is_length), "then norm weight: {e:?}");
+        let e = ops::add_rms_norm_then_norm(
+            &gpu,
+            &mut out.as_view_mut(),
+            &v,
+            8,
+            None,
+            &norm,
+            &mut next_out.slice_mut(..56),
+        );
+        ensure!(e.as_ref().is_err_and(is_length), "then norm out: {e:?}");
+        ensure!(
+            download(&gpu, &next_out)?.iter().all(|x| x.is_nan()),
+            "a refused launch wrote its next norm's output"
         );
 
         // gated_activation: gate_up not whole rows, output.

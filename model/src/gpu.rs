@@ -1515,6 +1515,7 @@ fn layer_piece<T: Float, A: AttentionType>(
             &mut s.x.slice_mut(..t * hidden),
         )?,
         Some(layer) => {
+            // The residual add, then the MLP's input norm.
             project_residual(
                 gpu,
                 &model.gemm,
@@ -1525,9 +1526,9 @@ fn layer_piece<T: Float, A: AttentionType>(
                 &mut s.projected,
                 &mut s.x.slice_mut(..t * hidden),
                 hidden,
+                Some((&layer.ffn_norm, &mut s.h.slice_mut(..t * hidden))),
             )?;
             // MLP.
-            norm_into(gpu, &s.x, t, hidden, &layer.ffn_norm, &mut s.h)?;
             model.gemm.linear(
                 gpu,
                 &s.h.slice(..t * hidden),
@@ -1544,6 +1545,9 @@ fn layer_piece<T: Float, A: AttentionType>(
                 model.activation,
                 &mut s.gated.slice_mut(..t * inter),
             )?;
+            // The residual add, then the next layer's input norm (the last layer's output
+            // norm is the logits' own).
+            let mut h = s.h.slice_mut(..t * hidden);
             project_residual(
                 gpu,
                 &model.gemm,
@@ -1554,12 +1558,16 @@ fn layer_piece<T: Float, A: AttentionType>(
                 &mut s.projected,
                 &mut s.x.slice_mut(..t * hidden),
                 hidden,
+                model.layers.get(k).map(|next| (&next.attn_norm, &mut h)),
             )?;
         }
     }
     if let Some(layer) = model.layers.get(k) {
-        // Attention's inputs.
-        norm_into(gpu, &s.x, t, hidden, &layer.attn_norm, &mut s.h)?;
+        // Attention's inputs (the first layer's norm after the embedding; the others' came
+        // with the residual add before).
+        if k == 0 {
+            norm_into(gpu, &s.x, t, hidden, &layer.attn_norm, &mut s.h)?;
+        }
         model.gemm.linear(
             gpu,
             &s.h.slice(..t * hidden),
@@ -1885,7 +1893,9 @@ fn norm_into<T: Float>(
 }
 
 /// `x += post_norm(input · wᵀ)`, or `x += input · wᵀ` accumulated by the GEMM itself when
-/// there is no post-norm.
+/// there is no post-norm (rows of `width`); then, with `then`, its `out = RMSNorm(x)` by its
+/// norm (the next sublayer's input), in the same launch as the post-norm's residual add
+/// where there is one.
 #[allow(clippy::too_many_arguments)]
 fn project_residual<T: Float>(
     gpu: &Gpu,
@@ -1897,9 +1907,27 @@ fn project_residual<T: Float>(
     projected: &mut CudaSlice<f32>,
     x: &mut CudaViewMut<'_, f32>,
     width: usize,
+    then: Option<(&GpuNorm, &mut CudaViewMut<'_, T>)>,
 ) -> Result<()> {
+    let (next_norm, out) = match then {
+        Some((norm, out)) => (Some(norm), Some(out)),
+        None => (None, None),
+    };
+    let next_weight = next_norm.map(|norm| norm.weight.as_view());
+    let next = next_norm
+        .zip(next_weight.as_ref())
+        .map(|(norm, weight)| Norm {
+            weight,
+            eps: norm.eps,
+            offset: 0.0,
+        });
     match post_norm {
-        None => gemm.linear(gpu, input, &w.as_view(), k, None, true, x)?,
+        None => {
+            gemm.linear(gpu, input, &w.as_view(), k, None, true, x)?;
+            if let (Some(next), Some(out)) = (next, out) {
+                ops::rms_norm(gpu, &x.as_view(), width, &next, out)?;
+            }
+        }
         Some(norm) => {
             let n = x.len();
             gemm.linear(
@@ -1912,17 +1940,18 @@ fn project_residual<T: Float>(
                 &mut projected.slice_mut(..n),
             )?;
             let weight = norm.weight.as_view();
-            ops::add_rms_norm(
-                gpu,
-                x,
-                &projected.slice(..n),
-                width,
-                Some(&Norm {
-                    weight: &weight,
-                    eps: norm.eps,
-                    offset: 0.0,
-                }),
-            )?;
+            let post = Norm {
+                weight: &weight,
+                eps: norm.eps,
+                offset: 0.0,
+            };
+            let y = projected.slice(..n);
+            match (next, out) {
+                (Some(next), Some(out)) => {
+                    ops::add_rms_norm_then_norm(gpu, x, &y, width, Some(&post), &next, out)?
+                }
+                _ => ops::add_rms_norm(gpu, x, &y, width, Some(&post))?,
+            }
         }
     }
     Ok(())

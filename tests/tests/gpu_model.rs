@@ -253,7 +253,10 @@ mod on_gpu {
     /// launching every kernel gives: a sequence's steps past the tiny gemma3's 16-token
     /// window (its ring wraps while the graphs replay) and a batch's of two; graphs are
     /// launched from each shape's second call on (which captures them), one a layer and one
-    /// more, and none when they are off. Both precisions.
+    /// more, and none when they are off. Both precisions. And kernels launched as
+    /// programmatic dependent launches (the default on Hopper: each starts while the one
+    /// before it finishes, and waits for it before it reads) give the same logits, bit for
+    /// bit, as launches that each wait for the one before, prompts and steps, graphs or not.
     #[test]
     fn step_graphs_replay_what_launches_compute() -> Result<()> {
         let Some(gpu) = gpu("step_graphs_replay_what_launches_compute") else {
@@ -268,8 +271,11 @@ mod on_gpu {
             for (precision, tolerance) in [(Precision::F32, 1e-6), (Precision::Bf16, 1e-4)] {
                 let gpu_model = GpuModel::new(&model, gpu.clone(), precision)?;
                 let mut runs = Vec::new();
-                for graphs in [true, false] {
+                // Graphs and overlapped launches; plain launches; graphs of launches that
+                // each wait for the one before (captured afresh by a new sequence).
+                for (graphs, overlap) in [(true, true), (false, true), (true, false)] {
                     gpu_model.set_step_graphs(graphs);
+                    gpu.set_programmatic_launch(overlap);
                     let before = gpu_model.step_graph_launches();
                     let mut sequence = gpu_model.sequence(&SequenceOptions::default())?;
                     sequence.forward(&prompt, &Logits::None)?;
@@ -291,13 +297,22 @@ mod on_gpu {
                     let launched = gpu_model.step_graph_launches() - before;
                     runs.push((alone, Tensor::cat(&batched, 0)?, launched));
                 }
-                let [(alone, batched, on), (alone_off, batched_off, off)] = &runs[..] else {
-                    anyhow::bail!("two runs");
+                let [(alone, batched, on), (alone_off, batched_off, off), (alone_plain, batched_plain, _)] =
+                    &runs[..]
+                else {
+                    anyhow::bail!("three runs");
                 };
                 let e = relative_max_error(alone, alone_off)?
                     .max(relative_max_error(batched, batched_off)?);
+                let overlap = relative_max_error(alone, alone_plain)?
+                    .max(relative_max_error(batched, batched_plain)?);
                 println!(
-                    "{name} {precision:?}: {on} graphs launched; graphs against launches {e:.3e}"
+                    "{name} {precision:?}: {on} graphs launched; graphs against launches {e:.3e}; \
+                     overlapped against waiting launches {overlap:.3e}"
+                );
+                ensure!(
+                    overlap == 0.0,
+                    "{name} {precision:?}: overlapped launches changed the logits by {overlap}"
                 );
                 // Each shape's first call launches its kernels, the second captures its graphs.
                 let expected = (STEPS - 1 + STEPS / 2 - 1) * pieces;
@@ -309,6 +324,7 @@ mod on_gpu {
                 ensure!(e <= tolerance, "{name} {precision:?}: {e} > {tolerance}");
             }
         }
+        gpu.set_programmatic_launch(true);
         Ok(())
     }
 
