@@ -25,10 +25,12 @@
 // mode a slice of `list_chunk` rows of it, in bucket mode an equal share of the ids of the
 // head's visited buckets (CSR offsets), read as one sequence; bucket ids inside the list
 // buffer's runs are skipped, so no token counts twice.
-// Launched right after the routing kernel that writes the visits (`after_route`, with
-// programmatic dependent launch on Hopper), the blocks may start while routing runs: only
-// the bucket items wait for it (griddepcontrol.wait) before reading the visits; everything
-// else they read was written before routing started.
+// A programmatic dependent launch on Hopper: the blocks may start before the launch before
+// it on the stream has finished. Launched right after the routing kernel that writes the
+// visits (`after_route`), only the bucket items wait for it (griddepcontrol.wait) before
+// reading the visits: everything else they read was written before routing started (every
+// routing block waits for its own predecessor before it lets this launch start). After any
+// other launch every block waits for it first.
 // Each item writes a partial (unnormalised output, max, sum of exponentials, in base 2); the
 // last block of a head to finish merges the head's partials into `out` (and, when asked, each
 // query head's log-sum-exp into `lse`) and resets its counter for the next launch.
@@ -793,6 +795,7 @@ attend(const u16* __restrict__ q, float scale_log2,
     const u32 h = blockIdx.x, x = blockIdx.y, items = gridDim.y, heads = gridDim.x;
     const u32 team = threadIdx.x / LANES, lane = threadIdx.x % LANES;
 #if __CUDA_ARCH__ >= 900
+    if (!after_route) asm volatile("griddepcontrol.wait;" ::: "memory");
     // The launch after this one may start its blocks now: the output projection's `gemv`, a
     // programmatic dependent launch that reads only its weights before it waits for this
     // grid (a plain launch waits for this grid whatever this says).

@@ -46,8 +46,12 @@ route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, 
               u32 buckets, u32 probes, u32 per,
               u32* __restrict__ visited) {
 #if __CUDA_ARCH__ >= 900
-    // A bucket attention launched after this one (programmatic dependent launch) may start
-    // its blocks now: those that need the visits wait for this grid to finish.
+    // Launched as a programmatic dependent launch: first the launch before this one
+    // (attention's inputs, which write the queries) finishes. Then a bucket attention
+    // launched after this one (programmatic dependent launch) may start its blocks: those
+    // that need the visits wait for this grid to finish, and the others read only what was
+    // written before this grid, which every block of it has now waited for.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;");
 #endif
     // The buckets' scores, padded with -inf to whole SCAN chunks.

@@ -1307,10 +1307,11 @@ fn launch<T: KvElement>(
         bucket_rows: list.count.map_or(0, |c| gpu.address(c)),
         q_keep: gpu.address(&workspace.queries),
     };
-    // Only where routing comes right before (the flag tells the bucket items to wait for
-    // it) and the device has programmatic dependent launch (compute capability 9.0 on).
-    let programmatic = after_route && gpu.programmatic_launch();
-    let after_route_u32 = u32::from(programmatic);
+    // A programmatic dependent launch where the device has them (compute capability 9.0
+    // on): every block waits for the launch before, or, right after routing, only the
+    // bucket items wait for it (the flag).
+    let programmatic = gpu.programmatic_launch();
+    let after_route_u32 = u32::from(after_route && programmatic);
     let mut params: [*mut std::ffi::c_void; 40] = [
         param(&args.q),
         param(&args.scale_log2),

@@ -564,27 +564,31 @@ impl Partition {
         let slices = self.buckets.div_ceil(SLICE_BUCKETS).clamp(1, MAX_SLICES);
         // Buckets each slice ranks.
         let per = self.buckets.div_ceil(slices) as u32;
-        let mut builder = gpu.stream().launch_builder(&function);
-        builder
-            .arg(&q)
-            .arg(&centroids)
-            .arg(&head_dim)
-            .arg(&buckets)
-            .arg(&probes)
-            .arg(&per)
-            .arg(&visited);
-        let slices = slices as u32;
-        let config = LaunchConfig {
-            grid_dim: (self.kv_heads as u32, slices, 1),
-            block_dim: (ROUTE_THREADS, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
+        let mut params = [
+            param(&q),
+            param(&centroids),
+            param(&head_dim),
+            param(&buckets),
+            param(&probes),
+            param(&per),
+            param(&visited),
+        ];
+        let grid = (self.kv_heads as u32, slices as u32);
+        // A programmatic dependent launch: its blocks start while attention's inputs (the
+        // queries) are still being written, and wait for them first (`route.cu`).
         // Safety: the arguments match `route_buckets`'s signature in order and type; the
         // queries hold `kv_heads * group * head_dim` floats, the centroids
         // `kv_heads * buckets * head_dim`, and `visited` `kv_heads * probes` items with
         // probes <= buckets.
-        unsafe { builder.launch(config) }.map_err(driver("launching route_buckets"))?;
-        Ok(())
+        unsafe {
+            gpu.launch_raw(
+                &function,
+                (grid, ROUTE_THREADS, smem as u32),
+                &mut params,
+                true,
+                "launching route_buckets",
+            )
+        }
     }
 
     /// `saap_hidden` then `saap_scores` (see `route.cu`).
