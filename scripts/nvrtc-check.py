@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Compiles the retrieval kernels (kernels/cuda: attend.cu, route.cu, follow.cu, fill.cu) and the
-model's element-wise and matrix-vector kernels (ops.cu, gemv.cu) with NVRTC on this machine, which has no GPU, so that a source NVRTC refuses is found before a
+model's element-wise and matrix-vector kernels (gate.cuh before ops.cu and gemv.cu) with NVRTC on this machine, which has no GPU, so that a source NVRTC refuses is found before a
 bundle goes to the GPU machine (where kvdb-kernels compiles them at run time, and a refusal
 costs a device call). scripts/gpu-bundle.sh runs it first.
 
@@ -91,14 +91,15 @@ def cases():
     yield "fill.cu", read("fill.cu"), {}
     # ops.cu is compiled whole for each entry point, with the element types and the norms'
     # switches the model passes.
-    ops = read("ops.cu")
+    gate = read("gate.cuh")
+    ops = gate + read("ops.cu")
     types = ("float", "__half", "__nv_bfloat16")
     for normed, then, out in itertools.product((0, 1), (0, 1), types):
         yield "ops.cu", ops, {"NORMED": normed, "THEN": then, "OUT_T": out}
     for t in types:
         yield "ops.cu", ops, {"TABLE_T": t, "IN_T": t, "KV_T": t}
     for bf16 in (0, 1):
-        yield "gemv.cu", read("gemv.cu"), {"W_BF16": bf16}
+        yield "gemv.cu", gate + read("gemv.cu"), {"W_BF16": bf16}
 
 
 def main():

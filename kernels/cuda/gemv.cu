@@ -4,7 +4,7 @@
 // this matches cuBLASLt on Llama-3-8B's large matrices and is faster on small ones (Gemma 3
 // 270M's), where cuBLASLt's tiles, made for many rows, leave the GPU idle.
 //
-// Compiled by NVRTC with:
+// Compiled by NVRTC after gate.cuh with:
 //   W_BF16     1 for bf16 weights and inputs, 0 for f16
 //
 // Layouts are row-major; k is a multiple of 8 and w and x are 16-byte aligned (the caller
@@ -114,5 +114,70 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             if (bias != nullptr) acc += bias[row];
             out[row] = accumulate ? out[row] + acc : acc;
         }
+    }
+}
+
+// The element type's bits of x, rounded to nearest even.
+__device__ __forceinline__ u16 round16(float x) {
+    u16 h;
+#if W_BF16
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+#endif
+    return h;
+}
+
+// The MLP's first product and its gated activation in one launch: out [n] (16-bit) =
+// act(w[r] · x) * (w[n + r] · x) for the gate rows r < n and the up rows after them of
+// w [2n, k], each dot product exactly as `gemv` sums it and the activation as
+// ops_gated_activation computes it (gate_activation), so that the result equals `gemv` then
+// ops_gated_activation to the bit. One warp per gate row at a time, streaming its gate and
+// up rows together; a programmatic dependent launch as `gemv`.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    gemv_gated(const uint4* __restrict__ w, const uint4* __restrict__ x, u32 n, u32 k, u32 act,
+               u16* __restrict__ out) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 chunks = k / 8;
+    const u32 warps = gridDim.x * (THREADS / 32);
+    u32 row = blockIdx.x * (THREADS / 32) + threadIdx.x / 32;
+    uint4 gv[UNROLL], uv[UNROLL];
+    if (row < n) {
+        load_batch(w + (u64)row * chunks, lane, chunks, gv);
+        load_batch(w + (u64)(n + row) * chunks, lane, chunks, uv);
+    }
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+    for (; row < n; row += warps) {
+        const uint4* g_row = w + (u64)row * chunks;
+        const uint4* u_row = w + (u64)(n + row) * chunks;
+        float g = 0.0f, u = 0.0f;
+        for (u32 base = lane; base < chunks; base += 32 * UNROLL) {
+            if (base != lane) {
+                load_batch(g_row, base, chunks, gv);
+                load_batch(u_row, base, chunks, uv);
+            }
+#pragma unroll
+            for (int i = 0; i < UNROLL; ++i) {
+                const u32 c = base + i * 32;
+                if (c < chunks) {
+                    const uint4 xc = __ldg(x + c);
+                    g = dot8(g, gv[i], xc);
+                    u = dot8(u, uv[i], xc);
+                }
+            }
+        }
+        if (row + warps < n) {
+            load_batch(w + (u64)(row + warps) * chunks, lane, chunks, gv);
+            load_batch(w + (u64)(n + row + warps) * chunks, lane, chunks, uv);
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            g += __shfl_xor_sync(0xffffffffu, g, offset);
+            u += __shfl_xor_sync(0xffffffffu, u, offset);
+        }
+        if (lane == 0) out[row] = round16(gate_activation(g, u, act));
     }
 }

@@ -4,7 +4,8 @@
 // RoPE of keys already in a KV buffer (a stored corpus's), the gated activation of the MLP,
 // type conversion, a bias add and the greedy choice of a row of logits.
 //
-// Compiled by NVRTC, once per entry point and element types, with these defines:
+// Compiled by NVRTC, once per entry point and element types, after gate.cuh, with these
+// defines:
 //   TABLE_T, IN_T, OUT_T, KV_T  element types (float, __half or __nv_bfloat16): the embedding
 //                  table, convert's input, an output, attention's queries and KV buffer
 //   NORMED          ops_add_rms_norm: 1 to normalise y before adding it, 0 to add it as is
@@ -432,9 +433,8 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS)
     }
 }
 
-// out [rows, width] (OUT_T) = act(gate) * up, each row of gate_up [rows, 2 * width] being
-// [gate, up]. act 0: GELU-tanh x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x³);
-// act 1: SiLU x / (1 + exp(-x)). Grid-stride over the n = rows * width outputs.
+// out [rows, width] (OUT_T) = act(gate) * up (gate_activation, gate.cuh), each row of
+// gate_up [rows, 2 * width] being [gate, up]. Grid-stride over the n = rows * width outputs.
 extern "C" __global__ void ops_gated_activation(const float* __restrict__ gate_up, u32 width,
                                                 u64 n, u32 act, OUT_T* __restrict__ out) {
     follow_previous_launch();
@@ -442,15 +442,7 @@ extern "C" __global__ void ops_gated_activation(const float* __restrict__ gate_u
          i += (u64)gridDim.x * blockDim.x) {
         const u64 row = i / width, col = i % width;
         const float g = gate_up[2 * row * width + col], u = gate_up[(2 * row + 1) * width + col];
-        // The exponent clamped as the CPU's fast_exp clamps it (and so never inf).
-        float e;
-        if (act == 0) {
-            const float inner = 0.7978846f * (g + 0.044715f * g * g * g);
-            e = __expf(fminf(fmaxf(-2.0f * inner, -87.0f), 88.0f));
-        } else {
-            e = __expf(fminf(fmaxf(-g, -87.0f), 88.0f));
-        }
-        out[i] = from_float<OUT_T>(__fmul_rn(__fdiv_rn(g, 1.0f + e), u));
+        out[i] = from_float<OUT_T>(gate_activation(g, u, act));
     }
 }
 

@@ -16,9 +16,13 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaView, CudaViewMut, DevicePtr, D
 
 use crate::error::{cublas, driver, length, KernelError, Result};
 use crate::gpu::{param, Float, Gpu};
-use crate::ops::add_bias;
+use crate::ops::{add_bias, gated_activation, GateActivation};
 
-const GEMV_SOURCE: &str = include_str!("../cuda/gemv.cu");
+/// `gemv.cu` after the gated activation it shares with `ops.cu`.
+const GEMV_SOURCE: &str = concat!(
+    include_str!("../cuda/gate.cuh"),
+    include_str!("../cuda/gemv.cu")
+);
 /// Threads of a `gemv` block (`THREADS` in `gemv.cu`): 8 warps, one weight row each.
 const GEMV_THREADS: u32 = 256;
 /// Resident `gemv` blocks per multiprocessor the grid is sized for (2,048 threads).
@@ -192,22 +196,15 @@ impl Gemm {
         self.bias_in_epilogue = on;
     }
 
-    /// `out [rows, n] = x [rows, k] · w [n, k]ᵀ (+ bias [n]) (+ out, if accumulate)`, all
-    /// row-major; `rows` and `n` follow from the lengths. Products accumulate in f32 and
-    /// `out` is f32. `T` is bf16 or f16 (inputs in `T`) or f32 (f32 arithmetic throughout,
-    /// no TF32). One row of 16-bit inputs with `k` a multiple of 8 and w and x 16-byte
-    /// aligned runs on the matrix-vector kernel (see [`Gemm::set_vector_kernel`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn linear<T: Float>(
+    /// `x [rows, k]` against `w [n, k]`: `(rows, n)`, after checking that this Gemm was made
+    /// on `gpu`'s context and that the lengths make whole rows of `k` that fit in i32.
+    fn shape<T>(
         &self,
         gpu: &Gpu,
         x: &CudaView<'_, T>,
         w: &CudaView<'_, T>,
         k: usize,
-        bias: Option<&CudaView<'_, f32>>,
-        accumulate: bool,
-        out: &mut CudaViewMut<'_, f32>,
-    ) -> Result<()> {
+    ) -> Result<(usize, usize)> {
         if !Arc::ptr_eq(gpu.context(), &self.ctx) {
             return Err(KernelError::Unsupported {
                 what: "Gemm on device",
@@ -215,7 +212,6 @@ impl Gemm {
                 supported: "the Gpu the Gemm was created on",
             });
         }
-        let dtype = data_type::<T>()?;
         if k == 0 {
             return Err(KernelError::Unsupported {
                 what: "linear inner dimension k",
@@ -233,14 +229,117 @@ impl Gemm {
         }
         let rows = x.len() / k;
         length("linear x [rows, k]", rows * k, x.len())?;
-        length("linear out [rows, n]", rows * n, out.len())?;
-        if let Some(bias) = bias {
-            length("linear bias [n]", n, bias.len())?;
-        }
         for (what, value) in [("linear rows", rows), ("linear n", n), ("linear k", k)] {
             if i32::try_from(value).is_err() {
                 return Err(KernelError::TooLarge { what, value });
             }
+        }
+        Ok((rows, n))
+    }
+
+    /// Whether a product of `rows` rows runs on the matrix-vector kernel: one row of 16-bit
+    /// inputs, `k` a multiple of 8, w and x 16-byte aligned (its loads), and the kernel on.
+    fn on_vector_kernel<T: Float>(
+        &self,
+        gpu: &Gpu,
+        x: &CudaView<'_, T>,
+        w: &CudaView<'_, T>,
+        rows: usize,
+        k: usize,
+    ) -> bool {
+        self.vector_kernel
+            && T::NAME != "float"
+            && rows == 1
+            && k.is_multiple_of(8)
+            && alignment(w.device_ptr(gpu.stream()).0) >= 16
+            && alignment(x.device_ptr(gpu.stream()).0) >= 16
+    }
+
+    /// The MLP's first product and its gated activation: `out [rows, n] = act(x · w_gateᵀ) *
+    /// (x · w_upᵀ)` rounded to `T`, where `w [2n, k]` holds the gate's `n` rows and then the
+    /// up projection's. One row on the matrix-vector kernel runs both in one launch
+    /// (`gemv_gated`), with the numbers [`Gemm::linear`] then
+    /// [`crate::ops::gated_activation`] give; other shapes run those two, through `gate_up`
+    /// (`[rows, 2n]` f32, left as it was by the one launch).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_linear<T: Float>(
+        &self,
+        gpu: &Gpu,
+        x: &CudaView<'_, T>,
+        w: &CudaView<'_, T>,
+        k: usize,
+        activation: GateActivation,
+        gate_up: &mut CudaViewMut<'_, f32>,
+        out: &mut CudaViewMut<'_, T>,
+    ) -> Result<()> {
+        let (rows, n2) = self.shape(gpu, x, w, k)?;
+        if !n2.is_multiple_of(2) {
+            return Err(KernelError::Length {
+                what: "gated_linear w [2n, k] (gate rows, then up rows)",
+                expected: (n2 + 1) * k,
+                found: w.len(),
+            });
+        }
+        let n = n2 / 2;
+        length("gated_linear gate_up [rows, 2n]", rows * n2, gate_up.len())?;
+        length("gated_linear out [rows, n]", rows * n, out.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        if !self.on_vector_kernel(gpu, x, w, rows, k) {
+            self.linear(gpu, x, w, k, None, false, gate_up)?;
+            return gated_activation(gpu, &gate_up.as_view(), n, activation, out);
+        }
+        let defines = [("W_BF16", u8::from(T::NAME == "__nv_bfloat16").to_string())];
+        let kernel = gpu.kernel(GEMV_SOURCE, "gemv_gated", &defines)?;
+        let most = gpu.multiprocessors() * GEMV_BLOCKS_PER_SM;
+        let blocks = (n as u32).div_ceil(GEMV_THREADS / 32).clamp(1, most);
+        let (w, x) = (w.device_ptr(gpu.stream()).0, x.device_ptr(gpu.stream()).0);
+        let out = out.device_ptr_mut(gpu.stream()).0;
+        let act = activation.code();
+        let (n, k) = (n as u32, k as u32);
+        let mut params = [
+            param(&w),
+            param(&x),
+            param(&n),
+            param(&k),
+            param(&act),
+            param(&out),
+        ];
+        // Safety: the parameters match `gemv_gated`'s; w holds 2n rows of k, x k and out n
+        // elements (checked above); k is a multiple of 8 and w and x are 16-byte aligned.
+        unsafe {
+            gpu.launch_raw(
+                &kernel,
+                ((blocks, 1), GEMV_THREADS, 0),
+                &mut params,
+                true,
+                "launching gemv_gated",
+            )
+        }
+    }
+
+    /// `out [rows, n] = x [rows, k] · w [n, k]ᵀ (+ bias [n]) (+ out, if accumulate)`, all
+    /// row-major; `rows` and `n` follow from the lengths. Products accumulate in f32 and
+    /// `out` is f32. `T` is bf16 or f16 (inputs in `T`) or f32 (f32 arithmetic throughout,
+    /// no TF32). One row of 16-bit inputs with `k` a multiple of 8 and w and x 16-byte
+    /// aligned runs on the matrix-vector kernel (see [`Gemm::set_vector_kernel`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear<T: Float>(
+        &self,
+        gpu: &Gpu,
+        x: &CudaView<'_, T>,
+        w: &CudaView<'_, T>,
+        k: usize,
+        bias: Option<&CudaView<'_, f32>>,
+        accumulate: bool,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let dtype = data_type::<T>()?;
+        let (rows, n) = self.shape(gpu, x, w, k)?;
+        length("linear out [rows, n]", rows * n, out.len())?;
+        if let Some(bias) = bias {
+            length("linear bias [n]", n, bias.len())?;
         }
         if rows == 0 {
             return Ok(());
@@ -252,12 +351,7 @@ impl Gemm {
         let stream = gpu.stream();
         let w_ptr = w.device_ptr(stream).0;
         let x_ptr = x.device_ptr(stream).0;
-        let vector_shaped = T::NAME != "float"
-            && rows == 1
-            && k.is_multiple_of(8)
-            && alignment(w_ptr) >= 16
-            && alignment(x_ptr) >= 16;
-        if self.vector_kernel && vector_shaped {
+        if self.on_vector_kernel(gpu, x, w, rows, k) {
             return gemv(gpu, x, w, (n, k), bias, accumulate, out);
         }
         let out_ptr = out.device_ptr_mut(stream).0;

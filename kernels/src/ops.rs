@@ -28,7 +28,11 @@ use crate::buffers::KvCache;
 use crate::error::{length, KernelError, Result};
 use crate::gpu::{param, Float, Gpu};
 
-const SOURCE: &str = include_str!("../cuda/ops.cu");
+/// `ops.cu` after the gated activation it shares with `gemv.cu`.
+const SOURCE: &str = concat!(
+    include_str!("../cuda/gate.cuh"),
+    include_str!("../cuda/ops.cu")
+);
 
 /// Threads of the row kernels (`ROW_THREADS` in `ops.cu`).
 const ROW_THREADS: u32 = 256;
@@ -62,6 +66,16 @@ pub enum GateActivation {
     GeluTanh,
     /// SiLU: `x / (1 + exp(-x))`.
     Silu,
+}
+
+impl GateActivation {
+    /// `act` of `gate_activation` (`gate.cuh`).
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            GateActivation::GeluTanh => 0,
+            GateActivation::Silu => 1,
+        }
+    }
 }
 
 /// RMSNorm's learned scale: `y = x / sqrt(mean(x²) + eps) * (weight + offset)`. `offset` is
@@ -804,10 +818,7 @@ pub fn gated_activation<O: Float>(
     if rows == 0 {
         return Ok(());
     }
-    let act: u32 = match activation {
-        GateActivation::GeluTanh => 0,
-        GateActivation::Silu => 1,
-    };
+    let act = activation.code();
     let n = out.len() as u64;
     let config = flat_config(gpu, out.len());
     let kernel = gpu.kernel(

@@ -1376,6 +1376,89 @@ mod on_gpu {
         worst.finish()
     }
 
+    /// `Gemm::gated_linear` gives what `linear` then `gated_activation` give, bit for bit:
+    /// one row in one launch (`gemv_gated`, rows of several batches of loads and grids that
+    /// stride), several rows through the two; both activations, bf16 and f16.
+    #[test]
+    fn gated_linear_is_linear_then_gated_activation() -> Result<()> {
+        let Some((gpu, mut rng)) = start("gated_linear_is_linear_then_gated_activation") else {
+            return Ok(());
+        };
+        let gemm = Gemm::new(&gpu)?;
+        for (rows, n, k) in [
+            (1, 1, 8),
+            (1, 7, 64),
+            (1, 1024, 640),
+            (1, 4000, 2056),
+            (3, 96, 640),
+        ] {
+            for activation in [GateActivation::GeluTanh, GateActivation::Silu] {
+                gated_linear_case::<bf16>(&gpu, &gemm, &mut rng, (rows, n, k), activation)?;
+                gated_linear_case::<f16>(&gpu, &gemm, &mut rng, (rows, n, k), activation)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn gated_linear_case<T: Float>(
+        gpu: &Gpu,
+        gemm: &Gemm,
+        rng: &mut StdRng,
+        (rows, n, k): GemmShape,
+        activation: GateActivation,
+    ) -> Result<()> {
+        let amplitude = 2.0 / (k as f32).sqrt();
+        let (x, _) = rounded::<T>(&uniform(rng, rows * k, -1.0, 1.0));
+        let (w, _) = rounded::<T>(&uniform(rng, 2 * n * k, -amplitude, amplitude));
+        let (x_d, w_d) = (gpu.upload(&x)?, gpu.upload(&w)?);
+        let mut gate_up = gpu.zeros::<f32>(rows * 2 * n)?;
+        let mut fused = poisoned::<T>(gpu, rows * n)?;
+        gemm.gated_linear(
+            gpu,
+            &x_d.as_view(),
+            &w_d.as_view(),
+            k,
+            activation,
+            &mut gate_up.as_view_mut(),
+            &mut fused.as_view_mut(),
+        )?;
+        let mut apart = poisoned::<T>(gpu, rows * n)?;
+        gemm.linear(
+            gpu,
+            &x_d.as_view(),
+            &w_d.as_view(),
+            k,
+            None,
+            false,
+            &mut gate_up.as_view_mut(),
+        )?;
+        ops::gated_activation(
+            gpu,
+            &gate_up.as_view(),
+            n,
+            activation,
+            &mut apart.as_view_mut(),
+        )?;
+        let (fused, apart) = (download(gpu, &fused)?, download(gpu, &apart)?);
+        ensure!(
+            apart.iter().all(|v| v.is_finite()),
+            "linear then gated_activation: not finite"
+        );
+        let differ = fused
+            .iter()
+            .zip(&apart)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        ensure!(
+            differ == 0,
+            "gated_linear [{rows}, {n}, {k}] {} {activation:?}: {differ} of {} outputs differ \
+             from linear then gated_activation",
+            name::<T>(),
+            rows * n
+        );
+        Ok(())
+    }
+
     /// x [rows, k] · w [n, k]ᵀ in f64 from the (rounded) inputs.
     fn product(x: &[f64], w: &[f64], k: usize) -> Vec<f64> {
         x.chunks(k)

@@ -1529,20 +1529,13 @@ fn layer_piece<T: Float, A: AttentionType>(
                 Some((&layer.ffn_norm, &mut s.h.slice_mut(..t * hidden))),
             )?;
             // MLP.
-            model.gemm.linear(
+            model.gemm.gated_linear(
                 gpu,
                 &s.h.slice(..t * hidden),
                 &layer.gate_up.as_view(),
                 hidden,
-                None,
-                false,
-                &mut s.gate_up.slice_mut(..t * 2 * inter),
-            )?;
-            ops::gated_activation(
-                gpu,
-                &s.gate_up.slice(..t * 2 * inter),
-                inter,
                 model.activation,
+                &mut s.gate_up.slice_mut(..t * 2 * inter),
                 &mut s.gated.slice_mut(..t * inter),
             )?;
             // The residual add, then the next layer's input norm (the last layer's output
