@@ -290,10 +290,6 @@ impl Gemm {
             self.linear(gpu, x, w, k, None, false, gate_up)?;
             return gated_activation(gpu, &gate_up.as_view(), n, activation, out);
         }
-        let defines = [("W_BF16", u8::from(T::NAME == "__nv_bfloat16").to_string())];
-        let kernel = gpu.kernel(GEMV_SOURCE, "gemv_gated", &defines)?;
-        let most = gpu.multiprocessors() * GEMV_BLOCKS_PER_SM;
-        let blocks = (n as u32).div_ceil(GEMV_THREADS / 32).clamp(1, most);
         let (w, x) = (w.device_ptr(gpu.stream()).0, x.device_ptr(gpu.stream()).0);
         let out = out.device_ptr_mut(gpu.stream()).0;
         let act = activation.code();
@@ -308,15 +304,7 @@ impl Gemm {
         ];
         // Safety: the parameters match `gemv_gated`'s; w holds 2n rows of k, x k and out n
         // elements (checked above); k is a multiple of 8 and w and x are 16-byte aligned.
-        unsafe {
-            gpu.launch_raw(
-                &kernel,
-                ((blocks, 1), GEMV_THREADS, 0),
-                &mut params,
-                true,
-                "launching gemv_gated",
-            )
-        }
+        unsafe { launch_gemv::<T>(gpu, ("gemv_gated", "launching gemv_gated"), n, &mut params) }
     }
 
     /// `out [rows, n] = x [rows, k] · w [n, k]ᵀ (+ bias [n]) (+ out, if accumulate)`, all
@@ -436,12 +424,6 @@ fn gemv<T: Float>(
     accumulate: bool,
     out: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
-    let defines = [("W_BF16", u8::from(T::NAME == "__nv_bfloat16").to_string())];
-    let kernel = gpu.kernel(GEMV_SOURCE, "gemv", &defines)?;
-    // Enough blocks for every row, at most as many as are resident at once (the warps then
-    // stride over the rest).
-    let most = gpu.multiprocessors() * GEMV_BLOCKS_PER_SM;
-    let blocks = (n as u32).div_ceil(GEMV_THREADS / 32).clamp(1, most);
     let bias = bias.map_or(0u64, |b| b.device_ptr(gpu.stream()).0);
     let (w, x) = (w.device_ptr(gpu.stream()).0, x.device_ptr(gpu.stream()).0);
     let out = out.device_ptr_mut(gpu.stream()).0;
@@ -455,23 +437,34 @@ fn gemv<T: Float>(
         param(&accumulate),
         param(&out),
     ];
-    // A programmatic dependent launch: the weights are not the previous launch's output, so
-    // the kernel starts reading them while that launch (a norm, an activation) still runs,
-    // and waits for it before it reads x or touches out.
     // Safety: the parameters match `gemv`'s; w holds n rows of k, x k and out n elements
     // (checked by `Gemm::linear`, which also checked that n and k fit in i32), bias n or is
     // null; k is a multiple of 8 and w and x are 16-byte aligned, as the kernel's 16-byte
     // loads need.
-    unsafe {
-        gpu.launch_raw(
-            &kernel,
-            ((blocks, 1), GEMV_THREADS, 0),
-            &mut params,
-            true,
-            "launching gemv",
-        )
-    }?;
-    Ok(())
+    unsafe { launch_gemv::<T>(gpu, ("gemv", "launching gemv"), n, &mut params) }
+}
+
+/// Launches `entry` of `gemv.cu` (`op` names the launch in errors) for weights of `T` over
+/// `rows` rows (a warp each at a
+/// time): enough blocks for every row, at most as many as are resident at once (the warps
+/// then stride over the rest). A programmatic dependent launch: the weights are not the
+/// previous launch's output, so the kernel starts reading them while that launch (a norm,
+/// an activation) still runs, and waits for it before it reads x or touches out.
+///
+/// # Safety
+/// `params` are `entry`'s, as [`Gpu::launch_raw`] asks.
+unsafe fn launch_gemv<T: Float>(
+    gpu: &Gpu,
+    (entry, op): (&'static str, &'static str),
+    rows: u32,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    let defines = [("W_BF16", u8::from(T::NAME == "__nv_bfloat16").to_string())];
+    let kernel = gpu.kernel(GEMV_SOURCE, entry, &defines)?;
+    let most = gpu.multiprocessors() * GEMV_BLOCKS_PER_SM;
+    let blocks = rows.div_ceil(GEMV_THREADS / 32).clamp(1, most);
+    // Safety: the caller's.
+    unsafe { gpu.launch_raw(&kernel, ((blocks, 1), GEMV_THREADS, 0), params, true, op) }
 }
 
 /// cuBLASLt's data type of `T`.
