@@ -76,7 +76,7 @@ __device__ __forceinline__ void load_batch(const uint4* w_row, u32 base, u32 chu
 // Launched as a programmatic dependent launch: the weights are not the previous launch's
 // output, so each warp loads its first row's first chunks before it waits for that launch
 // (griddepcontrol.wait; a no-op when launched plainly), and the weight stream starts while a
-// norm or an activation still runs. Nothing the previous launch writes or reads (x, out) is
+// norm, the gated product or the attention still runs. Nothing the previous launch writes or reads (x, out) is
 // touched before the wait. A row's first chunks are likewise loaded before the row before it
 // is summed across the warp.
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -91,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     if (row < n) load_batch(w + (u64)row * chunks, lane, chunks, wv);
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    // The launch after this one (a norm, an activation, attention's inputs: programmatic
+    // The launch after this one (a norm, attention's inputs, the attention: programmatic
     // dependent launches that wait for this grid first) may start its blocks now.
     asm volatile("griddepcontrol.launch_dependents;");
 #endif

@@ -445,11 +445,11 @@ fn gemv<T: Float>(
 }
 
 /// Launches `entry` of `gemv.cu` (`op` names the launch in errors) for weights of `T` over
-/// `rows` rows (a warp each at a
-/// time): enough blocks for every row, at most as many as are resident at once (the warps
-/// then stride over the rest). A programmatic dependent launch: the weights are not the
-/// previous launch's output, so the kernel starts reading them while that launch (a norm,
-/// an activation) still runs, and waits for it before it reads x or touches out.
+/// `rows` rows (a warp each at a time): enough blocks for every row, at most as many as are
+/// resident at once (the warps then stride over the rest). A programmatic dependent launch:
+/// the weights are not the previous launch's output, so the kernel starts reading them while
+/// that launch (a norm, the gated product, the attention) still runs, and waits for it before
+/// it reads x or touches out.
 ///
 /// # Safety
 /// `params` are `entry`'s, as [`Gpu::launch_raw`] asks.
