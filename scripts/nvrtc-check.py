@@ -98,8 +98,8 @@ def cases():
         yield "ops.cu", ops, {"NORMED": normed, "THEN": then, "OUT_T": out}
     for t in types:
         yield "ops.cu", ops, {"TABLE_T": t, "IN_T": t, "KV_T": t}
-    for bf16 in (0, 1):
-        yield "gemv.cu", gate + read("gemv.cu"), {"W_BF16": bf16}
+    for bf16, x_f32 in itertools.product((0, 1), (0, 1)):
+        yield "gemv.cu", gate + read("gemv.cu"), {"W_BF16": bf16, "X_F32": x_f32}
 
 
 def main():

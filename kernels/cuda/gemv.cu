@@ -6,6 +6,9 @@
 //
 // Compiled by NVRTC after gate.cuh with:
 //   W_BF16     1 for bf16 weights and inputs, 0 for f16
+//   X_F32      1 for f32 inputs, each rounded to the weights' type as it is read (the numbers
+//              of converting x first: a decode step's attention output goes straight into
+//              the output projection), 0 for inputs in the weights' type
 //
 // Layouts are row-major; k is a multiple of 8 and w and x are 16-byte aligned (the caller
 // checks). Products and sums are f32: each lane sums its columns in order, then the warp
@@ -13,6 +16,9 @@
 
 #ifndef W_BF16
 #define W_BF16 1
+#endif
+#ifndef X_F32
+#define X_F32 0
 #endif
 
 typedef unsigned short u16;
@@ -58,6 +64,33 @@ __device__ __forceinline__ float dot8(float acc, uint4 w, uint4 x) {
     return acc;
 }
 
+// Two f32 rounded to the weights' type (nearest even), lo in the low half.
+__device__ __forceinline__ u32 round_pair(float lo, float hi) {
+    u32 d;
+#if W_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#endif
+    return d;
+}
+
+// Chunk c of x (8 inputs) in the weights' type: 16 bytes as they are, or 32 bytes of f32
+// rounded.
+#if X_F32
+typedef float4 XChunk;
+__device__ __forceinline__ uint4 load_x(const XChunk* __restrict__ x, u32 c) {
+    const float4 a = __ldg(x + 2 * c), b = __ldg(x + 2 * c + 1);
+    return make_uint4(round_pair(a.x, a.y), round_pair(a.z, a.w), round_pair(b.x, b.y),
+                      round_pair(b.z, b.w));
+}
+#else
+typedef uint4 XChunk;
+__device__ __forceinline__ uint4 load_x(const XChunk* __restrict__ x, u32 c) {
+    return __ldg(x + c);
+}
+#endif
+
 // The UNROLL chunks of a row from chunk `base` on (zeros past its end), loaded before any is
 // used.
 __device__ __forceinline__ void load_batch(const uint4* w_row, u32 base, u32 chunks,
@@ -80,7 +113,7 @@ __device__ __forceinline__ void load_batch(const uint4* w_row, u32 base, u32 chu
 // touched before the wait. A row's first chunks are likewise loaded before the row before it
 // is summed across the warp.
 extern "C" __global__ void __launch_bounds__(THREADS)
-    gemv(const uint4* __restrict__ w, const uint4* __restrict__ x,
+    gemv(const uint4* __restrict__ w, const XChunk* __restrict__ x,
          const float* __restrict__ bias, u32 n, u32 k, u32 accumulate, float* __restrict__ out) {
     const u32 lane = threadIdx.x & 31;
     const u32 chunks = k / 8;
@@ -103,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const u32 c = base + u * 32;
-                if (c < chunks) acc = dot8(acc, wv[u], __ldg(x + c));
+                if (c < chunks) acc = dot8(acc, wv[u], load_x(x, c));
             }
         }
         if (row + warps < n) load_batch(w + (u64)(row + warps) * chunks, lane, chunks, wv);
@@ -135,7 +168,7 @@ __device__ __forceinline__ u16 round16(float x) {
 // ops_gated_activation to the bit. One warp per gate row at a time, streaming its gate and
 // up rows together; a programmatic dependent launch as `gemv`.
 extern "C" __global__ void __launch_bounds__(THREADS)
-    gemv_gated(const uint4* __restrict__ w, const uint4* __restrict__ x, u32 n, u32 k, u32 act,
+    gemv_gated(const uint4* __restrict__ w, const XChunk* __restrict__ x, u32 n, u32 k, u32 act,
                u16* __restrict__ out) {
     const u32 lane = threadIdx.x & 31;
     const u32 chunks = k / 8;
@@ -163,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             for (int i = 0; i < UNROLL; ++i) {
                 const u32 c = base + i * 32;
                 if (c < chunks) {
-                    const uint4 xc = __ldg(x + c);
+                    const uint4 xc = load_x(x, c);
                     g = dot8(g, gv[i], xc);
                     u = dot8(u, uv[i], xc);
                 }

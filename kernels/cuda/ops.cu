@@ -177,17 +177,11 @@ __device__ __forceinline__ float sum_squares(const float* __restrict__ row, u32 
     return block_sum(ss, scratch);
 }
 
-
-// out [rows, width] (OUT_T) = RMSNorm(x [rows, width]) with weight [width]. Grid: one block
-// of NORM_THREADS per row.
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-    ops_rms_norm(const float* __restrict__ x, u32 width, const float* __restrict__ weight,
-                 float eps, float offset, OUT_T* __restrict__ out) {
-    follow_previous_launch();
-    __shared__ float scratch[32];
-    const float* row = x + (u64)blockIdx.x * width;
-    const float r = rms(sum_squares(row, width, scratch), width, eps);
-    OUT_T* dst = out + (u64)blockIdx.x * width;
+// dst [width] (OUT_T) = row [width] normed by its 1/rms r and weight (ops_rms_norm's loop,
+// also the one after a residual add): each thread its elements in the sums' order.
+__device__ __forceinline__ void store_normed(const float* row, u32 width, float r,
+                                             const float* __restrict__ weight, float offset,
+                                             OUT_T* __restrict__ dst) {
     for (u32 base = threadIdx.x; base < width; base += NORM_THREADS * NORM_UNROLL) {
         float v[NORM_UNROLL], w[NORM_UNROLL];
         load_step(row, width, base, v);
@@ -198,6 +192,18 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
             if (j < width) dst[j] = from_float<OUT_T>(normed(v[u], r, w[u], offset));
         }
     }
+}
+
+// out [rows, width] (OUT_T) = RMSNorm(x [rows, width]) with weight [width]. Grid: one block
+// of NORM_THREADS per row.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    ops_rms_norm(const float* __restrict__ x, u32 width, const float* __restrict__ weight,
+                 float eps, float offset, OUT_T* __restrict__ out) {
+    follow_previous_launch();
+    __shared__ float scratch[32];
+    const float* row = x + (u64)blockIdx.x * width;
+    const float r = rms(sum_squares(row, width, scratch), width, eps);
+    store_normed(row, width, r, weight, offset, out + (u64)blockIdx.x * width);
 }
 
 // residual [rows, width] += RMSNorm(y) (NORMED 1) or y (NORMED 0); with THEN 1, also
@@ -249,17 +255,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 #if THEN
     // Each thread reads back only what it wrote itself.
     const float r_next = rms(block_sum(ss, scratch), width, next_eps);
-    OUT_T* out = next_out + (u64)blockIdx.x * width;
-    for (u32 base = threadIdx.x; base < width; base += NORM_THREADS * NORM_UNROLL) {
-        float v[NORM_UNROLL], w[NORM_UNROLL];
-        load_step(dst, width, base, v);
-        load_step(next_weight, width, base, w);
-#pragma unroll
-        for (int u = 0; u < NORM_UNROLL; ++u) {
-            const u32 j = base + u * NORM_THREADS;
-            if (j < width) out[j] = from_float<OUT_T>(normed(v[u], r_next, w[u], next_offset));
-        }
-    }
+    store_normed(dst, width, r_next, next_weight, next_offset, next_out + (u64)blockIdx.x * width);
 #endif
 }
 

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaView, CudaViewMut, DevicePtr, D
 
 use crate::error::{cublas, driver, length, KernelError, Result};
 use crate::gpu::{param, Float, Gpu};
-use crate::ops::{add_bias, gated_activation, GateActivation};
+use crate::ops::{add_bias, convert, gated_activation, GateActivation};
 
 /// `gemv.cu` after the gated activation it shares with `ops.cu`.
 const GEMV_SOURCE: &str = concat!(
@@ -198,10 +198,10 @@ impl Gemm {
 
     /// `x [rows, k]` against `w [n, k]`: `(rows, n)`, after checking that this Gemm was made
     /// on `gpu`'s context and that the lengths make whole rows of `k` that fit in i32.
-    fn shape<T>(
+    fn shape<X, T>(
         &self,
         gpu: &Gpu,
-        x: &CudaView<'_, T>,
+        x: &CudaView<'_, X>,
         w: &CudaView<'_, T>,
         k: usize,
     ) -> Result<(usize, usize)> {
@@ -237,12 +237,13 @@ impl Gemm {
         Ok((rows, n))
     }
 
-    /// Whether a product of `rows` rows runs on the matrix-vector kernel: one row of 16-bit
-    /// inputs, `k` a multiple of 8, w and x 16-byte aligned (its loads), and the kernel on.
-    fn on_vector_kernel<T: Float>(
+    /// Whether a product of `rows` rows runs on the matrix-vector kernel: one row, 16-bit
+    /// weights (inputs in their type or f32), `k` a multiple of 8, w and x 16-byte aligned
+    /// (its loads), and the kernel on.
+    fn on_vector_kernel<X, T: Float>(
         &self,
         gpu: &Gpu,
-        x: &CudaView<'_, T>,
+        x: &CudaView<'_, X>,
         w: &CudaView<'_, T>,
         rows: usize,
         k: usize,
@@ -304,7 +305,48 @@ impl Gemm {
         ];
         // Safety: the parameters match `gemv_gated`'s; w holds 2n rows of k, x k and out n
         // elements (checked above); k is a multiple of 8 and w and x are 16-byte aligned.
-        unsafe { launch_gemv::<T>(gpu, ("gemv_gated", "launching gemv_gated"), n, &mut params) }
+        unsafe {
+            launch_gemv::<T>(
+                gpu,
+                ("gemv_gated", "launching gemv_gated"),
+                n,
+                false,
+                &mut params,
+            )
+        }
+    }
+
+    /// [`Gemm::linear`] of f32 inputs rounded to `T`, the numbers of
+    /// [`crate::ops::convert`] into `staging` (as long as `x`) then `linear` from it, to the
+    /// bit. One row on the matrix-vector kernel rounds the inputs as it reads them: one
+    /// launch, `staging` untouched (a decode step's attention output, which the attention
+    /// writes in f32, goes into the output projection so); other shapes convert first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_of_f32<T: Float>(
+        &self,
+        gpu: &Gpu,
+        x: &CudaView<'_, f32>,
+        staging: &mut CudaViewMut<'_, T>,
+        w: &CudaView<'_, T>,
+        k: usize,
+        bias: Option<&CudaView<'_, f32>>,
+        accumulate: bool,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let (rows, n) = self.shape(gpu, x, w, k)?;
+        length("linear_of_f32 staging", x.len(), staging.len())?;
+        length("linear out [rows, n]", rows * n, out.len())?;
+        if let Some(bias) = bias {
+            length("linear bias [n]", n, bias.len())?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        if self.on_vector_kernel(gpu, x, w, rows, k) {
+            return gemv(gpu, x, w, (n, k), bias, accumulate, out);
+        }
+        convert(gpu, x, staging)?;
+        self.linear(gpu, &staging.as_view(), w, k, bias, accumulate, out)
     }
 
     /// `out [rows, n] = x [rows, k] · w [n, k]ᵀ (+ bias [n]) (+ out, if accumulate)`, all
@@ -413,11 +455,11 @@ impl Gemm {
     }
 }
 
-/// [`Gemm::linear`] for one row on `gemv.cu` (the caller checked the lengths, `k`'s multiple
-/// of 8 and the 16-byte alignment of w and x).
-fn gemv<T: Float>(
+/// [`Gemm::linear`] for one row on `gemv.cu`, inputs `X` in the weights' type or f32 (the
+/// caller checked the lengths, `k`'s multiple of 8 and the 16-byte alignment of w and x).
+fn gemv<X: Float, T: Float>(
     gpu: &Gpu,
-    x: &CudaView<'_, T>,
+    x: &CudaView<'_, X>,
     w: &CudaView<'_, T>,
     (n, k): (usize, usize),
     bias: Option<&CudaView<'_, f32>>,
@@ -440,12 +482,13 @@ fn gemv<T: Float>(
     // Safety: the parameters match `gemv`'s; w holds n rows of k, x k and out n elements
     // (checked by `Gemm::linear`, which also checked that n and k fit in i32), bias n or is
     // null; k is a multiple of 8 and w and x are 16-byte aligned, as the kernel's 16-byte
-    // loads need.
-    unsafe { launch_gemv::<T>(gpu, ("gemv", "launching gemv"), n, &mut params) }
+    // loads need; X_F32 says x's type.
+    let x_f32 = X::NAME == "float";
+    unsafe { launch_gemv::<T>(gpu, ("gemv", "launching gemv"), n, x_f32, &mut params) }
 }
 
-/// Launches `entry` of `gemv.cu` (`op` names the launch in errors) for weights of `T` over
-/// `rows` rows (a warp each at a time): enough blocks for every row, at most as many as are
+/// Launches `entry` of `gemv.cu` (`op` names the launch in errors) for weights of `T`
+/// (inputs in f32 if `x_f32`, else in `T`) over `rows` rows (a warp each at a time): enough blocks for every row, at most as many as are
 /// resident at once (the warps then stride over the rest). A programmatic dependent launch:
 /// the weights are not the previous launch's output, so the kernel starts reading them while
 /// that launch (a norm, the gated product, the attention) still runs, and waits for it before
@@ -457,9 +500,13 @@ unsafe fn launch_gemv<T: Float>(
     gpu: &Gpu,
     (entry, op): (&'static str, &'static str),
     rows: u32,
+    x_f32: bool,
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    let defines = [("W_BF16", u8::from(T::NAME == "__nv_bfloat16").to_string())];
+    let defines = [
+        ("W_BF16", u8::from(T::NAME == "__nv_bfloat16").to_string()),
+        ("X_F32", u8::from(x_f32).to_string()),
+    ];
     let kernel = gpu.kernel(GEMV_SOURCE, entry, &defines)?;
     let most = gpu.multiprocessors() * GEMV_BLOCKS_PER_SM;
     let blocks = rows.div_ceil(GEMV_THREADS / 32).clamp(1, most);

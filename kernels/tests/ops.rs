@@ -1459,6 +1459,132 @@ mod on_gpu {
         Ok(())
     }
 
+    /// `linear_of_f32`: f32 inputs rounded to the weights' type as the product reads them,
+    /// bit for bit `convert` then `linear`, on the matrix-vector kernel (one row) and off it
+    /// (three rows; one row with the kernel off), with and without bias and accumulation;
+    /// inputs include halfway cases of both types (ties to even) and the staging buffer is
+    /// left as it was where the kernel rounds by itself.
+    #[test]
+    fn linear_of_f32_is_convert_then_linear() -> Result<()> {
+        let Some((gpu, mut rng)) = start("linear_of_f32_is_convert_then_linear") else {
+            return Ok(());
+        };
+        let vector = Gemm::new(&gpu)?;
+        let mut blas = Gemm::new(&gpu)?;
+        blas.set_vector_kernel(false);
+        for (rows, n, k) in [
+            (1, 1, 8),
+            (1, 7, 64),
+            (1, 1024, 640),
+            (1, 4000, 2056),
+            (3, 96, 640),
+        ] {
+            for (gemm, on_vector) in [(&vector, rows == 1), (&blas, false)] {
+                for (bias, accumulate) in [(false, false), (true, false), (false, true)] {
+                    let case = (rows, n, k);
+                    linear_of_f32_case::<bf16>(
+                        &gpu, gemm, &mut rng, case, bias, accumulate, on_vector,
+                    )?;
+                    linear_of_f32_case::<f16>(
+                        &gpu, gemm, &mut rng, case, bias, accumulate, on_vector,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn linear_of_f32_case<T: Float>(
+        gpu: &Gpu,
+        gemm: &Gemm,
+        rng: &mut StdRng,
+        (rows, n, k): GemmShape,
+        bias: bool,
+        accumulate: bool,
+        on_vector: bool,
+    ) -> Result<()> {
+        let amplitude = 2.0 / (k as f32).sqrt();
+        let mut x = uniform(rng, rows * k, -1.0, 1.0);
+        // Halfway between two bf16 (1 + 2^-8) and two f16 (1 + 2^-11), either sign: rounded
+        // to even by both paths or by neither.
+        let len = x.len();
+        for (i, tie) in [
+            1.0 + 2f32.powi(-8),
+            -1.0 - 2f32.powi(-8),
+            1.0 + 2f32.powi(-11),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            x[(i * 5) % len] = tie;
+        }
+        let (w, _) = rounded::<T>(&uniform(rng, n * k, -amplitude, amplitude));
+        let b = uniform(rng, n, -1.0, 1.0);
+        let start = uniform(rng, rows * n, -1.0, 1.0);
+        let (x_d, w_d, b_d) = (gpu.upload(&x)?, gpu.upload(&w)?, gpu.upload(&b)?);
+        let bias_view = b_d.as_view();
+        let bias_arg = bias.then_some(&bias_view);
+        let mut staging = poisoned::<T>(gpu, rows * k)?;
+        let mut fused = gpu.upload(&start)?;
+        gemm.linear_of_f32(
+            gpu,
+            &x_d.as_view(),
+            &mut staging.as_view_mut(),
+            &w_d.as_view(),
+            k,
+            bias_arg,
+            accumulate,
+            &mut fused.as_view_mut(),
+        )?;
+        let mut converted = gpu.zeros::<T>(rows * k)?;
+        ops::convert(gpu, &x_d.as_view(), &mut converted.as_view_mut())?;
+        let mut apart = gpu.upload(&start)?;
+        gemm.linear(
+            gpu,
+            &converted.as_view(),
+            &w_d.as_view(),
+            k,
+            bias_arg,
+            accumulate,
+            &mut apart.as_view_mut(),
+        )?;
+        let (fused, apart) = (download(gpu, &fused)?, download(gpu, &apart)?);
+        let what = format!(
+            "linear_of_f32 [{rows}, {n}, {k}] {} bias {bias} accumulate {accumulate}",
+            name::<T>()
+        );
+        ensure!(
+            apart.iter().all(|v| v.is_finite()),
+            "{what}: convert then linear not finite"
+        );
+        let differ = fused
+            .iter()
+            .zip(&apart)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        ensure!(
+            differ == 0,
+            "{what}: {differ} of {} outputs differ from convert then linear",
+            rows * n
+        );
+        let staged = download(gpu, &staging)?;
+        let (untouched, converted) = (
+            staged.iter().all(|v| v.is_nan()),
+            staged == download(gpu, &converted)?,
+        );
+        ensure!(
+            if on_vector { untouched } else { converted },
+            "{what}: staging {} where the product {} the matrix-vector kernel",
+            if untouched { "untouched" } else { "written" },
+            if on_vector {
+                "ran on"
+            } else {
+                "did not run on"
+            }
+        );
+        Ok(())
+    }
+
     /// x [rows, k] · w [n, k]ᵀ in f64 from the (rounded) inputs.
     fn product(x: &[f64], w: &[f64], k: usize) -> Vec<f64> {
         x.chunks(k)

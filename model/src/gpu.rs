@@ -645,13 +645,11 @@ impl<T: Float, A: AttentionType> Batch for SequenceBatch<'_, T, A> {
                 lane.gpu.record(&lane.done)?;
                 gpu.wait(&lane.done)?;
             }
+            if staged.is_empty() {
+                return converge_attention::<A, T>(gpu, s, rows, i, None, q_dim);
+            }
             for run in staged {
-                let n = run.start * q_dim..run.end * q_dim;
-                ops::convert(
-                    gpu,
-                    &s.f32_out.slice(n.clone()),
-                    &mut s.attention.slice_mut(n),
-                )?;
+                converge_attention::<A, T>(gpu, s, rows, i, Some(run), q_dim)?;
             }
             Ok(())
         });
@@ -967,8 +965,9 @@ struct Scratch<T, A> {
     queries: CudaSlice<A>,
     attention: CudaSlice<T>,
     /// Attention computed in f32 `[rows, heads · head_dim]` (see
-    /// [`Sequence::attend_layer`]), converted into `attention`: in a batched step, all
-    /// rows in one launch once the lanes are done.
+    /// [`Sequence::attend_layer`]): read by the output projection itself in a decode step
+    /// ([`attention_in_f32`]), otherwise converted into `attention` (in a batched step, all
+    /// rows in one launch once the lanes are done).
     f32_out: CudaSlice<f32>,
     /// A projection's output before its post-norm `[rows, hidden]`.
     projected: CudaSlice<f32>,
@@ -1440,10 +1439,7 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                 &mut s.attention.slice_mut(..n),
                 &mut s.f32_out.slice_mut(..n),
             )?;
-            if staged {
-                ops::convert(gpu, &s.f32_out.slice(..n), &mut s.attention.slice_mut(..n))?;
-            }
-            Ok(())
+            converge_attention::<A, T>(gpu, s, t, i, staged.then_some(0..t), q_dim)
         });
         let picked = ran.and_then(|()| {
             self.position += t;
@@ -1516,10 +1512,18 @@ fn layer_piece<T: Float, A: AttentionType>(
         )?,
         Some(layer) => {
             // The residual add, then the MLP's input norm.
+            let n = t * q_dim;
+            let attention = match attention_in_f32::<A>(t) {
+                true => ProjectionInput::F32 {
+                    x: s.f32_out.slice(..n),
+                    staging: s.attention.slice_mut(..n),
+                },
+                false => ProjectionInput::Typed(s.attention.slice(..n)),
+            };
             project_residual(
                 gpu,
                 &model.gemm,
-                &s.attention.slice(..t * q_dim),
+                attention,
                 &layer.wo,
                 q_dim,
                 layer.post_attn_norm.as_ref(),
@@ -1544,7 +1548,7 @@ fn layer_piece<T: Float, A: AttentionType>(
             project_residual(
                 gpu,
                 &model.gemm,
-                &s.gated.slice(..t * inter),
+                ProjectionInput::Typed(s.gated.slice(..t * inter)),
                 &layer.down,
                 inter,
                 layer.post_ffn_norm.as_ref(),
@@ -1885,6 +1889,77 @@ fn norm_into<T: Float>(
     Ok(())
 }
 
+/// What a projection reads: inputs in the weights' type, or f32 rounded to it
+/// ([`Gemm::linear_of_f32`], through `staging` where the product cannot round as it reads).
+enum ProjectionInput<'a, T> {
+    Typed(CudaView<'a, T>),
+    F32 {
+        x: CudaView<'a, f32>,
+        staging: CudaViewMut<'a, T>,
+    },
+}
+
+impl<T: Float> ProjectionInput<'_, T> {
+    /// `out = input · wᵀ (+ out, if accumulate)` ([`Gemm::linear`]).
+    fn project(
+        &mut self,
+        gpu: &Gpu,
+        gemm: &Gemm,
+        w: &CudaSlice<T>,
+        k: usize,
+        accumulate: bool,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let w = w.as_view();
+        match self {
+            Self::Typed(x) => gemm.linear(gpu, x, &w, k, None, accumulate, out)?,
+            Self::F32 { x, staging } => {
+                gemm.linear_of_f32(gpu, x, staging, &w, k, None, accumulate, out)?
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Layer `i`'s attention of a call of `t` rows where the output projection reads it: rows
+/// `staged` (attention in `f32_out`) converted into `attention`, unless the projection reads
+/// the f32 itself ([`attention_in_f32`]), which needs every row staged.
+fn converge_attention<A: AttentionType, T: Float>(
+    gpu: &Gpu,
+    s: &mut Scratch<T, A>,
+    t: usize,
+    i: usize,
+    staged: Option<Range<usize>>,
+    q_dim: usize,
+) -> Result<()> {
+    if attention_in_f32::<A>(t) {
+        return match staged {
+            Some(rows) if rows == (0..t) => Ok(()),
+            _ => Err(ModelError::Backend {
+                layer: i,
+                reason: "a decode step's attention was not written in f32".into(),
+            }),
+        };
+    }
+    if let Some(rows) = staged {
+        let n = rows.start * q_dim..rows.end * q_dim;
+        ops::convert(
+            gpu,
+            &s.f32_out.slice(n.clone()),
+            &mut s.attention.slice_mut(n),
+        )?;
+    }
+    Ok(())
+}
+
+/// Whether a call of `t` rows finds every layer's attention in `f32_out` instead of
+/// `attention`: a decode step's single row, whose attention `flash_decode` or the caller's
+/// kernel (a claimed layer) writes in f32. Its output projection then rounds the f32 as it
+/// reads it, with no conversion launched between the two.
+fn attention_in_f32<A: AttentionType>(t: usize) -> bool {
+    t == 1 && A::FLASH_DECODE
+}
+
 /// `x += post_norm(input · wᵀ)`, or `x += input · wᵀ` accumulated by the GEMM itself when
 /// there is no post-norm (rows of `width`); then, with `then`, its `out = RMSNorm(x)` by its
 /// norm (the next sublayer's input), in the same launch as the post-norm's residual add
@@ -1893,7 +1968,7 @@ fn norm_into<T: Float>(
 fn project_residual<T: Float>(
     gpu: &Gpu,
     gemm: &Gemm,
-    input: &CudaView<'_, T>,
+    mut input: ProjectionInput<'_, T>,
     w: &CudaSlice<T>,
     k: usize,
     post_norm: Option<&GpuNorm>,
@@ -1916,22 +1991,14 @@ fn project_residual<T: Float>(
         });
     match post_norm {
         None => {
-            gemm.linear(gpu, input, &w.as_view(), k, None, true, x)?;
+            input.project(gpu, gemm, w, k, true, x)?;
             if let (Some(next), Some(out)) = (next, out) {
                 ops::rms_norm(gpu, &x.as_view(), width, &next, out)?;
             }
         }
         Some(norm) => {
             let n = x.len();
-            gemm.linear(
-                gpu,
-                input,
-                &w.as_view(),
-                k,
-                None,
-                false,
-                &mut projected.slice_mut(..n),
-            )?;
+            input.project(gpu, gemm, w, k, false, &mut projected.slice_mut(..n))?;
             let weight = norm.weight.as_view();
             let post = Norm {
                 weight: &weight,
