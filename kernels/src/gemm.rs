@@ -335,10 +335,7 @@ impl Gemm {
     ) -> Result<()> {
         let (rows, n) = self.shape(gpu, x, w, k)?;
         length("linear_of_f32 staging", x.len(), staging.len())?;
-        length("linear out [rows, n]", rows * n, out.len())?;
-        if let Some(bias) = bias {
-            length("linear bias [n]", n, bias.len())?;
-        }
+        output_lengths(rows, n, bias, out)?;
         if rows == 0 {
             return Ok(());
         }
@@ -367,10 +364,7 @@ impl Gemm {
     ) -> Result<()> {
         let dtype = data_type::<T>()?;
         let (rows, n) = self.shape(gpu, x, w, k)?;
-        length("linear out [rows, n]", rows * n, out.len())?;
-        if let Some(bias) = bias {
-            length("linear bias [n]", n, bias.len())?;
-        }
+        output_lengths(rows, n, bias, out)?;
         if rows == 0 {
             return Ok(());
         }
@@ -453,6 +447,20 @@ impl Gemm {
             _ => Ok(()),
         }
     }
+}
+
+/// Checks a product's `out [rows, n]` and `bias [n]` (if any) against its shape.
+fn output_lengths(
+    rows: usize,
+    n: usize,
+    bias: Option<&CudaView<'_, f32>>,
+    out: &CudaViewMut<'_, f32>,
+) -> Result<()> {
+    length("linear out [rows, n]", rows * n, out.len())?;
+    if let Some(bias) = bias {
+        length("linear bias [n]", n, bias.len())?;
+    }
+    Ok(())
 }
 
 /// [`Gemm::linear`] for one row on `gemv.cu`, inputs `X` in the weights' type or f32 (the

@@ -1439,22 +1439,33 @@ mod on_gpu {
             activation,
             &mut apart.as_view_mut(),
         )?;
-        let (fused, apart) = (download(gpu, &fused)?, download(gpu, &apart)?);
-        ensure!(
-            apart.iter().all(|v| v.is_finite()),
-            "linear then gated_activation: not finite"
+        let what = format!(
+            "gated_linear [{rows}, {n}, {k}] {} {activation:?}",
+            name::<T>()
         );
-        let differ = fused
+        same_bits(
+            &what,
+            "linear then gated_activation",
+            &download(gpu, &fused)?,
+            &download(gpu, &apart)?,
+        )
+    }
+
+    /// Fails unless `got` equals `want` (finite, from `how`) bit for bit.
+    fn same_bits(what: &str, how: &str, got: &[f64], want: &[f64]) -> Result<()> {
+        ensure!(
+            want.iter().all(|v| v.is_finite()),
+            "{what}: {how} not finite"
+        );
+        let differ = got
             .iter()
-            .zip(&apart)
+            .zip(want)
             .filter(|(a, b)| a.to_bits() != b.to_bits())
             .count();
         ensure!(
             differ == 0,
-            "gated_linear [{rows}, {n}, {k}] {} {activation:?}: {differ} of {} outputs differ \
-             from linear then gated_activation",
-            name::<T>(),
-            rows * n
+            "{what}: {differ} of {} outputs differ from {how}",
+            want.len()
         );
         Ok(())
     }
@@ -1548,25 +1559,16 @@ mod on_gpu {
             accumulate,
             &mut apart.as_view_mut(),
         )?;
-        let (fused, apart) = (download(gpu, &fused)?, download(gpu, &apart)?);
         let what = format!(
             "linear_of_f32 [{rows}, {n}, {k}] {} bias {bias} accumulate {accumulate}",
             name::<T>()
         );
-        ensure!(
-            apart.iter().all(|v| v.is_finite()),
-            "{what}: convert then linear not finite"
-        );
-        let differ = fused
-            .iter()
-            .zip(&apart)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
-        ensure!(
-            differ == 0,
-            "{what}: {differ} of {} outputs differ from convert then linear",
-            rows * n
-        );
+        same_bits(
+            &what,
+            "convert then linear",
+            &download(gpu, &fused)?,
+            &download(gpu, &apart)?,
+        )?;
         let staged = download(gpu, &staging)?;
         let (untouched, converted) = (
             staged.iter().all(|v| v.is_nan()),
