@@ -77,19 +77,9 @@ impl FittedRouting {
         centroids: &[f32],
     ) -> Result<Option<(Self, usize)>> {
         let d = rotated.head_dim();
-        let n = rotated.len();
         let buckets = centroids.len() / d;
         let group = sample.group(d)?;
-        let eligible = |p: u32| (p as usize).saturating_sub(sample.recent).min(n);
-        let usable: Vec<usize> = (0..sample.positions.len())
-            .filter(|&i| eligible(sample.positions[i]) >= MIN_KEYS)
-            .collect();
-        let products: usize = usable
-            .iter()
-            .map(|&i| eligible(sample.positions[i]) * group * d)
-            .sum();
-        let stride = products.div_ceil(MAX_FIT_PRODUCTS).max(1);
-        let used: Vec<usize> = usable.into_iter().step_by(stride).collect();
+        let used = used_samples(sample, rotated.len(), group, d);
         if used.is_empty() {
             return Ok(None);
         }
@@ -101,9 +91,15 @@ impl FittedRouting {
                 let position = sample.positions[i] as usize;
                 let queries = &sample.queries[i * group * d..(i + 1) * group * d];
                 let rotated_queries = rotated.rotate_query(&GroupQuery { queries, position });
-                let keys = &rotated.rows()[..eligible(sample.positions[i]) * d];
+                let keys = &rotated.rows()[..sample.eligible(i, rotated.len()) * d];
                 for (q, r) in queries.chunks_exact(d).zip(rotated_queries.chunks_exact(d)) {
-                    let shares = bucket_shares(r, keys, assignments, buckets, sample.scale);
+                    let mut shares = vec![0f64; buckets];
+                    for (w, &bucket) in attention_weights(r, keys, sample.scale)
+                        .into_iter()
+                        .zip(assignments)
+                    {
+                        shares[bucket as usize] += w;
+                    }
                     let x: Vec<f64> = q.iter().map(|&v| v as f64).chain([1.0]).collect();
                     for a in 0..dim {
                         for b in 0..=a {
@@ -154,30 +150,39 @@ impl FittedRouting {
     }
 }
 
-/// Each bucket's share of one rotated query's softmax attention over `keys` (rotated,
-/// `[keys, d]`, ids `0..`).
-fn bucket_shares(
-    query: &[f32],
-    keys: &[f32],
-    assignments: &[u32],
-    buckets: usize,
-    scale: f32,
-) -> Vec<f64> {
+/// The sampled queries a fit reads (their numbers in `sample`): those with at least
+/// [`MIN_KEYS`] of the `n` keys eligible before them, thinned evenly so that their products
+/// with those keys (`group` heads of `d` dimensions) stay under [`MAX_FIT_PRODUCTS`].
+pub(crate) fn used_samples(
+    sample: &QuerySample<'_>,
+    n: usize,
+    group: usize,
+    d: usize,
+) -> Vec<usize> {
+    let usable: Vec<usize> = (0..sample.positions.len())
+        .filter(|&i| sample.eligible(i, n) >= MIN_KEYS)
+        .collect();
+    let products: usize = usable
+        .iter()
+        .map(|&i| sample.eligible(i, n) * group * d)
+        .sum();
+    let stride = products.div_ceil(MAX_FIT_PRODUCTS).max(1);
+    usable.into_iter().step_by(stride).collect()
+}
+
+/// One rotated query's softmax attention weights over `keys` (rotated, `[keys, d]`, ids
+/// `0..`), in f64, summing to one.
+pub(crate) fn attention_weights(query: &[f32], keys: &[f32], scale: f32) -> Vec<f64> {
     let d = query.len();
     let logits: Vec<f32> = keys
         .chunks_exact(d)
         .map(|k| scale * dot(query, k))
         .collect();
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut shares = vec![0f64; buckets];
-    let mut total = 0f64;
-    for (id, &z) in logits.iter().enumerate() {
-        let w = ((z - max) as f64).exp();
-        shares[assignments[id] as usize] += w;
-        total += w;
-    }
-    shares.iter_mut().for_each(|s| *s /= total);
-    shares
+    let mut weights: Vec<f64> = logits.iter().map(|&z| ((z - max) as f64).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    weights.iter_mut().for_each(|w| *w /= total);
+    weights
 }
 
 /// Solves `a · x = b` in place for a symmetric positive definite `a` (`[n, n]`, row-major;

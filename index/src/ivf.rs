@@ -28,8 +28,13 @@
 //! Without a sample (a corpus ingested before samples were kept) it is built, and says so, as
 //! the same spec without `fit`.
 //!
-//! Saved bytes hold the centroids, the fitted routing and each key's list (a byte or two a
-//! key), not the keys, which are in the store. In memory the index keeps the keys (rotated,
+//! `hot<N>` (top-k search only) also scores, at every search, the N per mille of the keys that
+//! the corpus's sampled queries attended most ([`crate::heavy`]), wherever their lists rank:
+//! keys that draw much of most queries' attention sit in lists whose other keys may matter
+//! little to the query at hand. Without a sample it is built, and says so, without them.
+//!
+//! Saved bytes hold the centroids, the fitted routing, each key's list (a byte or two a
+//! key) and the hot keys' ids, not the keys, which are in the store. In memory the index keeps the keys (rotated,
 //! f32) only where its search reads them: `norope,all` probes with pre-RoPE queries and
 //! attends whole lists, so it holds the centroids and the lists' ids alone (on a GPU, where
 //! it routes, its memory is a few bytes a key rather than twice the keys in f32), and it
@@ -45,6 +50,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::common::{buckets_of, check_add, check_query, decode, eligible, encode, top_indices};
 use crate::fitted::FittedRouting;
+use crate::heavy::heavy_keys;
 use crate::key_index::{OneShot, StatelessSearch};
 use crate::kmeans::kmeans;
 use crate::{
@@ -86,6 +92,8 @@ pub struct IvfIndex {
     lists: Vec<Vec<u32>>,
     /// With `fit`: what ranks the lists instead of the centroids.
     routing: Option<FittedRouting>,
+    /// With `hot<N>`: the ids scored at every search beside the probed lists, ascending.
+    hot: Vec<u32>,
     stats: BuildStats,
 }
 
@@ -104,6 +112,16 @@ struct Body {
     centroids: Vec<f32>,
     routing: Option<FittedRouting>,
     /// Each key's list, by id (`None` in saves written before they were kept).
+    assigned: Option<Vec<u32>>,
+    /// The hot keys' ids (empty in saves written before `hot` existed).
+    hot: Vec<u32>,
+}
+
+/// What saves written before `hot` existed hold.
+#[derive(Deserialize)]
+struct WithoutHot {
+    centroids: Vec<f32>,
+    routing: Option<FittedRouting>,
     assigned: Option<Vec<u32>>,
 }
 
@@ -163,6 +181,9 @@ impl IvfIndex {
         if effective.fit {
             index.fit_routing(context, &mut warnings)?;
         }
+        if effective.hot_permille > 0 {
+            index.find_hot_keys(context, &mut warnings)?;
+        }
         index.refresh_rotated_means();
         // Fitting read the rotated keys; a search that reads none lets them go.
         if !keeps_keys(&index.spec) {
@@ -176,10 +197,19 @@ impl IvfIndex {
     fn decode_body(body: &[u8]) -> Result<Body> {
         decode::<Body>(body)
             .or_else(|_| {
+                decode::<WithoutHot>(body).map(|old| Body {
+                    centroids: old.centroids,
+                    routing: old.routing,
+                    assigned: old.assigned,
+                    hot: Vec::new(),
+                })
+            })
+            .or_else(|_| {
                 decode::<WithoutLists>(body).map(|old| Body {
                     centroids: old.centroids,
                     routing: old.routing,
                     assigned: None,
+                    hot: Vec::new(),
                 })
             })
             .or_else(|_| {
@@ -187,6 +217,7 @@ impl IvfIndex {
                     centroids: old.centroids,
                     routing: None,
                     assigned: None,
+                    hot: Vec::new(),
                 })
             })
     }
@@ -233,11 +264,23 @@ impl IvfIndex {
                 )));
             }
         }
-        // Built with `fit` but without a sample: built, and so loaded, as without `fit`.
+        // Built with `fit` or `hot` but without a sample: built, and so loaded, as without.
         let built = IvfSpec {
             fit: body.routing.is_some(),
+            hot_permille: if body.hot.is_empty() {
+                0
+            } else {
+                spec.hot_permille
+            },
             ..*spec
         };
+        if !body.hot.windows(2).all(|w| w[0] < w[1])
+            || body.hot.last().is_some_and(|&id| id as usize >= len)
+        {
+            return Err(IndexError::Corrupt(format!(
+                "hot key ids that are not ascending ids of the {len} keys"
+            )));
+        }
         let reads_keys = body.assigned.is_none() || keeps_keys(&built);
         if reads_keys && keys.len() != len * d {
             return Err(IndexError::Corrupt(format!(
@@ -262,6 +305,7 @@ impl IvfIndex {
             stats,
         )?;
         index.routing = body.routing;
+        index.hot = body.hot;
         match body.assigned {
             Some(assigned) => index.take_lists(&assigned, len)?,
             None => index.assign(keys, 0)?,
@@ -312,6 +356,30 @@ impl IvfIndex {
         Ok(())
     }
 
+    /// Finds the hot keys on the context's query sample; without one (or without a usable
+    /// one) marks the spec as built without them and says why in `warnings`.
+    fn find_hot_keys(
+        &mut self,
+        context: &BuildContext<'_>,
+        warnings: &mut Vec<String>,
+    ) -> Result<()> {
+        let count = (self.len * self.spec.hot_permille).div_ceil(1000);
+        self.hot = match (&context.queries, &self.keys) {
+            (Some(sample), Some(keys)) => heavy_keys(sample, keys, count)?,
+            _ => Vec::new(),
+        };
+        if self.hot.is_empty() {
+            self.spec.hot_permille = 0;
+            warnings.push(format!(
+                "no sampled queries to find the hot keys with (the corpus keeps none, or none \
+                 had {} keys before it): built {}",
+                crate::fitted::MIN_KEYS,
+                IndexSpec::Ivf(self.spec)
+            ));
+        }
+        Ok(())
+    }
+
     /// An index (over no keys yet: `keys` holds the rotated ones to come, or is `None`)
     /// whose faiss quantizer holds `centroids` (none: nothing trained yet).
     fn with_centroids(
@@ -339,6 +407,7 @@ impl IvfIndex {
             rotated_means: Vec::new(),
             lists,
             routing: None,
+            hot: Vec::new(),
             stats,
         })
     }
@@ -497,12 +566,21 @@ impl StatelessSearch for IvfIndex {
         };
         let mut probed = top_indices(&group, params.breadth_or(self.spec.probes));
         add_head_probes(&mut probed, head_logits, self.spec.head_probes);
-        let ids: Vec<u32> = probed
+        let mut ids: Vec<u32> = probed
             .iter()
             .flat_map(|&l| &self.lists[l as usize])
             .copied()
             .filter(|id| eligible.contains(id))
             .collect();
+        if !whole {
+            // The hot keys the probed lists do not hold (lists are ascending).
+            ids.extend(self.hot.iter().copied().filter(|id| {
+                eligible.contains(id)
+                    && !probed
+                        .iter()
+                        .any(|&l| self.lists[l as usize].binary_search(id).is_ok())
+            }));
+        }
         let mut scored = self.spec.lists;
         let selection = match &rotated {
             Some(queries) if !whole => {
@@ -593,6 +671,7 @@ impl KeyIndex for IvfIndex {
             centroids: self.centroids.clone(),
             routing: self.routing.clone(),
             assigned: Some(self.assignments()),
+            hot: self.hot.clone(),
         })
     }
 
@@ -630,6 +709,7 @@ impl BucketIndex for IvfIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::QuerySample;
     use kvdb_model::RopeStyle;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -646,6 +726,13 @@ mod tests {
     #[derive(Serialize)]
     struct OldestBody {
         centroids: Vec<f32>,
+    }
+    /// The body saves wrote before `hot`.
+    #[derive(Serialize)]
+    struct ListsBody {
+        centroids: Vec<f32>,
+        routing: Option<FittedRouting>,
+        assigned: Option<Vec<u32>>,
     }
 
     /// `N` random keys (from `seed`), a context with the test RoPE, and `spec` parsed.
@@ -690,7 +777,7 @@ mod tests {
             assert!(matches!(load(body, &[]), Err(IndexError::Corrupt(_))));
         }
         let with_lists = |assigned: Vec<u32>| {
-            encode(&Body {
+            encode(&ListsBody {
                 centroids: centroids.clone(),
                 routing: None,
                 assigned: Some(assigned),
@@ -706,6 +793,93 @@ mod tests {
         for body in [with_lists(want[1..].to_vec())?, with_lists(outside)?] {
             assert!(matches!(load(&body, &[]), Err(IndexError::Corrupt(_))));
         }
+        Ok(())
+    }
+
+    /// `hot<N>` finds its keys on the query sample (those `heavy_keys` finds), scores them
+    /// beside the probed lists (each once, counted as scored), saves and loads them, refuses
+    /// saved ids that are not ascending ids of the keys, and without a sample builds without
+    /// them and says so.
+    #[test]
+    fn hot_keys_are_scored_beside_the_probed_lists() -> Result<()> {
+        let (keys, context, spec) = random_keys(9, "ivf8,np1,hot50,norope")?;
+        let (_, _, plain_spec) = random_keys(9, "ivf8,np1,norope")?;
+        let mut rng = StdRng::seed_from_u64(10);
+        let positions: Vec<u32> = (0..40).map(|i| 100 + 12 * i).collect();
+        let queries: Vec<f32> = (0..positions.len() * 2 * D)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let sample = QuerySample {
+            queries: &queries,
+            positions: &positions,
+            scale: 0.5,
+            recent: 8,
+        };
+        let sampled = BuildContext {
+            queries: Some(sample),
+            ..context.clone()
+        };
+        let index = IvfIndex::build(&spec, &sampled, &keys)?;
+        let plain = IvfIndex::build(&plain_spec, &sampled, &keys)?;
+        assert_eq!(plain.lists, index.lists, "the same partition");
+        assert_eq!(index.hot.len(), N * 50 / 1000);
+        assert_eq!(index.hot, heavy_keys(&sample, index.rotated()?, 30)?);
+        assert_eq!(index.spec(), IndexSpec::Ivf(spec));
+        let loaded = IvfIndex::load(
+            &spec,
+            &context,
+            BuildStats::default(),
+            &index.save()?,
+            N,
+            &keys,
+        )?;
+        assert_eq!(loaded.hot, index.hot);
+        let mut added = 0;
+        for _ in 0..20 {
+            let (queries, _) = two_heads_at_the_end(&index, &mut rng)?;
+            let query = GroupQuery {
+                queries: &queries,
+                position: N,
+            };
+            // Every candidate, so that the selection is what was scored.
+            let all = SearchParams::top(N, 0..N as u32);
+            let (with, without) = (
+                index.search_once(&query, &all)?,
+                plain.search_once(&query, &all)?,
+            );
+            let mut want = without.selection.ids().to_vec();
+            let extra = index.hot.iter().filter(|id| !want.contains(id)).count();
+            added += extra;
+            want.extend(index.hot.iter().filter(|id| !want.contains(id)));
+            want.sort_unstable();
+            assert_eq!(with.selection.ids(), want);
+            assert_eq!(with.scored, without.scored + extra);
+            assert_eq!(loaded.search_once(&query, &all)?, with);
+            // Candidates restrict the hot keys as they do the lists' keys.
+            let late = index.search_once(&query, &SearchParams::top(N, 300..N as u32))?;
+            assert!(late.selection.ids().iter().all(|&id| id >= 300));
+        }
+        assert!(added > 0, "the hot keys were always in the probed list");
+        let corrupt = |hot: Vec<u32>| {
+            let body = encode(&Body {
+                centroids: index.centroids.clone(),
+                routing: None,
+                assigned: Some(index.assignments()),
+                hot,
+            })?;
+            IvfIndex::load(&spec, &context, BuildStats::default(), &body, N, &keys)
+        };
+        for hot in [vec![5, 5], vec![7, 3], vec![1, N as u32]] {
+            assert!(matches!(corrupt(hot), Err(IndexError::Corrupt(_))));
+        }
+        let unsampled = IvfIndex::build(&spec, &context, &keys)?;
+        assert!(unsampled.hot.is_empty());
+        assert_eq!(unsampled.spec(), IndexSpec::Ivf(plain_spec));
+        assert!(unsampled
+            .stats
+            .warnings
+            .iter()
+            .any(|w| w.contains("hot keys")));
         Ok(())
     }
 

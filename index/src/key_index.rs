@@ -162,6 +162,14 @@ impl QuerySample<'_> {
         }
         Ok(self.queries.len() / rows)
     }
+
+    /// How many of `n` keys (ids `0..n`) sample `i`'s query may attend outside its recent
+    /// window: the keys before its position but its last [`Self::recent`].
+    pub(crate) fn eligible(&self, i: usize, n: usize) -> usize {
+        (self.positions[i] as usize)
+            .saturating_sub(self.recent)
+            .min(n)
+    }
 }
 
 /// An index over the pre-RoPE keys of one KV head of one layer.

@@ -54,6 +54,8 @@ mod error;
 #[cfg(feature = "faiss")]
 mod fitted;
 mod flat;
+#[cfg(feature = "faiss")]
+mod heavy;
 mod hip;
 mod hnsw;
 mod ihip;

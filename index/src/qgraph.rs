@@ -278,10 +278,8 @@ impl QgraphIndex {
         let rope = self.keys.rope();
         // Each query head of each sample, with the keys it may attend.
         let mut heads: Vec<(usize, usize, usize)> = Vec::new();
-        for (s, &position) in sample.positions.iter().enumerate() {
-            let end = (position as usize)
-                .saturating_sub(sample.recent)
-                .min(self.len());
+        for s in 0..sample.positions.len() {
+            let end = sample.eligible(s, self.len());
             if end >= MIN_SAMPLE_KEYS {
                 heads.extend((0..group).map(|h| (s, h, end)));
             }

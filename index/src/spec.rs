@@ -10,10 +10,11 @@ use crate::IndexError;
 pub const GRAMMAR: &str = "\
 index specs:
   flat                                   exact top-k over every key
-  ivf<C>,np<P>[,hp<H>][,norope][,all][,fit]
+  ivf<C>,np<P>[,hp<H>][,hot<N>][,norope][,all][,fit]
                                          faiss IVF-Flat, C lists, P probed (+H, each head's own);
-                                         norope: de-roped keys; all: attend whole lists; fit:
-                                         route by the corpus's queries (needs norope)
+                                         hot: +N per mille most attended keys; norope: de-roped
+                                         keys; all: attend whole lists; fit: route by the
+                                         corpus's queries (needs norope)
   hnsw<M>,ef<E>[,efc<C>]                 hnsw_rs graph, M links, ef_search E, ef_construction C
   qgraph<M>,ef<E>                        attention-aware graph (experimental, no default yet): M
                                          links per key from k-means cells and the corpus's
@@ -34,7 +35,7 @@ a kind alone means its default (measured in docs/benchmarks.md, \"Default specs\
 /// returns it). `qgraph` is not among them yet: it has no default that answers the CI needle.
 pub const KINDS: [&str; 7] = ["flat", "ivf", "hnsw", "lsh", "saap", "hip", "ihip"];
 
-/// `ivf<C>,np<P>[,hp<H>][,norope][,all][,fit]`: inverted lists over faiss's flat quantizer, probed
+/// `ivf<C>,np<P>[,hp<H>][,hot<N>][,norope][,all][,fit]`: inverted lists over faiss's flat quantizer, probed
 /// by inner product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct IvfSpec {
@@ -46,6 +47,10 @@ pub struct IvfSpec {
     /// yet, taken head by head in turn. The `probes` go to the lists of the group's best
     /// head, so a head whose logits are smaller than another's gets its own lists only so.
     pub head_probes: usize,
+    /// Keys scored at every search beside the probed lists, in per mille of the keys: those
+    /// the corpus's sampled queries attended most in total ([`crate::QuerySample`]; 0 for
+    /// none). Not with `all`, whose lists the GPU routes and attends whole.
+    pub hot_permille: usize,
     /// Train and assign the partition on de-roped (pre-RoPE) keys and queries.
     pub norope: bool,
     /// Attend every key of the probed lists instead of their top-k.
@@ -151,7 +156,7 @@ impl IhipSpec {
 pub enum IndexSpec {
     /// `flat`
     Flat,
-    /// `ivf<C>,np<P>[,hp<H>][,norope][,all][,fit]`
+    /// `ivf<C>,np<P>[,hp<H>][,hot<N>][,norope][,all][,fit]`
     Ivf(IvfSpec),
     /// `hnsw<M>,ef<E>[,efc<C>]`
     Hnsw(HnswSpec),
@@ -250,6 +255,7 @@ impl IndexSpec {
                 lists: 256,
                 probes: 8,
                 head_probes: 0,
+                hot_permille: 0,
                 norope: true,
                 all: true,
                 fit: false,
@@ -283,7 +289,11 @@ impl IndexSpec {
     /// Whether a build learns from the corpus's sampled queries ([`crate::QuerySample`]),
     /// which the caller then reads from the store.
     pub fn learns_from_queries(&self) -> bool {
-        matches!(self, Self::Qgraph(_) | Self::Ivf(IvfSpec { fit: true, .. }))
+        match self {
+            Self::Qgraph(_) => true,
+            Self::Ivf(s) => s.fit || s.hot_permille > 0,
+            _ => false,
+        }
     }
 
     /// Whether searches return whole buckets (and so ignore `k`).
@@ -337,6 +347,20 @@ impl IndexSpec {
                                 "probes {} more beside {} of the {} lists",
                                 s.head_probes, s.probes, s.lists
                             ),
+                        )
+                    })
+                })
+                .or_else(|| {
+                    (s.hot_permille > 1000)
+                        .then(|| ("hot", format!("{} per mille of the keys", s.hot_permille)))
+                })
+                .or_else(|| {
+                    (s.hot_permille > 0 && s.all).then(|| {
+                        (
+                            "hot",
+                            "scores keys beside the lists: not with `all` (whole lists, routed \
+                             on the GPU)"
+                                .to_string(),
                         )
                     })
                 }),
@@ -436,6 +460,9 @@ impl fmt::Display for IndexSpec {
                 write!(f, "ivf{},np{}", s.lists, s.probes)?;
                 if s.head_probes > 0 {
                     write!(f, ",hp{}", s.head_probes)?;
+                }
+                if s.hot_permille > 0 {
+                    write!(f, ",hot{}", s.hot_permille)?;
                 }
                 if s.norope {
                     write!(f, ",norope")?;
@@ -560,20 +587,30 @@ impl<'a> Fields<'a> {
             .ok_or_else(|| self.error(body, "missing `np<P>`"))?;
         let probes = self.number(probes_token, "np")?;
         let (mut norope, mut all, mut fit) = (false, false, false);
-        let mut head_probes = None;
+        let (mut head_probes, mut hot) = (None, None);
         for token in tokens {
-            if token.starts_with("hp") {
-                if head_probes.is_some() {
+            let numbered = match token {
+                t if t.starts_with("hp") => Some((&mut head_probes, "hp")),
+                t if t.starts_with("hot") => Some((&mut hot, "hot")),
+                _ => None,
+            };
+            if let Some((slot, prefix)) = numbered {
+                if slot.is_some() {
                     return Err(self.error(token, "given twice"));
                 }
-                head_probes = Some((token, self.number(token, "hp")?));
+                *slot = Some((token, self.number(token, prefix)?));
                 continue;
             }
             let flag = match token {
                 "norope" => &mut norope,
                 "all" => &mut all,
                 "fit" => &mut fit,
-                _ => return Err(self.error(token, "expected `hp<H>`, `norope`, `all` or `fit`")),
+                _ => {
+                    return Err(self.error(
+                        token,
+                        "expected `hp<H>`, `hot<N>`, `norope`, `all` or `fit`",
+                    ))
+                }
             };
             if *flag {
                 return Err(self.error(token, "given twice"));
@@ -594,10 +631,12 @@ impl<'a> Fields<'a> {
             ));
         }
         let (hp_token, head_probes) = head_probes.unwrap_or(("", 0));
+        let (hot_token, hot_permille) = hot.unwrap_or(("", 0));
         let spec = IndexSpec::Ivf(IvfSpec {
             lists,
             probes,
             head_probes,
+            hot_permille,
             norope,
             all,
             fit,
@@ -605,7 +644,12 @@ impl<'a> Fields<'a> {
         self.checked(
             spec,
             body,
-            &[("ivf", lists_token), ("np", probes_token), ("hp", hp_token)],
+            &[
+                ("ivf", lists_token),
+                ("np", probes_token),
+                ("hp", hp_token),
+                ("hot", hot_token),
+            ],
         )
     }
 
@@ -796,6 +840,9 @@ mod tests {
             ("ivf256,np8,all", "ivf256,np8,all"),
             ("ivf256,np8,fit,all,norope", "ivf256,np8,norope,all,fit"),
             ("ivf256,np5,norope,hp2", "ivf256,np5,hp2,norope"),
+            ("ivf256,np5,norope,hot10", "ivf256,np5,hot10,norope"),
+            ("ivf256,np5,fit,hot10,norope", "ivf256,np5,hot10,norope,fit"),
+            ("ivf256,np5,hot10,hp2,norope", "ivf256,np5,hp2,hot10,norope"),
             ("hnsw32,ef128", "hnsw32,ef128,efc200"),
             ("hnsw16,ef64,efc100", "hnsw16,ef64,efc100"),
             ("qgraph16,ef32", "qgraph16,ef32"),
@@ -860,6 +907,10 @@ mod tests {
             ("ivf16,np14,hp3", "hp3"),
             ("ivf16,np4,hp2,norope,all", "hp2"),
             ("ivf16,np4,norope,fit,hp2", "hp2"),
+            ("ivf16,np4,hot0", "hot0"),
+            ("ivf16,np4,hot5,hot5", "hot5"),
+            ("ivf16,np4,hot1001", "hot1001"),
+            ("ivf16,np4,hot10,norope,all", "hot10"),
             ("hnsw32", "hnsw32"),
             ("hnsw32,ef", "ef"),
             ("lsh:L=4", "L=4"),
@@ -957,10 +1008,12 @@ mod tests {
     /// An error repeats at most a bounded prefix of what the user typed.
     #[test]
     fn errors_do_not_echo_huge_specs() {
+        // Beside the grammar every error shows.
+        let most = GRAMMAR.len() + 500;
         let huge = format!("ivf{}", "9".repeat(100_000));
         let err = huge.parse::<IndexSpec>().unwrap_err().to_string();
-        assert!(err.len() < 2_000, "{} bytes", err.len());
+        assert!(err.len() < most, "{} bytes", err.len());
         let huge = "x".repeat(100_000);
-        assert!(huge.parse::<IndexSpec>().unwrap_err().to_string().len() < 2_000);
+        assert!(huge.parse::<IndexSpec>().unwrap_err().to_string().len() < most);
     }
 }
