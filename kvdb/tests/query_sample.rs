@@ -1,7 +1,7 @@
 //! An ingest on the CPU keeps one position in `QUERY_SAMPLE_STRIDE` of every retrieval
 //! layer's queries (none of a sliding-window layer's), committed with the corpus, and
-//! `ivf…,fit` indexes are fitted on them; a tiny random-weight gemma3 (one global layer of
-//! five, two KV heads) on part of the GPL.
+//! `ivf…,fit` and `ivf…,hot<N>` indexes are built from them; a tiny random-weight gemma3 (one
+//! global layer of five, two KV heads) on part of the GPL.
 
 mod support;
 
@@ -74,24 +74,24 @@ fn ingest_samples_queries_and_fit_indexes_use_them() -> Result<()> {
             "layer {layer}: the heads' samples agree"
         );
     }
-    let spec: IndexSpec = "ivf8,np2,norope,all,fit".parse()?;
-    let infos = kvdb::update_indexes(
-        &store,
-        "c",
-        model.as_ref(),
-        std::slice::from_ref(&spec),
-        None,
-        &mut |_| {},
-    )?;
-    let info = infos
+    // Both indexes that learn from the sample are built as asked (without one they would be
+    // built without `fit` or `hot`, with a warning).
+    let specs: Vec<IndexSpec> = ["ivf8,np2,norope,all,fit", "ivf8,np2,hot50,norope"]
         .iter()
-        .find(|i| i.spec == spec.to_string())
-        .ok_or_else(|| anyhow::anyhow!("no `{spec}` among {infos:?}"))?;
-    ensure!(
-        info.built == spec.to_string(),
-        "built {} ({:?})",
-        info.built,
-        info.warnings
-    );
+        .map(|s| s.parse())
+        .collect::<Result<_, _>>()?;
+    let infos = kvdb::update_indexes(&store, "c", model.as_ref(), &specs, None, &mut |_| {})?;
+    for spec in &specs {
+        let info = infos
+            .iter()
+            .find(|i| i.spec == spec.to_string())
+            .ok_or_else(|| anyhow::anyhow!("no `{spec}` among {infos:?}"))?;
+        ensure!(
+            info.built == spec.to_string(),
+            "built {} ({:?})",
+            info.built,
+            info.warnings
+        );
+    }
     Ok(())
 }
