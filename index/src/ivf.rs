@@ -752,6 +752,23 @@ mod tests {
         Ok((keys, context, spec))
     }
 
+    /// `index` saved and loaded again over its `N` keys.
+    fn reloaded(
+        index: &IvfIndex,
+        spec: &IvfSpec,
+        context: &BuildContext<'_>,
+        keys: &[f32],
+    ) -> Result<IvfIndex> {
+        IvfIndex::load(
+            spec,
+            context,
+            BuildStats::default(),
+            &index.save()?,
+            N,
+            keys,
+        )
+    }
+
     /// Saves of every version load to the same lists (older ones by assigning the keys
     /// again, which they must be given); saved lists that do not fit are refused.
     #[test]
@@ -825,14 +842,7 @@ mod tests {
         assert_eq!(index.hot.len(), N * 50 / 1000);
         assert_eq!(index.hot, heavy_keys(&sample, index.rotated()?, 30)?);
         assert_eq!(index.spec(), IndexSpec::Ivf(spec));
-        let loaded = IvfIndex::load(
-            &spec,
-            &context,
-            BuildStats::default(),
-            &index.save()?,
-            N,
-            &keys,
-        )?;
+        let loaded = reloaded(&index, &spec, &context, &keys)?;
         assert_eq!(loaded.hot, index.hot);
         let mut added = 0;
         for _ in 0..20 {
@@ -978,14 +988,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(6);
         let mut grown = IvfIndex::build(&spec, &context, &keys[..N / 2 * D])?;
         grown.add(&keys[N / 2 * D..])?;
-        let loaded = IvfIndex::load(
-            &spec,
-            &context,
-            BuildStats::default(),
-            &grown.save()?,
-            N,
-            &keys,
-        )?;
+        let loaded = reloaded(&grown, &spec, &context, &keys)?;
         assert_eq!(grown.rotated_means, loaded.rotated_means);
         let index = IvfIndex::build(&spec, &context, &keys)?;
         let mut centroid_differs = 0;
