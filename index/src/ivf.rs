@@ -858,12 +858,18 @@ mod tests {
                 plain.search_once(&query, &all)?,
             );
             let mut want = without.selection.ids().to_vec();
-            let extra = index.hot.iter().filter(|id| !want.contains(id)).count();
-            added += extra;
-            want.extend(index.hot.iter().filter(|id| !want.contains(id)));
+            let extra: Vec<u32> = index
+                .hot
+                .iter()
+                .copied()
+                .filter(|id| !want.contains(id))
+                .collect();
+            added += extra.len();
+            let scored = without.scored + extra.len();
+            want.extend(extra);
             want.sort_unstable();
             assert_eq!(with.selection.ids(), want);
-            assert_eq!(with.scored, without.scored + extra);
+            assert_eq!(with.scored, scored);
             assert_eq!(loaded.search_once(&query, &all)?, with);
             // Candidates restrict the hot keys as they do the lists' keys.
             let late = index.search_once(&query, &SearchParams::top(N, 300..N as u32))?;
