@@ -34,8 +34,8 @@
 //! little to the query at hand. Without a sample it is built, and says so, without them.
 //!
 //! Saved bytes hold the centroids, the fitted routing, each key's list (a byte or two a
-//! key) and the hot keys' ids, not the keys, which are in the store. In memory the index keeps the keys (rotated,
-//! f32) only where its search reads them: `norope,all` probes with pre-RoPE queries and
+//! key) and the hot keys' ids, not the keys, which are in the store. In memory the index
+//! keeps the keys (rotated, f32) only where its search reads them: `norope,all` probes with pre-RoPE queries and
 //! attends whole lists, so it holds the centroids and the lists' ids alone (on a GPU, where
 //! it routes, its memory is a few bytes a key rather than twice the keys in f32), and it
 //! loads without reading the keys at all ([`crate::SavedInfo::keys_from`]): opening a
@@ -274,11 +274,14 @@ impl IvfIndex {
             },
             ..*spec
         };
-        if !body.hot.windows(2).all(|w| w[0] < w[1])
+        if (spec.hot_permille == 0 && !body.hot.is_empty())
+            || !body.hot.windows(2).all(|w| w[0] < w[1])
             || body.hot.last().is_some_and(|&id| id as usize >= len)
         {
             return Err(IndexError::Corrupt(format!(
-                "hot key ids that are not ascending ids of the {len} keys"
+                "{} hot key ids for `{}`, or ids that are not ascending ids of the {len} keys",
+                body.hot.len(),
+                IndexSpec::Ivf(*spec)
             )));
         }
         let reads_keys = body.assigned.is_none() || keeps_keys(&built);
@@ -876,17 +879,23 @@ mod tests {
             assert!(late.selection.ids().iter().all(|&id| id >= 300));
         }
         assert!(added > 0, "the hot keys were always in the probed list");
-        let corrupt = |hot: Vec<u32>| {
+        // Saved ids that do not fit, or saved for a spec without `hot`.
+        let load_with = |spec: &IvfSpec, hot: Vec<u32>| {
             let body = encode(&Body {
                 centroids: index.centroids.clone(),
                 routing: None,
                 assigned: Some(index.assignments()),
                 hot,
             })?;
-            IvfIndex::load(&spec, &context, BuildStats::default(), &body, N, &keys)
+            IvfIndex::load(spec, &context, BuildStats::default(), &body, N, &keys)
         };
-        for hot in [vec![5, 5], vec![7, 3], vec![1, N as u32]] {
-            assert!(matches!(corrupt(hot), Err(IndexError::Corrupt(_))));
+        for (spec, hot) in [
+            (&spec, vec![5, 5]),
+            (&spec, vec![7, 3]),
+            (&spec, vec![1, N as u32]),
+            (&plain_spec, index.hot.clone()),
+        ] {
+            assert!(matches!(load_with(spec, hot), Err(IndexError::Corrupt(_))));
         }
         let unsampled = IvfIndex::build(&spec, &context, &keys)?;
         assert!(unsampled.hot.is_empty());
