@@ -697,7 +697,8 @@ impl<'s> Prefiller<'s> {
     }
 
     /// The sampled queries ([`QUERY_SAMPLE_STRIDE`]) of a retrieval layer's chunk of `tokens`
-    /// tokens from `start`, where the model keeps its queries (on the CPU); empty otherwise.
+    /// tokens from `start`, where the model keeps its queries (on the CPU and the GPU); empty
+    /// otherwise.
     fn sample_queries(
         &mut self,
         layer: usize,

@@ -94,7 +94,8 @@ pub trait Forward {
     /// The pre-RoPE queries the last [`Forward::forward`] call produced for `layer` at its
     /// token indices `rows` (`[rows, n_heads, head_dim]`, f16), taken out of the state: the
     /// sample an ingest keeps for indexes that learn from queries. `None` where the state
-    /// keeps no queries (only the CPU's, made with [`SequenceOptions::store_kv`], does).
+    /// keeps no queries (only one made with [`SequenceOptions::store_kv`], on the CPU or the
+    /// GPU, does), or where they were taken already.
     fn take_queries(&mut self, layer: usize, rows: &[usize]) -> Result<Option<Vec<f16>>> {
         let _ = (layer, rows);
         Ok(None)

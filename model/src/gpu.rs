@@ -1004,12 +1004,16 @@ struct DecodeBuffers<A> {
     queries: CudaSlice<A>,
 }
 
-/// The store's copy of one layer's chunk: pre-RoPE keys and values in f16.
+/// The store's copy of one layer's chunk: pre-RoPE keys and values in f16, and the pre-RoPE
+/// queries (f32, `[tokens, heads, head_dim]`: 4 bytes a query dimension of the chunk, of
+/// which ingest keeps one row in 16), each taken once.
 struct StoredChunk {
     keys: CudaSlice<f16>,
     values: CudaSlice<f16>,
+    queries: CudaSlice<f32>,
     tokens: usize,
     taken: bool,
+    queries_taken: bool,
 }
 
 /// A sequence's claimed layers ([`ExternalAttention`]) and the buffers of their calls.
@@ -1155,8 +1159,10 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                         Ok(StoredChunk {
                             keys: gpu.zeros(1)?,
                             values: gpu.zeros(1)?,
+                            queries: gpu.zeros(1)?,
                             tokens: 0,
                             taken: true,
+                            queries_taken: true,
                         })
                     })
                     .collect::<Result<Vec<_>>>()
@@ -1215,13 +1221,18 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         }
         if let Some(stored) = self.stored.as_mut() {
             let kv_rows = t * c.n_kv_heads * c.head_dim;
+            let query_rows = t * c.n_heads * c.head_dim;
             for chunk in stored.iter_mut() {
                 if chunk.keys.len() < kv_rows {
                     chunk.keys = gpu.zeros(kv_rows)?;
                     chunk.values = gpu.zeros(kv_rows)?;
                 }
+                if chunk.queries.len() < query_rows {
+                    chunk.queries = gpu.zeros(query_rows)?;
+                }
                 chunk.tokens = t;
                 chunk.taken = false;
+                chunk.queries_taken = false;
             }
         }
         Ok(())
@@ -1269,12 +1280,16 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         let mut store_views = self.stored.as_mut().map(|stored| {
             let chunk = &mut stored[i];
             let n = t * kv_heads * d;
-            (chunk.keys.slice_mut(..n), chunk.values.slice_mut(..n))
+            (
+                chunk.keys.slice_mut(..n),
+                chunk.values.slice_mut(..n),
+                chunk.queries.slice_mut(..t * q_dim),
+            )
         });
-        let store_rows = store_views.as_mut().map(|(k, v)| StoreRows {
+        let store_rows = store_views.as_mut().map(|(k, v, q)| StoreRows {
             keys: k,
             values: v,
-            queries: None,
+            queries: Some(q),
         });
         let kv = &mut self.kv[i];
         // The call's first `rows` tokens' queries into `queries`, keys and values into
@@ -2184,6 +2199,40 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
             .map_err(copy)?;
         gpu.synchronize()?;
         Ok(Some((keys, values)))
+    }
+
+    fn take_queries(&mut self, layer: usize, rows: &[usize]) -> Result<Option<Vec<f16>>> {
+        let gpu = &*self.model.gpu;
+        let c = &self.model.config;
+        let Some(chunk) = self.stored.as_mut().and_then(|s| s.get_mut(layer)) else {
+            return Ok(None);
+        };
+        if chunk.queries_taken {
+            return Ok(None);
+        }
+        chunk.queries_taken = true;
+        if let Some(&row) = rows.iter().find(|&&r| r >= chunk.tokens) {
+            return Err(ModelError::StoredRows {
+                start: row,
+                end: row + 1,
+                tokens: chunk.tokens,
+            });
+        }
+        // Row by row (a sample: ingest takes one in 16), queued together, one wait.
+        let q_dim = c.n_heads * c.head_dim;
+        let mut queries = vec![0f32; rows.len() * q_dim];
+        let stream = gpu.stream();
+        for (&row, out) in rows.iter().zip(queries.chunks_exact_mut(q_dim)) {
+            let from = row * q_dim;
+            stream
+                .memcpy_dtoh(&chunk.queries.slice(from..from + q_dim), out)
+                .map_err(|e| KernelError::Driver {
+                    op: "copying stored queries",
+                    source: e,
+                })?;
+        }
+        gpu.synchronize()?;
+        Ok(Some(queries.into_iter().map(f16::from_f32).collect()))
     }
 }
 

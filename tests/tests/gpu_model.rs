@@ -362,8 +362,9 @@ mod on_gpu {
         Ok(())
     }
 
-    /// Ingest's state: keys and values rounded to f16 and kept for the store, and a state
-    /// that continues a stored prefix (preload) gives what one that computed it gives.
+    /// Ingest's state: keys and values rounded to f16 and kept for the store, the sampled
+    /// pre-RoPE queries as the CPU's, and a state that continues a stored prefix (preload)
+    /// gives what one that computed it gives.
     #[test]
     fn stored_keys_and_preload_match_the_cpu() -> Result<()> {
         let Some(gpu) = gpu("stored_keys_and_preload_match_the_cpu") else {
@@ -388,8 +389,22 @@ mod on_gpu {
                     .take_stored(layer, all.clone())?
                     .expect("the CPU keeps them");
                 let (gk, gv) = ours.take_stored(layer, all)?.expect("the GPU keeps them");
+                // A sample of the queries, as ingest takes them, each taken once.
+                let sampled = [0, 15, 31, 69];
+                let cq = cpu
+                    .take_queries(layer, &sampled)?
+                    .expect("the CPU keeps them");
+                let gq = ours
+                    .take_queries(layer, &sampled)?
+                    .expect("the GPU keeps them");
+                ensure!(ours.take_queries(layer, &sampled)?.is_none());
                 let (ck, cv, gk, gv) = (widen(ck), widen(cv), widen(gk), widen(gv));
-                for (what, a, b) in [("keys", &gk, &ck), ("values", &gv, &cv)] {
+                let (cq, gq) = (widen(cq), widen(gq));
+                for (what, a, b) in [
+                    ("keys", &gk, &ck),
+                    ("values", &gv, &cv),
+                    ("queries", &gq, &cq),
+                ] {
                     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
                     let e = a
                         .iter()

@@ -74,11 +74,12 @@ pub fn write_documents(dir: &Path, count: usize, chars: usize, seed: u64) -> Res
 }
 
 /// Everything a corpus stored, decoded: manifest counts, documents, tokens, and every
-/// stored key/value row of every layer and KV head.
+/// stored key/value row and sampled query (positions in the header) of every layer and KV
+/// head.
 pub fn dump(store: &Store, name: &str) -> Result<(String, Vec<u32>, Vec<Vec<u32>>)> {
     let m = store.manifest(name)?;
     let docs = store.documents(&m)?;
-    let header = format!(
+    let mut header = format!(
         "tokens {} documents {} pending {:?} docs {:?}",
         m.tokens,
         m.documents,
@@ -96,6 +97,10 @@ pub fn dump(store: &Store, name: &str) -> Result<(String, Vec<u32>, Vec<Vec<u32>
                 let r = store.rows(&m, kv, layer, head, range)?;
                 rows.push(r.iter().map(|x| x.to_bits()).collect());
             }
+            // The sampled queries (none in a layer that keeps none) and their positions.
+            let sample = store.query_sample(&m, layer, head)?;
+            rows.push(sample.queries.iter().map(|x| x.to_bits()).collect());
+            header.push_str(&format!(" sample {layer}/{head} {:?}", sample.positions));
         }
     }
     Ok((header, tokens, rows))
