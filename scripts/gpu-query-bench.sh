@@ -11,7 +11,8 @@
 # COPIES_GEMMA / COPIES_LLAMA / COPIES_QWEN set how many copies of the text each corpus holds
 # (0: skip; Qwen is skipped unless asked), PART_BYTES the bytes of the text's start that one
 # more, partial copy holds (to reach a length between whole copies: a copy is about 29,900
-# tokens, so 4 copies and PART_BYTES=13700 make about 131,072); IVF_LLAMA / IVF_QWEN an IVF spec for those models too
+# tokens, so 4 copies and PART_BYTES=13700 make about 131,072); IVF_GEMMA the IVF spec of Gemma's corpus
+# (default: ivf's default spec); IVF_LLAMA / IVF_QWEN an IVF spec for those models too
 # (its build takes minutes: 32 layers x 8 KV heads for Llama; with it, the model skips flat
 # top-k, whose search on the CPU takes a fifth of a second a token there, and its index); K the
 # keys flat top-k retrieves (default: 1% of the corpus); FOLLOW a number of most attended
@@ -119,7 +120,7 @@ serve_questions() {
 text=${TEXT:-/usr/share/common-licenses/GPL-3}
 log=$out/query.log
 echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$log"
-for spec in "gemma3-270m:${COPIES_GEMMA:-4}:ivf256,np8,norope,all" "llama3-8b:${COPIES_LLAMA:-1}:${IVF_LLAMA:-none}" \
+for spec in "gemma3-270m:${COPIES_GEMMA:-4}:${IVF_GEMMA:-ivf256,np8,hot10,norope,all}" "llama3-8b:${COPIES_LLAMA:-1}:${IVF_LLAMA:-none}" \
     "qwen2.5-7b-1m:${COPIES_QWEN:-0}:${IVF_QWEN:-none}"; do
     IFS=: read -r preset copies ivf <<<"$spec"
     [ "$copies" -gt 0 ] || continue

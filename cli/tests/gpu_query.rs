@@ -66,7 +66,13 @@ mod on_gpu {
     /// The specs asked through besides flat: the CPU and GPU must agree on the first ones.
     /// `ivf…,norope,all` and saap are routed on the GPU (no CPU search), the others search
     /// on the CPU.
-    const SAME_ANSWER: &[&str] = &["flat", "ivf16,np4", "ivf16,np4,norope,all", "saap16,l4"];
+    const SAME_ANSWER: &[&str] = &[
+        "flat",
+        "ivf16,np4",
+        "ivf16,np4,norope,all",
+        "ivf16,np4,hot50,norope,all",
+        "saap16,l4",
+    ];
     const ANSWERS: &[&str] = &[
         "hnsw8,ef32",
         "lsh:L=8,K=6,min=1",
@@ -160,7 +166,12 @@ mod on_gpu {
 
     /// The specs asked through with `follow`: a flat scan and a hierarchical index searched on
     /// the CPU, and a bucket index routed on the GPU, which follows there too.
-    const FOLLOWED: &[&str] = &["flat", "ivf16,np4,norope,all", "hip:k16,bq1,bk4"];
+    const FOLLOWED: &[&str] = &[
+        "flat",
+        "ivf16,np4,norope,all",
+        "ivf16,np4,hot50,norope,all",
+        "hip:k16,bq1,bk4",
+    ];
 
     /// Retrieval through `spec` following the `follow` most attended tokens of each step.
     fn following(spec: &str, follow: usize) -> Result<AttentionMode> {

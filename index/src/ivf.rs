@@ -28,10 +28,12 @@
 //! Without a sample (a corpus ingested before samples were kept) it is built, and says so, as
 //! the same spec without `fit`.
 //!
-//! `hot<N>` (top-k search only) also scores, at every search, the N per mille of the keys that
-//! the corpus's sampled queries attended most ([`crate::heavy`]), wherever their lists rank:
-//! keys that draw much of most queries' attention sit in lists whose other keys may matter
-//! little to the query at hand. Without a sample it is built, and says so, without them.
+//! `hot<N>` also takes, at every search, the N per mille of the keys that the corpus's sampled
+//! queries attended most ([`crate::heavy`]), wherever their lists rank: keys that draw much
+//! of most queries' attention sit in lists whose other keys may matter little to the query
+//! at hand. A top-k search re-scores them with the probed lists' keys; with `all` they are
+//! attended beside the whole lists (on the GPU as one more bucket that every search visits,
+//! [`crate::GpuRouting::always`]). Without a sample it is built, and says so, without them.
 //!
 //! Saved bytes hold the centroids, the fitted routing, each key's list (a byte or two a
 //! key) and the hot keys' ids, not the keys, which are in the store. In memory the index
@@ -575,15 +577,14 @@ impl StatelessSearch for IvfIndex {
             .copied()
             .filter(|id| eligible.contains(id))
             .collect();
-        if !whole {
-            // The hot keys the probed lists do not hold (lists are ascending).
-            ids.extend(self.hot.iter().copied().filter(|id| {
-                eligible.contains(id)
-                    && !probed
-                        .iter()
-                        .any(|&l| self.lists[l as usize].binary_search(id).is_ok())
-            }));
-        }
+        // The hot keys the probed lists do not hold (lists are ascending): re-scored with
+        // the lists' keys, or with `all` attended whole beside them.
+        ids.extend(self.hot.iter().copied().filter(|id| {
+            eligible.contains(id)
+                && !probed
+                    .iter()
+                    .any(|&l| self.lists[l as usize].binary_search(id).is_ok())
+        }));
         let mut scored = self.spec.lists;
         let selection = match &rotated {
             Some(queries) if !whole => {
@@ -704,6 +705,7 @@ impl BucketIndex for IvfIndex {
         (self.spec.norope && self.spec.all && self.routing.is_none()).then_some(GpuRouting {
             scores: BucketScores::Centroids(&self.centroids),
             lists: &self.lists,
+            always: &self.hot,
             probes: self.spec.probes,
         })
     }
@@ -817,13 +819,19 @@ mod tests {
     }
 
     /// `hot<N>` finds its keys on the query sample (those `heavy_keys` finds), scores them
-    /// beside the probed lists (each once, counted as scored), saves and loads them, refuses
-    /// saved ids that are not ascending ids of the keys, and without a sample builds without
-    /// them and says so.
+    /// beside the probed lists (each once, counted as scored), or with `all` attends them
+    /// beside the whole lists (each once, not scored) and hands them to the GPU's routing;
+    /// saves and loads them, refuses saved ids that are not ascending ids of the keys, and
+    /// without a sample builds without them and says so.
     #[test]
     fn hot_keys_are_scored_beside_the_probed_lists() -> Result<()> {
         let (keys, context, spec) = random_keys(9, "ivf8,np1,hot50,norope")?;
         let (_, _, plain_spec) = random_keys(9, "ivf8,np1,norope")?;
+        let [whole_spec, plain_whole_spec] = ["ivf8,np1,hot50,norope,all", "ivf8,np1,norope,all"]
+            .map(|s| match s.parse() {
+                Ok(IndexSpec::Ivf(spec)) => spec,
+                other => panic!("{s} parsed as {other:?}"),
+            });
         let mut rng = StdRng::seed_from_u64(10);
         let positions: Vec<u32> = (0..40).map(|i| 100 + 12 * i).collect();
         let queries: Vec<f32> = (0..positions.len() * 2 * D)
@@ -841,7 +849,15 @@ mod tests {
         };
         let index = IvfIndex::build(&spec, &sampled, &keys)?;
         let plain = IvfIndex::build(&plain_spec, &sampled, &keys)?;
+        let whole = IvfIndex::build(&whole_spec, &sampled, &keys)?;
+        let plain_whole = IvfIndex::build(&plain_whole_spec, &sampled, &keys)?;
         assert_eq!(plain.lists, index.lists, "the same partition");
+        assert_eq!(whole.hot, index.hot);
+        let routing = whole.gpu_routing().map(|r| (r.lists, r.always, r.probes));
+        assert_eq!(routing, Some((&whole.lists[..], &index.hot[..], 1)));
+        assert!(plain_whole
+            .gpu_routing()
+            .is_some_and(|r| r.always.is_empty()));
         assert_eq!(index.hot.len(), N * 50 / 1000);
         assert_eq!(index.hot, heavy_keys(&sample, index.rotated()?, 30)?);
         assert_eq!(index.spec(), IndexSpec::Ivf(spec));
@@ -873,6 +889,17 @@ mod tests {
             want.sort_unstable();
             assert_eq!(with.selection.ids(), want);
             assert_eq!(with.scored, scored);
+            // With `all`: the whole probed list and the hot keys it lacks, none scored.
+            let (whole_with, whole_without) = (
+                whole.search_once(&query, &all)?,
+                plain_whole.search_once(&query, &all)?,
+            );
+            let mut whole_want = whole_without.selection.ids().to_vec();
+            whole_want.extend(&index.hot);
+            whole_want.sort_unstable();
+            whole_want.dedup();
+            assert_eq!(whole_with.selection.ids(), whole_want);
+            assert_eq!(whole_with.scored, whole_without.scored);
             assert_eq!(loaded.search_once(&query, &all)?, with);
             // Candidates restrict the hot keys as they do the lists' keys.
             let late = index.search_once(&query, &SearchParams::top(N, 300..N as u32))?;

@@ -266,6 +266,9 @@ pub struct GpuRouting<'a> {
     pub scores: BucketScores<'a>,
     /// Each bucket's key ids, ascending.
     pub lists: &'a [Vec<u32>],
+    /// Key ids every search takes besides its buckets' (ivf's `hot<N>`), ascending; they may
+    /// also be in a bucket (the GPU then attends them once, as one more visited bucket).
+    pub always: &'a [u32],
     /// Buckets probed per search, unless the query asks for another breadth.
     pub probes: usize,
 }

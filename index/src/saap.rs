@@ -583,6 +583,7 @@ impl BucketIndex for SaapIndex {
                 share: geometry_share(&self.head),
             },
             lists: &self.buckets,
+            always: &[],
             probes: self.spec.probes,
         })
     }

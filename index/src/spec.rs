@@ -27,7 +27,7 @@ index specs:
                                          InfiniteHiP multi-stage chunk pruning (presets: paper,
                                          <N>k for a final budget of N*1024 keys)
 a kind alone means its default (measured in docs/benchmarks.md, \"Default specs\"):
-  ivf = ivf256,np8,norope,all            hnsw = hnsw16,ef64,efc200
+  ivf = ivf256,np8,hot10,norope,all      hnsw = hnsw16,ef64,efc200
   lsh = lsh:L=64,K=4,min=3,seed=0        saap = saap256,l10
   hip = hip:k256,bq1,bk1                 ihip = ihip:lc=64/16/4,k=1024/256/64,refresh=16/8/4";
 
@@ -47,9 +47,10 @@ pub struct IvfSpec {
     /// yet, taken head by head in turn. The `probes` go to the lists of the group's best
     /// head, so a head whose logits are smaller than another's gets its own lists only so.
     pub head_probes: usize,
-    /// Keys scored at every search beside the probed lists, in per mille of the keys: those
+    /// Keys taken at every search beside the probed lists, in per mille of the keys: those
     /// the corpus's sampled queries attended most in total ([`crate::QuerySample`]; 0 for
-    /// none). Not with `all`, whose lists the GPU routes and attends whole.
+    /// none). Scored with the lists' keys, or with `all` attended beside the whole lists (on
+    /// the GPU, one more bucket that every search visits).
     pub hot_permille: usize,
     /// Train and assign the partition on de-roped (pre-RoPE) keys and queries.
     pub norope: bool,
@@ -255,7 +256,7 @@ impl IndexSpec {
                 lists: 256,
                 probes: 8,
                 head_probes: 0,
-                hot_permille: 0,
+                hot_permille: 10,
                 norope: true,
                 all: true,
                 fit: false,
@@ -353,16 +354,6 @@ impl IndexSpec {
                 .or_else(|| {
                     (s.hot_permille > 1000)
                         .then(|| ("hot", format!("{} per mille of the keys", s.hot_permille)))
-                })
-                .or_else(|| {
-                    (s.hot_permille > 0 && s.all).then(|| {
-                        (
-                            "hot",
-                            "scores keys beside the lists: not with `all` (whole lists, routed \
-                             on the GPU)"
-                                .to_string(),
-                        )
-                    })
                 }),
             Self::Hnsw(s) => outside("hnsw", s.m, 2..=MAX_LINKS)
                 .or_else(|| outside("ef", s.ef_search, 1..=MAX_EF))
@@ -837,6 +828,7 @@ mod tests {
             ("flat", "flat"),
             ("ivf1024,np32", "ivf1024,np32"),
             ("ivf256,np8,norope,all", "ivf256,np8,norope,all"),
+            ("ivf256,np8,norope,all,hot10", "ivf256,np8,hot10,norope,all"),
             ("ivf256,np8,all", "ivf256,np8,all"),
             ("ivf256,np8,fit,all,norope", "ivf256,np8,norope,all,fit"),
             ("ivf256,np5,norope,hp2", "ivf256,np5,hp2,norope"),
@@ -910,7 +902,6 @@ mod tests {
             ("ivf16,np4,hot0", "hot0"),
             ("ivf16,np4,hot5,hot5", "hot5"),
             ("ivf16,np4,hot1001", "hot1001"),
-            ("ivf16,np4,hot10,norope,all", "hot10"),
             ("hnsw32", "hnsw32"),
             ("hnsw32,ef", "ef"),
             ("lsh:L=4", "L=4"),

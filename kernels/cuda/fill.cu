@@ -41,8 +41,8 @@ extern "C" __global__ void fill_slots(const uint4* host_k, const uint4* host_v, 
 }
 
 // Copies whole buckets of a partition's rows from pinned host memory into a GPU bucket cache
-// (`BucketCache` in cache.rs): jobs [n][2] are a list number l (KV head l / buckets) and
-// the first cache row it gets; the list's ids (`ids[offsets[l]..offsets[l + 1]]`, rows of
+// (`BucketCache` in cache.rs): jobs [n][2] are a list number l (KV head l / buckets, the
+// partition's lists per head) and the first cache row it gets; the list's ids (`ids[offsets[l]..offsets[l + 1]]`, rows of
 // that head, `head_stride` rows apart per head) are copied in order to consecutive cache
 // rows, and each row's token id to `token_of`. Rows are `row_vecs` 16-byte vectors; block
 // (j, y) copies vectors y, y + gridDim.y, ... (in blocks of blockDim.x) of job j.

@@ -7,10 +7,13 @@
 // HEAD_DIM / 8 is a power of two up to 32. blocks.cuh comes before this file.
 //
 // Layouts: queries [kv_heads, GROUP, head_dim] f32; centroids [kv_heads, buckets, head_dim]
-// f32; `visited` [kv_heads, probes] gets list numbers of the partition's CSR of ids, in
-// which bucket b of KV head h is list h * buckets + b and list kv_heads * buckets is empty
-// (probes <= buckets). Routing never reads the ids: the bucket attention that reads the
-// visits counts the ids it attends.
+// f32; `visited` [kv_heads, stride] gets, in each head's first `probes` items, list
+// numbers of the partition's CSR of ids, in which bucket b of KV head h is list
+// h * per_head + b and list kv_heads * per_head is empty (probes <= buckets <= per_head).
+// A head's lists past its buckets and its visits past `probes` are the launcher's: a bucket
+// every search visits (ivf's hot keys) is one more list a head, preset in the visits.
+// Routing never reads the ids: the bucket attention that reads the visits counts the ids it
+// attends.
 //
 // Grid: (KV heads, slices), blocks of ROUTE_THREADS. Every block of a head scores all of its
 // buckets (dynamic shared memory holds the scores, padded to whole SCAN chunks), then ranks
@@ -43,7 +46,7 @@ __device__ __forceinline__ void load8(const float* p, float (&x)[8]) {
 
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, u32 head_dim,
-              u32 buckets, u32 probes, u32 per,
+              u32 buckets, u32 probes, u32 per, u32 stride, u32 per_head,
               u32* __restrict__ visited) {
 #if __CUDA_ARCH__ >= 900
     // Launched as a programmatic dependent launch: first the launch before this one
@@ -122,7 +125,7 @@ route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, 
             }
         }
         for (u32 off = 1; off < split; off <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, off);
-        if (part == 0 && b < end && s == s && rank < probes) visited[(u64)h * probes + rank] = h * buckets + b;
+        if (part == 0 && b < end && s == s && rank < probes) visited[(u64)h * stride + rank] = h * per_head + b;
     }
     // Fewer buckets than probes could win (NaN scores): the first slice's block has the rest
     // visit the empty list after every head's buckets. Every block holds all the scores, so
@@ -133,7 +136,7 @@ route_buckets(const float* __restrict__ q, const float* __restrict__ centroids, 
         atomicAdd(&scored, valid);
         __syncthreads();
         for (u32 r = min(scored, probes) + threadIdx.x; r < probes; r += blockDim.x)
-            visited[(u64)h * probes + r] = gridDim.x * buckets;
+            visited[(u64)h * stride + r] = gridDim.x * per_head;
     }
 }
 

@@ -553,7 +553,7 @@ impl<'g, T: KvElement> Bench<'g, T> {
         }
         let mut unit = |len: usize| -> Vec<f32> { (0..len).map(|_| self.rng.unit()).collect() };
         let centroids = unit(s.kv_heads * buckets * s.head_dim);
-        let partition = Partition::new(self.gpu, &centroids, &lists, s.kv_heads, s.head_dim)?;
+        let partition = Partition::new(self.gpu, &centroids, &lists, &[], s.kv_heads, s.head_dim)?;
         // The same buckets routed by a saap classifier of SAAP_HIDDEN units (random
         // weights: the cost does not depend on them) with the geometric expert.
         let classifier_weights: Vec<[Vec<f32>; 6]> = (0..s.kv_heads)

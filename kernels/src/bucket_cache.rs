@@ -283,7 +283,7 @@ impl<T: KvElement> BucketCache<T> {
         let ids = partition.ids();
         let (offsets, items) = (gpu.address(&ids.offsets), gpu.address(&ids.items));
         let jobs_address = gpu.address(&self.jobs);
-        let buckets = partition.buckets() as u32;
+        let buckets = partition.lists_per_head() as u32;
         let row_vecs = (self.head_dim * size_of::<T>() / 16) as u32;
         let (cache_k, cache_v) = (gpu.address(&self.keys), gpu.address(&self.values));
         let token_of = gpu.address(&self.token_of);

@@ -172,12 +172,17 @@ impl Classifier {
 /// `[kv_heads, buckets, head_dim]` f32, a bucket's score their inner product with the query,
 /// the best over a GQA group's heads; or a trained classifier, [`Partition::classifier`]) and
 /// each bucket's token ids, ascending, as the CSR [`crate::Buckets::ids`] takes (KV head `h`'s
-/// bucket `b` is list `h * buckets + b`, and one empty list follows them).
+/// bucket `b` is list `h * per_head + b`, and one empty list follows them all). Where every
+/// search also visits some ids (ivf's hot keys), they are one more list of each head
+/// (`h * per_head + buckets`) that every visit holds, and no bucket list holds them.
 pub struct Partition {
     router: Router,
     ids: Csr,
     kv_heads: usize,
     buckets: usize,
+    /// Lists per KV head in `ids`: its buckets, then, where every search also visits some
+    /// ids ([`Partition::new`]'s `always`), one list of them.
+    per_head: usize,
     head_dim: usize,
     /// Every row's bucket, made by the first query that follows (`Partition::bucket_of`).
     bucket_of: OnceLock<BucketOf>,
@@ -188,6 +193,7 @@ impl std::fmt::Debug for Partition {
         f.debug_struct("Partition")
             .field("kv_heads", &self.kv_heads)
             .field("buckets", &self.buckets)
+            .field("per_head", &self.per_head)
             .field("head_dim", &self.head_dim)
             .field(
                 "router",
@@ -263,12 +269,15 @@ impl Visits {
 }
 
 impl Partition {
-    /// Uploads `kv_heads` heads' partitions: `centroids` `[kv_heads, buckets, head_dim]` and
-    /// `lists[h * buckets + b]` the ascending token ids of head `h`'s bucket `b`.
+    /// Uploads `kv_heads` heads' partitions: `centroids` `[kv_heads, buckets, head_dim]`,
+    /// `lists[h * buckets + b]` the ascending token ids of head `h`'s bucket `b`, and
+    /// `always` empty or, per head, ascending ids every search visits besides its buckets
+    /// (attended once: taken out of the buckets that hold them).
     pub fn new(
         gpu: &Gpu,
         centroids: &[f32],
         lists: &[Vec<u32>],
+        always: &[Vec<u32>],
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<Self> {
@@ -282,6 +291,7 @@ impl Partition {
             gpu,
             Router::Centroids(gpu.upload(centroids)?),
             lists,
+            always,
             kv_heads,
             head_dim,
         )
@@ -371,16 +381,18 @@ impl Partition {
             gpu,
             Router::Classifier(Box::new(classifier)),
             lists,
+            &[],
             kv_heads,
             head_dim,
         )
     }
 
-    /// The partition of `router` over `lists` (checked).
+    /// The partition of `router` over `lists` and `always` (checked).
     fn with_router(
         gpu: &Gpu,
         router: Router,
         lists: &[Vec<u32>],
+        always: &[Vec<u32>],
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<Self> {
@@ -400,8 +412,16 @@ impl Partition {
         }
         // A bucket's centroid is read by the attention kernels' lanes of a row.
         lanes_of(head_dim, "head dimension routed on the GPU")?;
+        if !always.is_empty() {
+            length(
+                "always-visited lists (one per KV head)",
+                kv_heads,
+                always.len(),
+            )?;
+        }
         if let Some(unsorted) = lists
             .iter()
+            .chain(always)
             .position(|l| l.windows(2).any(|w| w[0] >= w[1]))
         {
             return Err(KernelError::Offsets {
@@ -409,13 +429,28 @@ impl Partition {
                 items: unsorted,
             });
         }
-        let mut all: Vec<&[u32]> = lists.iter().map(Vec::as_slice).collect();
-        all.push(&[]);
+        let per_head = buckets + usize::from(!always.is_empty());
+        let mut all: Vec<Vec<u32>> = Vec::with_capacity(kv_heads * per_head + 1);
+        for (h, head) in lists.chunks_exact(buckets).enumerate() {
+            match always.get(h) {
+                // Each id once: out of its bucket, into the list every visit holds.
+                Some(always) => {
+                    all.extend(head.iter().map(|list| {
+                        let kept = list.iter().filter(|id| always.binary_search(id).is_err());
+                        kept.copied().collect()
+                    }));
+                    all.push(always.clone());
+                }
+                None => all.extend(head.iter().cloned()),
+            }
+        }
+        all.push(Vec::new());
         Ok(Self {
             router,
             ids: Csr::from_lists(gpu, &all)?,
             kv_heads,
             buckets,
+            per_head,
             head_dim,
             bucket_of: OnceLock::new(),
         })
@@ -426,19 +461,27 @@ impl Partition {
         &self.ids
     }
 
-    /// Buckets per KV head.
+    /// Buckets per KV head that routing ranks.
     pub fn buckets(&self) -> usize {
         self.buckets
     }
 
-    /// A query's empty visits of `probes` buckets per KV head (at most the buckets, and at
-    /// most the [`MAX_VISITED_BUCKETS`] a bucket launch takes).
+    /// Lists per KV head in [`Partition::ids`]: the buckets, and one more where every
+    /// search visits some ids besides them.
+    pub fn lists_per_head(&self) -> usize {
+        self.per_head
+    }
+
+    /// A query's empty visits of `probes` buckets per KV head (at most the buckets, and with
+    /// the list every visit holds at most the [`MAX_VISITED_BUCKETS`] a bucket launch takes).
     pub fn visits(&self, gpu: &Gpu, probes: usize) -> Result<Visits> {
-        if probes == 0 || probes > self.buckets.min(MAX_VISITED_BUCKETS) {
+        let always = self.per_head - self.buckets;
+        if probes == 0 || probes > self.buckets || probes + always > MAX_VISITED_BUCKETS {
             return Err(KernelError::Unsupported {
                 what: "buckets probed",
                 value: probes,
-                supported: "1 to the partition's buckets, at most MAX_VISITED_BUCKETS (128)",
+                supported: "1 to the partition's buckets, with the list every search visits at \
+                            most MAX_VISITED_BUCKETS (128)",
             });
         }
         let scratch = match &self.router {
@@ -448,8 +491,21 @@ impl Partition {
                 gpu.zeros(self.kv_heads * (1 + self.buckets))?,
             )),
         };
+        let empty = self.ids.lists() as u32 - 1;
+        let visited = match always {
+            0 => Csr::uniform(gpu, self.kv_heads, probes, self.ids.lists() as u32)?,
+            // Routing writes each head's first `probes`; the last is the head's always list.
+            _ => {
+                let per_head = |h: usize| {
+                    let mut visits = vec![empty; probes];
+                    visits.push((h * self.per_head + self.buckets) as u32);
+                    visits
+                };
+                Csr::from_lists(gpu, &(0..self.kv_heads).map(per_head).collect::<Vec<_>>())?
+            }
+        };
         Ok(Visits {
-            visited: Csr::uniform(gpu, self.kv_heads, probes, self.ids.lists() as u32)?,
+            visited,
             selected: gpu.zeros(1)?,
             scratch,
             host: None,
@@ -467,7 +523,7 @@ impl Partition {
     /// head), kept for the partition's life.
     pub fn bucket_of(&self, gpu: &Gpu, rows: usize) -> Result<&BucketOf> {
         if self.bucket_of.get().is_none() {
-            let made = BucketOf::new(gpu, &self.ids, self.kv_heads, self.buckets, rows)?;
+            let made = BucketOf::new(gpu, &self.ids, self.kv_heads, self.per_head, rows)?;
             // Another thread may have made it first: the same map either way.
             let _ = self.bucket_of.set(made);
         }
@@ -554,7 +610,10 @@ impl Partition {
         defines: &[(&str, String)],
         visits: &mut Visits,
     ) -> Result<()> {
-        let probes = visits.visited.longest() as u32;
+        // Each head's visits: the routed probes, then the list every visit holds.
+        let stride = visits.visited.longest() as u32;
+        let probes = stride.saturating_sub((self.per_head - self.buckets) as u32);
+        let per_head = self.per_head as u32;
         // The scores, padded to whole chunks of 8 (`SCAN` in `route.cu`).
         let smem = self.buckets.next_multiple_of(8) * size_of::<f32>();
         let function = gpu.kernel(SOURCE, "route_buckets", defines)?;
@@ -571,6 +630,8 @@ impl Partition {
             param(&buckets),
             param(&probes),
             param(&per),
+            param(&stride),
+            param(&per_head),
             param(&visited),
         ];
         let grid = (self.kv_heads as u32, slices as u32);
@@ -578,8 +639,8 @@ impl Partition {
         // queries) are still being written, and wait for them first (`route.cu`).
         // Safety: the arguments match `route_buckets`'s signature in order and type; the
         // queries hold `kv_heads * group * head_dim` floats, the centroids
-        // `kv_heads * buckets * head_dim`, and `visited` `kv_heads * probes` items with
-        // probes <= buckets.
+        // `kv_heads * buckets * head_dim`, and `visited` `kv_heads * stride` items with
+        // probes <= stride and probes <= buckets (checked by `visits`).
         unsafe {
             gpu.launch_raw(
                 &function,

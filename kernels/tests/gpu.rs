@@ -626,7 +626,7 @@ mod on_gpu {
                 let host = HostKv::from_device(gpu, &corpus, 16)?;
                 let zeros = vec![0f32; kv_heads * count * layer.head_dim];
                 let partition =
-                    Partition::new(gpu, &zeros, &bucket_lists, kv_heads, layer.head_dim)?;
+                    Partition::new(gpu, &zeros, &bucket_lists, &[], kv_heads, layer.head_dim)?;
                 let row_bytes = 2 * layer.head_dim * size_of::<T>();
                 let cache = BucketCache::new(gpu, &partition, &host, kv_heads * n * row_bytes)?;
                 Some((host, partition, cache))
@@ -996,19 +996,21 @@ mod on_gpu {
     }
 
     /// GPU routing visits the buckets of best group score (the CPU's choice, up to float
-    /// ties), and the bucket attention over its visits counts the visited ids outside its
-    /// runs (those of an eligible range) across steps.
+    /// ties) and, where the partition has them, each head's ids every search visits; the
+    /// bucket attention over its visits counts the visited ids outside its runs (those of
+    /// an eligible range) across steps, each id once.
     #[test]
     fn routing_matches_reference() -> Result<()> {
         let Some((gpu, mut rng)) = start("routing_matches_reference") else {
             return Ok(());
         };
-        for (kv_heads, group, head_dim, tokens, buckets) in [
-            (2, 4, 64, 5000, 64),
-            (1, 8, 128, 20_000, 1024),
-            (3, 1, 256, 300, 7),
+        // The last: ids per head every search visits (some in the buckets too).
+        for (kv_heads, group, head_dim, tokens, buckets, hot) in [
+            (2, 4, 64, 5000, 64, 50),
+            (1, 8, 128, 20_000, 1024, 0),
+            (3, 1, 256, 300, 7, 30),
             // Buckets that are not a whole number of the kernel's passes, a group of 7.
-            (2, 7, 32, 3000, 100),
+            (2, 7, 32, 3000, 100, 0),
         ] {
             let mut floats = |len: usize| -> Vec<f32> {
                 (0..len).map(|_| rng.random_range(-1.0..1.0)).collect()
@@ -1016,8 +1018,21 @@ mod on_gpu {
             let centroids = floats(kv_heads * buckets * head_dim);
             let queries = floats(kv_heads * group * head_dim);
             let lists = random_buckets(&mut rng, kv_heads, tokens, buckets);
-            let partition = Partition::new(&gpu, &centroids, &lists, kv_heads, head_dim)?;
-            let probes = rng.random_range(1..=buckets.min(MAX_VISITED_BUCKETS));
+            let always: Vec<Vec<u32>> = (0..kv_heads * usize::from(hot > 0))
+                .map(|_| {
+                    let mut ids: Vec<u32> = (0..hot)
+                        .map(|_| rng.random_range(0..tokens as u32))
+                        .collect();
+                    ids.sort_unstable();
+                    ids.dedup();
+                    ids
+                })
+                .collect();
+            let partition = Partition::new(&gpu, &centroids, &lists, &always, kv_heads, head_dim)?;
+            let extra = usize::from(hot > 0);
+            let per_head = buckets + extra;
+            ensure!(partition.lists_per_head() == per_head);
+            let probes = rng.random_range(1..=buckets.min(MAX_VISITED_BUCKETS - extra));
             let mut visits = partition.visits(&gpu, probes)?;
             let on_gpu = gpu.upload(&queries)?;
             let lo = rng.random_range(0..tokens as u32);
@@ -1057,10 +1072,16 @@ mod on_gpu {
                         })
                         .fold(f64::NEG_INFINITY, f64::max)
                 };
-                let mine: Vec<usize> = visited[h * probes..(h + 1) * probes]
+                let stride = probes + extra;
+                let mine: Vec<usize> = visited[h * stride..h * stride + probes]
                     .iter()
-                    .map(|&l| l as usize - h * buckets)
+                    .map(|&l| l as usize - h * per_head)
                     .collect();
+                ensure!(
+                    extra == 0 || visited[h * stride + probes] as usize == h * per_head + buckets,
+                    "head {h}: the always-visited list is not visited: {:?}",
+                    &visited[h * stride..(h + 1) * stride]
+                );
                 let mut seen = mine.clone();
                 seen.sort_unstable();
                 seen.dedup();
@@ -1069,11 +1090,17 @@ mod on_gpu {
                     "head {h}: {mine:?}"
                 );
                 visits_are_best(&mine, 0..buckets, score, 1e-4, &format!("head {h}"))?;
-                selected += mine
+                let always = always.get(h).map_or(&[][..], Vec::as_slice);
+                let mut ids: Vec<u32> = mine
                     .iter()
                     .flat_map(|&b| &lists[h * buckets + b])
+                    .chain(always)
+                    .copied()
                     .filter(|id| eligible.contains(id))
-                    .count() as u64;
+                    .collect();
+                ids.sort_unstable();
+                ids.dedup();
+                selected += ids.len() as u64;
             }
             ensure!(
                 visits.selected(&gpu)? == 2 * selected,
@@ -1087,7 +1114,7 @@ mod on_gpu {
         let (kv_heads, buckets, head_dim, probes) = (2, 40, 32, 5);
         let centroids = vec![0.5f32; kv_heads * buckets * head_dim];
         let lists = random_buckets(&mut rng, kv_heads, 1000, buckets);
-        let partition = Partition::new(&gpu, &centroids, &lists, kv_heads, head_dim)?;
+        let partition = Partition::new(&gpu, &centroids, &lists, &[], kv_heads, head_dim)?;
         let mut visits = partition.visits(&gpu, probes)?;
         let queries = gpu.upload(&vec![1.0f32; kv_heads * 4 * head_dim])?;
         partition.route(&gpu, &queries.as_view(), &anywhere(), &mut visits)?;
@@ -1415,7 +1442,7 @@ mod on_gpu {
         let query = layer.query(&queries);
         let centroids = floats(rng, kv_heads * buckets * head_dim);
         let lists = random_buckets(rng, kv_heads, n, buckets);
-        let partition = Partition::new(gpu, &centroids, &lists, kv_heads, head_dim)?;
+        let partition = Partition::new(gpu, &centroids, &lists, &[], kv_heads, head_dim)?;
         let probes = rng.random_range(1..=buckets.min(16));
         let (runs, _) = selection(rng, kv_heads, n, 0.0);
         let (mut visits_a, mut visits_b) = (
@@ -1843,15 +1870,28 @@ mod on_gpu {
         let bf16 = KvCache::upload(&gpu, &zeros, &zeros, 2, 64)?;
         let part = ListPart::Selected(Selected::resident(&bf16, &two));
         ensure!(not_last(attention_mass(&gpu, &fresh, part, &mut mass)));
-        let partition = Partition::new(&gpu, &[0.0; 2 * 3 * 64], &vec![vec![0u32]; 6], 2, 64);
+        let partition = Partition::new(&gpu, &[0.0; 2 * 3 * 64], &vec![vec![0u32]; 6], &[], 2, 64);
         ensure!(unsupported(partition?.visits(&gpu, 4).map(|_| ())));
-        let unsorted = Partition::new(&gpu, &[0.0; 2 * 64], &[vec![2u32, 1], vec![]], 2, 64);
+        let unsorted = Partition::new(&gpu, &[0.0; 2 * 64], &[vec![2u32, 1], vec![]], &[], 2, 64);
         ensure!(matches!(unsorted, Err(KernelError::Offsets { .. })));
+        // Ids every search visits: one list per KV head, ascending, and with them no more
+        // visits than a bucket launch takes.
+        let lists = vec![vec![0u32]; 2 * 200];
+        let centroids = vec![0.0; 2 * 200 * 8];
+        let one_head = Partition::new(&gpu, &centroids, &lists, &[vec![1u32]], 2, 8);
+        ensure!(wrong_length(one_head.map(|_| ())));
+        let unsorted = Partition::new(&gpu, &centroids, &lists, &[vec![3u32, 1], vec![]], 2, 8);
+        ensure!(matches!(unsorted, Err(KernelError::Offsets { .. })));
+        let hot = Partition::new(&gpu, &centroids, &lists, &[vec![1u32], vec![]], 2, 8)?;
+        ensure!(hot.visits(&gpu, MAX_VISITED_BUCKETS - 1).is_ok());
+        ensure!(unsupported(
+            hot.visits(&gpu, MAX_VISITED_BUCKETS).map(|_| ())
+        ));
         let many = MAX_ROUTED_BUCKETS + 1;
-        let too_many = Partition::new(&gpu, &vec![0.0; many * 8], &vec![vec![]; many], 1, 8);
+        let too_many = Partition::new(&gpu, &vec![0.0; many * 8], &vec![vec![]; many], &[], 1, 8);
         ensure!(unsupported(too_many.map(|_| ())));
         // Seventeen query heads per KV head: more than a routing thread's running sums.
-        let partition = Partition::new(&gpu, &[0.0; 2 * 8], &[vec![0u32], vec![1]], 1, 8)?;
+        let partition = Partition::new(&gpu, &[0.0; 2 * 8], &[vec![0u32], vec![1]], &[], 1, 8)?;
         let mut visits = partition.visits(&gpu, 1)?;
         let seventeen = gpu.upload(&[0.0f32; 17 * 8])?;
         ensure!(unsupported(partition.route(
@@ -1908,13 +1948,13 @@ mod on_gpu {
         classifier.route(&gpu, &four.as_view(), &anywhere(), &mut own)?;
         // Head dims whose rows are not 8 dimensions for each of a power of two of threads.
         for head_dim in [40, 512] {
-            let odd = Partition::new(&gpu, &vec![0.0; head_dim], &[vec![0u32]], 1, head_dim);
+            let odd = Partition::new(&gpu, &vec![0.0; head_dim], &[vec![0u32]], &[], 1, head_dim);
             ensure!(unsupported(odd.map(|_| ())));
         }
         // More probes than a bucket launch visits, and a launch visiting that many.
         let many = MAX_VISITED_BUCKETS + 1;
         let lists: Vec<Vec<u32>> = (0..many as u32).map(|id| vec![id]).collect();
-        let partition = Partition::new(&gpu, &vec![0.0; many * 8], &lists, 1, 8)?;
+        let partition = Partition::new(&gpu, &vec![0.0; many * 8], &lists, &[], 1, 8)?;
         ensure!(unsupported(partition.visits(&gpu, many).map(|_| ())));
         let host = HostKv::new(&gpu, &layer.keys, &layer.values, 2, 64, 64)?;
         let no_cache = BlockCache::new(&gpu, host, 10);

@@ -328,11 +328,16 @@ impl GpuPartitions {
                 return Ok(None);
             };
             let buckets = first.lists.len();
+            // Ids every search visits (ivf's hot keys): one more list a head, where any has.
+            let always: Vec<Vec<u32>> = match routings.iter().any(|r| !r.always.is_empty()) {
+                true => routings.iter().map(|r| r.always.to_vec()).collect(),
+                false => Vec::new(),
+            };
             // More probes than a bucket launch visits search on the CPU instead.
             let differ = routings
                 .iter()
                 .any(|r| r.lists.len() != buckets || r.probes != first.probes);
-            if differ || first.probes > MAX_VISITED_BUCKETS {
+            if differ || first.probes + usize::from(!always.is_empty()) > MAX_VISITED_BUCKETS {
                 return Ok(None);
             }
             let rope = ropes.get(layer.layer).ok_or_else(|| {
@@ -352,7 +357,7 @@ impl GpuPartitions {
                         return Ok(None);
                     };
                     let centroids: Vec<f32> = centroids.concat();
-                    Partition::new(gpu, &centroids, &lists, routings.len(), d)
+                    Partition::new(gpu, &centroids, &lists, &always, routings.len(), d)
                 }
                 BucketScores::Classifier { .. } => {
                     let heads = routings
@@ -759,7 +764,11 @@ impl Routes {
         gpu: &kvdb_model::Gpu,
         breadth: Option<usize>,
     ) -> Result<Option<Self>> {
-        if breadth.is_some_and(|b| b > MAX_VISITED_BUCKETS) {
+        // The visits of a bucket launch: the probes and a partition's always-visited list.
+        let too_many = |p: &Partition| {
+            breadth.is_some_and(|b| b + p.lists_per_head() - p.buckets() > MAX_VISITED_BUCKETS)
+        };
+        if partitions.layers.iter().flatten().any(|(p, _)| too_many(p)) {
             return Ok(None);
         }
         let visits = partitions

@@ -303,13 +303,16 @@ fn centroid_routing_is_the_search() -> anyhow::Result<()> {
         };
         let mut order: Vec<(f32, usize)> = centroids.chunks_exact(D).map(score).zip(0..).collect();
         order.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        // The probed buckets' ids and those every search takes (none without a sample).
         let mut want: Vec<u32> = order[..routing.probes]
             .iter()
             .flat_map(|&(_, b)| &routing.lists[b])
+            .chain(routing.always)
             .copied()
             .filter(|id| eligible.contains(id))
             .collect();
         want.sort_unstable();
+        want.dedup();
         let query = GroupQuery { queries, position };
         let mut got = index
             .select(&query, &SearchParams::top(0, eligible))?
