@@ -1016,6 +1016,22 @@ struct StoredChunk {
     queries_taken: bool,
 }
 
+/// Layer `layer`'s stored chunk where the part that `taken` flags was not taken yet, marked
+/// taken: each part of a call's chunk is handed over once.
+fn untaken(
+    stored: &mut Option<Vec<StoredChunk>>,
+    layer: usize,
+    taken: fn(&mut StoredChunk) -> &mut bool,
+) -> Option<&mut StoredChunk> {
+    let chunk = stored.as_mut()?.get_mut(layer)?;
+    let flag = taken(chunk);
+    if *flag {
+        return None;
+    }
+    *flag = true;
+    Some(chunk)
+}
+
 /// A sequence's claimed layers ([`ExternalAttention`]) and the buffers of their calls.
 struct External<'h> {
     attention: &'h mut dyn LayerAttention,
@@ -2168,13 +2184,9 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
     fn take_stored(&mut self, layer: usize, rows: Range<usize>) -> Result<Option<StoredKv>> {
         let gpu = &*self.model.gpu;
         let c = &self.model.config;
-        let Some(chunk) = self.stored.as_mut().and_then(|s| s.get_mut(layer)) else {
+        let Some(chunk) = untaken(&mut self.stored, layer, |chunk| &mut chunk.taken) else {
             return Ok(None);
         };
-        if chunk.taken {
-            return Ok(None);
-        }
-        chunk.taken = true;
         if rows.start > rows.end || rows.end > chunk.tokens {
             return Err(ModelError::StoredRows {
                 start: rows.start,
@@ -2204,13 +2216,9 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
     fn take_queries(&mut self, layer: usize, rows: &[usize]) -> Result<Option<Vec<f16>>> {
         let gpu = &*self.model.gpu;
         let c = &self.model.config;
-        let Some(chunk) = self.stored.as_mut().and_then(|s| s.get_mut(layer)) else {
+        let Some(chunk) = untaken(&mut self.stored, layer, |chunk| &mut chunk.queries_taken) else {
             return Ok(None);
         };
-        if chunk.queries_taken {
-            return Ok(None);
-        }
-        chunk.queries_taken = true;
         if let Some(&row) = rows.iter().find(|&&r| r >= chunk.tokens) {
             return Err(ModelError::StoredRows {
                 start: row,
