@@ -285,7 +285,8 @@ __device__ __forceinline__ void rope_table(u64 position, const double* __restric
 //   3. keys and values rounded to f16 and back (if round_kv);
 //   4. keys and values copied to store_keys/store_values [tokens, kv_heads, head_dim] as
 //      f16 (if != 0): the store keeps keys before RoPE; queries before RoPE copied to
-//      store_queries [tokens, heads, head_dim] (float, if != 0): what searches take;
+//      store_query [heads, head_dim] (float, if != 0: this token's row of the store's
+//      queries, which its kernel finds): what searches take;
 //   5. queries and keys rotated at position first_position + token: angle in double,
 //      cos/sin rounded to float, pairs (i, i + d/2) or (2i, 2i + 1) if interleaved;
 //   6. queries written to queries [tokens, heads, head_dim] (KV_T), keys and values to row
@@ -299,7 +300,7 @@ __device__ __forceinline__ void attention_inputs(
     const float* __restrict__ k_weight, float k_eps, float k_offset,
     const double* __restrict__ inv_freq, u32 interleaved, u32 round_kv,
     __half* __restrict__ store_keys, __half* __restrict__ store_values,
-    float* __restrict__ store_queries, KV_T* __restrict__ queries, u32 token, u64 position,
+    float* __restrict__ store_query, KV_T* __restrict__ queries, u32 token, u64 position,
     KV_T* __restrict__ keys, KV_T* __restrict__ values, u32 capacity) {
     __shared__ float cos_t[MAX_HEAD_DIM / 2], sin_t[MAX_HEAD_DIM / 2];
     __shared__ float buffer[WARPS][MAX_HEAD_DIM];
@@ -331,8 +332,8 @@ __device__ __forceinline__ void attention_inputs(
             const float offset = is_query ? q_offset : k_offset;
             for (u32 j = lane; j < head_dim; j += 32) x[j] = normed(x[j], r, weight[j], offset);
         }
-        if (is_query && store_queries) {
-            float* dst = store_queries + ((u64)token * heads + h) * head_dim;
+        if (is_query && store_query) {
+            float* dst = store_query + (u64)h * head_dim;
             for (u32 j = lane; j < head_dim; j += 32) dst[j] = x[j];
         }
         if (!is_query) {
@@ -364,19 +365,27 @@ __device__ __forceinline__ void attention_inputs(
     }
 }
 
-// One sequence's chunk: token t at position first_position + t of keys/values.
+// One sequence's chunk: token t at position first_position + t of keys/values. The store
+// keeps the queries of the positions p with (p + 1) % query_every == 0 only (a sample, one
+// row each in order; query_every 1 keeps every token's).
 extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs(
     const float* __restrict__ qkv, const float* __restrict__ bias, u32 heads, u32 kv_heads,
     u32 head_dim, const float* __restrict__ q_weight, float q_eps, float q_offset,
     const float* __restrict__ k_weight, float k_eps, float k_offset,
     const double* __restrict__ inv_freq, u32 interleaved, u64 first_position, u32 round_kv,
     __half* __restrict__ store_keys, __half* __restrict__ store_values,
-    float* __restrict__ store_queries, KV_T* __restrict__ queries,
+    float* __restrict__ store_queries, u32 query_every, KV_T* __restrict__ queries,
     KV_T* __restrict__ keys, KV_T* __restrict__ values, u32 capacity) {
+    const u64 position = first_position + blockIdx.x, after = position + 1;
+    float* store_query = nullptr;
+    if (store_queries && after % query_every == 0) {
+        // The sampled positions before this one, less those before the chunk.
+        const u64 row = after / query_every - 1 - first_position / query_every;
+        store_query = store_queries + row * heads * head_dim;
+    }
     attention_inputs(qkv, bias, heads, kv_heads, head_dim, q_weight, q_eps, q_offset, k_weight,
                      k_eps, k_offset, inv_freq, interleaved, round_kv, store_keys, store_values,
-                     store_queries, queries, blockIdx.x, first_position + blockIdx.x, keys,
-                     values, capacity);
+                     store_query, queries, blockIdx.x, position, keys, values, capacity);
 }
 
 // Where each row of a batched decode step goes: one token of each of up to MAX_TARGET_ROWS
@@ -403,7 +412,8 @@ extern "C" __global__ void __launch_bounds__(ROW_THREADS) ops_attention_inputs_r
     const u32 t = blockIdx.x;
     attention_inputs(qkv, bias, heads, kv_heads, head_dim, q_weight, q_eps, q_offset, k_weight,
                      k_eps, k_offset, inv_freq, interleaved, round_kv, store_keys, store_values,
-                     store_queries, queries, t, targets.position[t],
+                     store_queries ? store_queries + (u64)t * heads * head_dim : nullptr,
+                     queries, t, targets.position[t],
                      reinterpret_cast<KV_T*>(targets.keys[t]),
                      reinterpret_cast<KV_T*>(targets.values[t]), (u32)targets.capacity[t]);
 }

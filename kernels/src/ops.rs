@@ -122,8 +122,8 @@ impl QkvShape {
 }
 
 /// Where [`attention_inputs`] writes the store's copy: keys before RoPE and values, rounded to
-/// f16, `[tokens, kv_heads, head_dim]` each, and optionally the queries before RoPE (f32,
-/// `[tokens, heads, head_dim]`), which an index searches with.
+/// f16, `[tokens, kv_heads, head_dim]` each, and optionally the queries before RoPE (f32),
+/// which an index searches with.
 #[derive(Debug)]
 pub struct StoreRows<'a, 'b> {
     /// Pre-RoPE keys.
@@ -131,7 +131,26 @@ pub struct StoreRows<'a, 'b> {
     /// Values.
     pub values: &'a mut CudaViewMut<'b, half::f16>,
     /// Pre-RoPE queries, if wanted.
-    pub queries: Option<&'a mut CudaViewMut<'b, f32>>,
+    pub queries: Option<QueryRows<'a, 'b>>,
+}
+
+/// The store's pre-RoPE queries ([`StoreRows::queries`]): those of the positions `p` with
+/// `(p + 1) % every == 0` only, one row each in order (`[rows, heads, head_dim]` f32, as
+/// many rows as [`sampled_rows`] counts); `every` 1 keeps every token's. An ingest keeps a
+/// sample: every token's queries would take 4 bytes a query dimension of the chunk in every
+/// layer (2 GiB for Llama-3-8B's 32 layers at 4,096 tokens).
+#[derive(Debug)]
+pub struct QueryRows<'a, 'b> {
+    /// The sampled rows.
+    pub rows: &'a mut CudaViewMut<'b, f32>,
+    /// One position in `every` (at least 1; a batched decode step's rows keep every one).
+    pub every: usize,
+}
+
+/// How many of the positions `first..first + tokens` a sample of one in `every` keeps: those
+/// with `(p + 1) % every == 0` ([`QueryRows`]). `every` must be at least 1.
+pub fn sampled_rows(first: usize, tokens: usize, every: usize) -> usize {
+    (first + tokens) / every - first / every
 }
 
 /// `out` row `i` (f32, `[ids, hidden]`) = row `ids[i]` of `table` (`[vocab, hidden]`) times
@@ -376,6 +395,29 @@ pub fn attention_inputs<A: Float>(
             }
         }
     }
+    // Where the store's queries go: a chunk keeps its sample's rows, a batched step's rows
+    // every one.
+    let every = store
+        .as_ref()
+        .and_then(|rows| rows.queries.as_ref())
+        .map_or(1, |q| q.every);
+    let query_rows = match &placement {
+        KvPlacement::Chunk { first_position, .. } if every >= 1 => {
+            sampled_rows(*first_position, tokens, every)
+        }
+        KvPlacement::Rows(_) if every == 1 => tokens,
+        _ => {
+            return Err(KernelError::Unsupported {
+                what: "attention_inputs query sample, one position in",
+                value: every,
+                supported: "1 or more for a chunk, 1 for a batched step's rows",
+            })
+        }
+    };
+    let query_every = u32::try_from(every).map_err(|_| KernelError::TooLarge {
+        what: "attention_inputs query sample",
+        value: every,
+    })?;
     let inputs = Inputs {
         qkv,
         shape,
@@ -385,7 +427,7 @@ pub fn attention_inputs<A: Float>(
         rotary,
         round_kv_to_f16,
     };
-    let args = inputs.args(gpu, queries, store)?;
+    let args = inputs.args(gpu, queries, store, query_rows)?;
     if tokens == 0 {
         return Ok(());
     }
@@ -406,6 +448,7 @@ pub fn attention_inputs<A: Float>(
                 param(&args.store.0),
                 param(&args.store.1),
                 param(&args.store.2),
+                param(&query_every),
                 param(&args.queries),
                 param(&keys),
                 param(&values),
@@ -414,7 +457,9 @@ pub fn attention_inputs<A: Float>(
             let config = args.config(gpu, tokens)?;
             // Safety: the arguments match `ops_attention_inputs` in order and type; every
             // buffer's length was checked against the shape (qkv, bias, norm weights,
-            // inv_freq, queries, store rows and queries), the KV buffer has `kv_heads` heads
+            // inv_freq, queries, store rows; the store's queries against the rows the sample
+            // of `query_every >= 1` keeps of the chunk's positions, which the kernel counts
+            // the same way), the KV buffer has `kv_heads` heads
             // of `capacity >= tokens` rows of `head_dim`, and head_dim is even and at most
             // MAX_HEAD_DIM.
             let op = "launching ops_attention_inputs";
@@ -630,12 +675,14 @@ struct Inputs<'a, 'b> {
 }
 
 impl Inputs<'_, '_> {
-    /// The kernels' common arguments, every length checked against the shape.
+    /// The kernels' common arguments, every length checked against the shape (the store's
+    /// queries against `query_rows` rows).
     fn args<A: Float>(
         &self,
         gpu: &Gpu,
         queries: &mut CudaViewMut<'_, A>,
         store: Option<StoreRows<'_, '_>>,
+        query_rows: usize,
     ) -> Result<Args> {
         let QkvShape {
             tokens,
@@ -687,12 +734,12 @@ impl Inputs<'_, '_> {
                 )?;
                 if let Some(queries) = &rows.queries {
                     length(
-                        "attention_inputs store queries [tokens, heads, head_dim]",
-                        tokens * heads * head_dim,
-                        queries.len(),
+                        "attention_inputs store queries [sampled rows, heads, head_dim]",
+                        query_rows * heads * head_dim,
+                        queries.rows.len(),
                     )?;
                 }
-                let queries = rows.queries.map_or(0, |q| address_mut(gpu, q));
+                let queries = rows.queries.map_or(0, |q| address_mut(gpu, q.rows));
                 (
                     address_mut(gpu, rows.keys),
                     address_mut(gpu, rows.values),

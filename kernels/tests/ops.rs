@@ -25,7 +25,9 @@ mod on_gpu {
     use anyhow::{ensure, Context, Result};
     use half::{bf16, f16};
     use kvdb_kernels::cudarc::driver::{CudaSlice, CudaView};
-    use kvdb_kernels::ops::{self, GateActivation, Norm, QkvShape, RopePairs, Rotary, StoreRows};
+    use kvdb_kernels::ops::{
+        self, GateActivation, Norm, QkvShape, QueryRows, RopePairs, Rotary, StoreRows,
+    };
     use kvdb_kernels::{Float, Gemm, Gpu, KernelError, KvCache};
     use rand::rngs::StdRng;
     use rand::Rng;
@@ -468,6 +470,8 @@ mod on_gpu {
         extras: Option<f32>,
         round: bool,
         store: bool,
+        /// The store keeps the queries of one position in this many ([`QueryRows`]).
+        query_every: usize,
         first_position: usize,
         capacity: usize,
     }
@@ -612,6 +616,7 @@ mod on_gpu {
                             extras,
                             round,
                             store,
+                            query_every: [1, 3, 16][index % 3],
                             first_position,
                             capacity,
                         });
@@ -694,13 +699,18 @@ mod on_gpu {
         let mut kv = KvCache::<A>::zeros(gpu, kv_heads, case.capacity, d)?;
         let mut store_keys = poisoned::<f16>(gpu, tokens * kv_heads * d)?;
         let mut store_values = poisoned::<f16>(gpu, tokens * kv_heads * d)?;
-        let mut store_queries = poisoned::<f32>(gpu, tokens * heads * d)?;
+        // The sampled rows and one more, which must stay poisoned.
+        let sampled = ops::sampled_rows(case.first_position, tokens, case.query_every);
+        let mut store_queries = poisoned::<f32>(gpu, (sampled + 1) * heads * d)?;
         let (mut sk, mut sv) = (store_keys.as_view_mut(), store_values.as_view_mut());
-        let mut sq = store_queries.as_view_mut();
+        let mut sq = store_queries.slice_mut(..sampled * heads * d);
         let store = case.store.then_some(StoreRows {
             keys: &mut sk,
             values: &mut sv,
-            queries: Some(&mut sq),
+            queries: Some(QueryRows {
+                rows: &mut sq,
+                every: case.query_every,
+            }),
         });
         ops::attention_inputs(
             gpu,
@@ -720,12 +730,13 @@ mod on_gpu {
         )?;
 
         let label = format!(
-            "{} {:?} extras {:?} round {} store {} [{tokens}, {heads}, {kv_heads}, {d}] first {} capacity {}",
+            "{} {:?} extras {:?} round {} store {} (queries 1 in {}) [{tokens}, {heads}, {kv_heads}, {d}] first {} capacity {}",
             name::<A>(),
             case.pairs,
             case.extras,
             case.round,
             case.store,
+            case.query_every,
             case.first_position,
             case.capacity
         );
@@ -785,14 +796,29 @@ mod on_gpu {
                 let family = format!("attention_inputs {part}");
                 worst.check(&family, &what, &download(gpu, data)?, reference, F16_TOL)?;
             }
-            // f32 copies of the normed queries: only the rounding of the norm.
+            // f32 copies of the normed queries of the sampled positions, in order: only the
+            // rounding of the norm.
+            let row = heads * d;
+            let expected: Vec<f64> = (0..tokens)
+                .filter(|t| (case.first_position + t + 1).is_multiple_of(case.query_every))
+                .flat_map(|t| want.store_queries[t * row..(t + 1) * row].iter().copied())
+                .collect();
+            ensure!(
+                expected.len() == sampled * row,
+                "sampled rows counted ({label})"
+            );
+            let got = download(gpu, &store_queries)?;
             worst.check(
                 "attention_inputs store queries",
                 &format!("store queries {label}"),
-                &download(gpu, &store_queries)?,
-                &want.store_queries,
+                &got[..sampled * row],
+                &expected,
                 F32_TOL,
             )?;
+            ensure!(
+                got[sampled * row..].iter().all(|x| x.is_nan()),
+                "a query stored past the sampled rows ({label})"
+            );
         } else {
             ensure!(
                 download(gpu, &store_keys)?.iter().all(|x| x.is_nan()),
@@ -944,7 +970,10 @@ mod on_gpu {
                 Some(StoreRows {
                     keys: &mut alone.keys.slice_mut(kv.clone()),
                     values: &mut alone.values.slice_mut(kv),
-                    queries: Some(&mut alone.raw_queries.slice_mut(q)),
+                    queries: Some(QueryRows {
+                        rows: &mut alone.raw_queries.slice_mut(q),
+                        every: 1,
+                    }),
                 }),
             )?;
         }
@@ -968,7 +997,10 @@ mod on_gpu {
             Some(StoreRows {
                 keys: &mut together.keys.as_view_mut(),
                 values: &mut together.values.as_view_mut(),
-                queries: Some(&mut together.raw_queries.as_view_mut()),
+                queries: Some(QueryRows {
+                    rows: &mut together.raw_queries.as_view_mut(),
+                    every: 1,
+                }),
             }),
         )?;
         let label = format!(
@@ -1892,6 +1924,46 @@ mod on_gpu {
             matches!(e, Err(KernelError::Unsupported { .. })),
             "attention odd head_dim: {e:?}"
         );
+        // The store's query sample: at position 15 one in 16 keeps the token's row (8
+        // floats), one in 0 is no sample, and a buffer of another length is refused (rotated
+        // queries of their own: the accepted launch writes them).
+        for (every, len, ok) in [(16, 8, true), (16, 7, false), (0, 8, false)] {
+            let mut rotated = poisoned::<f32>(&gpu, 8)?;
+            let mut store_k = gpu.zeros::<f16>(8)?;
+            let mut store_v = gpu.zeros::<f16>(8)?;
+            let mut store_q = gpu.zeros::<f32>(len)?;
+            let e = ops::attention_inputs(
+                &gpu,
+                &ones.slice(..24),
+                &shape,
+                None,
+                None,
+                None,
+                &rotary,
+                false,
+                &mut rotated.as_view_mut(),
+                ops::KvPlacement::Chunk {
+                    kv: &mut kv,
+                    first_position: 15,
+                },
+                Some(StoreRows {
+                    keys: &mut store_k.as_view_mut(),
+                    values: &mut store_v.as_view_mut(),
+                    queries: Some(QueryRows {
+                        rows: &mut store_q.as_view_mut(),
+                        every,
+                    }),
+                }),
+            );
+            let refused = match every {
+                0 => matches!(e, Err(KernelError::Unsupported { .. })),
+                _ => e.as_ref().is_err_and(is_length),
+            };
+            ensure!(
+                if ok { e.is_ok() } else { refused },
+                "attention query sample 1 in {every}, {len} floats: {e:?}"
+            );
+        }
         let five = QkvShape { tokens: 5, ..shape };
         // A chunk larger than the ring: two tokens would share a slot.
         let big = gpu.upload(&vec![1.0f32; 5 * 24])?;

@@ -15,7 +15,9 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use half::f16;
-use kvdb_model::{EncodeOptions, Forward, Logits, Model, ModelConfig, SequenceOptions, Tokenizer};
+use kvdb_model::{
+    EncodeOptions, Forward, Logits, Model, ModelConfig, SampledQueries, SequenceOptions, Tokenizer,
+};
 use rayon::prelude::*;
 
 use crate::documents::SourceDocument;
@@ -618,7 +620,10 @@ impl<'s> Prefiller<'s> {
         model: ModelRef<'s>,
         on_event: &mut dyn FnMut(IngestEvent<'_>) -> ControlFlow<()>,
     ) -> Result<Self> {
-        let mut sequence = model.sequence(&SequenceOptions { store_kv: true })?;
+        let mut sequence = model.sequence(&SequenceOptions {
+            store_kv: true,
+            query_sample: QUERY_SAMPLE_STRIDE,
+        })?;
         let stored: Vec<(usize, Range<usize>)> = (0..manifest.layers.len())
             .map(|layer| (layer, manifest.stored_range(layer, manifest.tokens)))
             .filter(|(_, range)| !range.is_empty())
@@ -678,7 +683,7 @@ impl<'s> Prefiller<'s> {
                     .ok_or_else(|| {
                         Error::Internal(format!("layer {layer} produced no keys for the chunk"))
                     })?;
-                let sampled = self.sample_queries(layer, start, chunk.len())?;
+                let sampled = self.sample_queries(layer)?;
                 Ok(LayerRows {
                     from,
                     keys,
@@ -696,34 +701,14 @@ impl<'s> Prefiller<'s> {
         Ok(rows)
     }
 
-    /// The sampled queries ([`QUERY_SAMPLE_STRIDE`]) of a retrieval layer's chunk of `tokens`
-    /// tokens from `start`, where the model keeps its queries (on the CPU and the GPU); empty
-    /// otherwise.
-    fn sample_queries(
-        &mut self,
-        layer: usize,
-        start: usize,
-        tokens: usize,
-    ) -> Result<SampledQueries> {
+    /// The sampled queries ([`QUERY_SAMPLE_STRIDE`]) of a retrieval layer's chunk, where
+    /// the model keeps its queries (on the CPU and the GPU); empty otherwise.
+    fn sample_queries(&mut self, layer: usize) -> Result<SampledQueries> {
         if self.layout.layers[layer] != LayerPolicy::All {
             return Ok(SampledQueries::default());
         }
-        let s = QUERY_SAMPLE_STRIDE;
-        let first = (start + 1).div_ceil(s) * s - 1;
-        let positions: Vec<usize> = (first..start + tokens).step_by(s).collect();
-        let rows: Vec<usize> = positions.iter().map(|p| p - start).collect();
-        Ok(match self.sequence.take_queries(layer, &rows)? {
-            Some(queries) => SampledQueries { positions, queries },
-            None => SampledQueries::default(),
-        })
+        Ok(self.sequence.take_queries(layer)?.unwrap_or_default())
     }
-}
-
-/// A chunk's sampled queries of one layer: positions and `[positions, n_heads, head_dim]` f16.
-#[derive(Default)]
-struct SampledQueries {
-    positions: Vec<usize>,
-    queries: Vec<f16>,
 }
 
 /// One layer's rows of a prefilled chunk, `[rows, n_kv_heads, head_dim]` f16 each, starting

@@ -9,7 +9,7 @@ use candle_core::{DType, Tensor};
 use half::f16;
 
 use crate::backend::{AttentionBackend, AttentionInput, FullAttention};
-use crate::config::ModelConfig;
+use crate::config::{LayerKind, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::model::{Logits, Model};
 
@@ -91,15 +91,35 @@ pub trait Forward {
     /// [`SequenceOptions::store_kv`].
     fn take_stored(&mut self, layer: usize, rows: Range<usize>) -> Result<Option<StoredKv>>;
 
-    /// The pre-RoPE queries the last [`Forward::forward`] call produced for `layer` at its
-    /// token indices `rows` (`[rows, n_heads, head_dim]`, f16), taken out of the state: the
-    /// sample an ingest keeps for indexes that learn from queries. `None` where the state
-    /// keeps no queries (only one made with [`SequenceOptions::store_kv`], on the CPU or the
-    /// GPU, does), or where they were taken already.
-    fn take_queries(&mut self, layer: usize, rows: &[usize]) -> Result<Option<Vec<f16>>> {
-        let _ = (layer, rows);
+    /// The pre-RoPE queries the last [`Forward::forward`] call produced for global layer
+    /// `layer` at the positions the state samples ([`SequenceOptions::query_sample`]), taken
+    /// out of the state: what an ingest keeps for indexes that learn from queries. `None`
+    /// where the state keeps no queries (only one made with [`SequenceOptions::store_kv`]
+    /// and a sample, on the CPU or the GPU, does; never a sliding-window layer's), or where
+    /// they were taken already.
+    fn take_queries(&mut self, layer: usize) -> Result<Option<SampledQueries>> {
+        let _ = layer;
         Ok(None)
     }
+}
+
+/// One layer's sampled pre-RoPE queries of a forward call ([`Forward::take_queries`]): the
+/// positions, rising, and their queries (`[positions, n_heads, head_dim]`, f16).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SampledQueries {
+    /// The sampled positions.
+    pub positions: Vec<usize>,
+    /// Their queries, one `n_heads · head_dim` row each.
+    pub queries: Vec<f16>,
+}
+
+/// The positions of `start..start + tokens` a sample of one in `every` (at least 1) keeps:
+/// those `p` with `(p + 1) % every == 0`, so that a corpus's sample does not depend on how
+/// its ingest cut it into chunks (on the GPU, `kvdb_kernels::ops::sampled_rows` counts them
+/// and the attention inputs kernel picks the same).
+pub fn sampled_positions(start: usize, tokens: usize, every: usize) -> impl Iterator<Item = usize> {
+    let first = (start + 1).div_ceil(every) * every - 1;
+    (first..start + tokens).step_by(every)
 }
 
 /// One layer's keys and values for the store, as [`Forward::take_stored`] hands them over:
@@ -153,6 +173,10 @@ pub struct SequenceOptions {
     /// Round every layer's keys and values to f16 before attending, as the store holds
     /// them, and keep each call's for [`Forward::take_stored`] (ingest).
     pub store_kv: bool,
+    /// With `store_kv`, keep too each call's pre-RoPE queries of every global layer at one
+    /// position in this many ([`sampled_positions`]) for [`Forward::take_queries`]; 0 keeps
+    /// none.
+    pub query_sample: usize,
 }
 
 /// Checks a forward call's arguments: the chunk fits the context, its ids the vocabulary,
@@ -200,9 +224,11 @@ pub fn greedy_token(logits: &Tensor) -> Result<u32> {
 pub struct CpuSequence<'m> {
     model: &'m Model,
     attention: FullAttention,
-    /// Per layer, the last call's rounded keys and values and its pre-RoPE queries; `None`
-    /// when not storing.
+    /// Per layer, the last call's rounded keys and values and its sampled pre-RoPE
+    /// queries; `None` when not storing.
     stored: Option<Vec<Option<StoredLayer>>>,
+    /// One position in this many keeps its queries (0: none).
+    query_sample: usize,
 }
 
 /// One layer's tensors of the last call, kept for [`Forward::take_stored`] and
@@ -210,7 +236,7 @@ pub struct CpuSequence<'m> {
 #[derive(Debug, Clone)]
 struct StoredLayer {
     kv: Option<(Tensor, Tensor)>,
-    queries: Option<Tensor>,
+    queries: Option<SampledQueries>,
 }
 
 impl<'m> CpuSequence<'m> {
@@ -220,15 +246,37 @@ impl<'m> CpuSequence<'m> {
             model,
             attention: FullAttention::new(model.config()),
             stored: options.store_kv.then(|| vec![None; layers]),
+            query_sample: options.query_sample,
         }
     }
 }
 
 /// Exact attention that rounds keys and values to f16 first and keeps them per layer, with
-/// the queries.
+/// a global layer's queries at one position in `query_sample` (0: none).
 struct Rounding<'a> {
     attention: &'a mut FullAttention,
     stored: &'a mut [Option<StoredLayer>],
+    query_sample: usize,
+}
+
+impl Rounding<'_> {
+    /// `input`'s sampled queries, where its layer keeps them.
+    fn sample(&self, input: &AttentionInput<'_>) -> Result<Option<SampledQueries>> {
+        if self.query_sample == 0 || input.layer.kind != LayerKind::Global {
+            return Ok(None);
+        }
+        let (start, tokens) = (input.positions.start, input.positions.len());
+        let positions: Vec<usize> = sampled_positions(start, tokens, self.query_sample).collect();
+        let rows: Vec<u32> = positions.iter().map(|p| (p - start) as u32).collect();
+        let rows = Tensor::new(rows.as_slice(), input.queries.device())?;
+        let queries = input
+            .queries
+            .index_select(&rows, 0)?
+            .flatten_all()?
+            .to_dtype(DType::F16)?
+            .to_vec1::<f16>()?;
+        Ok(Some(SampledQueries { positions, queries }))
+    }
 }
 
 impl AttentionBackend for Rounding<'_> {
@@ -241,10 +289,11 @@ impl AttentionBackend for Rounding<'_> {
             values: &values,
             ..input.clone()
         })?;
+        let queries = self.sample(input)?;
         if let Some(slot) = self.stored.get_mut(input.layer.index) {
             *slot = Some(StoredLayer {
                 kv: Some((keys, values)),
-                queries: Some(input.queries.clone()),
+                queries,
             });
         }
         Ok(out)
@@ -270,6 +319,7 @@ impl Forward for CpuSequence<'_> {
                 let mut backend = Rounding {
                     attention: &mut self.attention,
                     stored,
+                    query_sample: self.query_sample,
                 };
                 self.model.forward(tokens, start, &mut backend, logits)
             }
@@ -329,33 +379,13 @@ impl Forward for CpuSequence<'_> {
         Ok(Some((flat(keys)?, flat(values)?)))
     }
 
-    fn take_queries(&mut self, layer: usize, rows: &[usize]) -> Result<Option<Vec<f16>>> {
-        let taken = self
+    fn take_queries(&mut self, layer: usize) -> Result<Option<SampledQueries>> {
+        Ok(self
             .stored
             .as_mut()
             .and_then(|stored| stored.get_mut(layer))
             .and_then(Option::as_mut)
-            .and_then(|stored| stored.queries.take());
-        let Some(queries) = taken else {
-            return Ok(None);
-        };
-        let tokens = queries.dim(0)?;
-        if let Some(&row) = rows.iter().find(|&&r| r >= tokens) {
-            return Err(ModelError::StoredRows {
-                start: row,
-                end: row + 1,
-                tokens,
-            });
-        }
-        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let ids = Tensor::new(ids.as_slice(), queries.device())?;
-        let picked = queries.index_select(&ids, 0)?;
-        Ok(Some(
-            picked
-                .flatten_all()?
-                .to_dtype(DType::F16)?
-                .to_vec1::<f16>()?,
-        ))
+            .and_then(|stored| stored.queries.take()))
     }
 }
 
@@ -413,5 +443,33 @@ impl Forward for BackendSequence<'_> {
 
     fn take_stored(&mut self, _: usize, _: Range<usize>) -> Result<Option<StoredKv>> {
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A corpus's sample does not depend on its chunks: the samples of consecutive chunks,
+    /// wherever they are cut, are the whole range's, and every sampled position ends a run
+    /// of `every`.
+    #[test]
+    fn sampled_positions_do_not_depend_on_chunks() {
+        for every in [1, 3, 16] {
+            let whole: Vec<usize> = sampled_positions(0, 200, every).collect();
+            assert!(whole.iter().all(|p| (p + 1).is_multiple_of(every)));
+            assert_eq!(whole.len(), 200 / every);
+            for cuts in [
+                vec![0, 1, 200],
+                vec![0, 15, 16, 17, 90, 200],
+                vec![0, 77, 200],
+            ] {
+                let chunked: Vec<usize> = cuts
+                    .windows(2)
+                    .flat_map(|w| sampled_positions(w[0], w[1] - w[0], every))
+                    .collect();
+                assert_eq!(chunked, whole, "every {every}, cut at {cuts:?}");
+            }
+        }
     }
 }

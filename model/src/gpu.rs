@@ -17,7 +17,9 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use half::{bf16, f16};
 use kvdb_kernels::cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut};
-use kvdb_kernels::ops::{self, GateActivation, Norm, QkvShape, RopePairs, Rotary, StoreRows};
+use kvdb_kernels::ops::{
+    self, GateActivation, Norm, QkvShape, QueryRows, RopePairs, Rotary, StoreRows,
+};
 use kvdb_kernels::{
     dense_attention, prefill_attention, Causal, Dense, Float, Gemm, Gpu, KernelError, KvCache,
     Query, Workspace,
@@ -26,7 +28,10 @@ use rayon::prelude::*;
 
 use crate::config::{Activation, LayerKind, ModelConfig, RopeStyle};
 use crate::error::{ModelError, Result};
-use crate::forward::{check_call, preload_widened, Forward, SequenceOptions, StoredKv};
+use crate::forward::{
+    check_call, preload_widened, sampled_positions, Forward, SampledQueries, SequenceOptions,
+    StoredKv,
+};
 use crate::graphs::StepGraphs;
 use crate::model::{Linear, Logits, Model, RmsNorm};
 
@@ -1004,16 +1009,32 @@ struct DecodeBuffers<A> {
     queries: CudaSlice<A>,
 }
 
-/// The store's copy of one layer's chunk: pre-RoPE keys and values in f16, and the pre-RoPE
-/// queries (f32, `[tokens, heads, head_dim]`: 4 bytes a query dimension of the chunk, of
-/// which ingest keeps one row in 16), each taken once.
+/// The store's copy of one layer's chunk: pre-RoPE keys and values in f16, and a global
+/// layer's sampled pre-RoPE queries (f32, `[sampled, heads, head_dim]`: only the sample, as
+/// every row would take 4 bytes a query dimension of the chunk in every layer), each taken
+/// once.
 struct StoredChunk {
     keys: CudaSlice<f16>,
     values: CudaSlice<f16>,
     queries: CudaSlice<f32>,
+    /// One position in this many keeps its queries ([`SequenceOptions::query_sample`]; 0 in
+    /// a sliding-window layer or without a sample).
+    every: usize,
+    /// The call's first position and tokens.
+    start: usize,
     tokens: usize,
     taken: bool,
     queries_taken: bool,
+}
+
+impl StoredChunk {
+    /// Query elements the chunk's sample holds.
+    fn query_len(&self, q_dim: usize) -> usize {
+        match self.every {
+            0 => 0,
+            every => ops::sampled_rows(self.start, self.tokens, every) * q_dim,
+        }
+    }
 }
 
 /// Layer `layer`'s stored chunk where the part that `taken` flags was not taken yet, marked
@@ -1170,12 +1191,20 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         let stored = options
             .store_kv
             .then(|| {
-                (0..c.n_layers())
-                    .map(|_| {
+                model
+                    .layers
+                    .iter()
+                    .map(|layer| {
                         Ok(StoredChunk {
                             keys: gpu.zeros(1)?,
                             values: gpu.zeros(1)?,
                             queries: gpu.zeros(1)?,
+                            every: if layer.window.is_none() {
+                                options.query_sample
+                            } else {
+                                0
+                            },
+                            start: 0,
                             tokens: 0,
                             taken: true,
                             queries_taken: true,
@@ -1237,16 +1266,16 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         }
         if let Some(stored) = self.stored.as_mut() {
             let kv_rows = t * c.n_kv_heads * c.head_dim;
-            let query_rows = t * c.n_heads * c.head_dim;
             for chunk in stored.iter_mut() {
                 if chunk.keys.len() < kv_rows {
                     chunk.keys = gpu.zeros(kv_rows)?;
                     chunk.values = gpu.zeros(kv_rows)?;
                 }
-                if chunk.queries.len() < query_rows {
-                    chunk.queries = gpu.zeros(query_rows)?;
+                (chunk.start, chunk.tokens) = (start, t);
+                let query_len = chunk.query_len(c.n_heads * c.head_dim);
+                if chunk.queries.len() < query_len {
+                    chunk.queries = gpu.zeros(query_len)?;
                 }
-                chunk.tokens = t;
                 chunk.taken = false;
                 chunk.queries_taken = false;
             }
@@ -1296,16 +1325,20 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
         let mut store_views = self.stored.as_mut().map(|stored| {
             let chunk = &mut stored[i];
             let n = t * kv_heads * d;
+            let sampled = chunk.query_len(q_dim);
             (
                 chunk.keys.slice_mut(..n),
                 chunk.values.slice_mut(..n),
-                chunk.queries.slice_mut(..t * q_dim),
+                (chunk.every > 0).then(|| (chunk.queries.slice_mut(..sampled), chunk.every)),
             )
         });
         let store_rows = store_views.as_mut().map(|(k, v, q)| StoreRows {
             keys: k,
             values: v,
-            queries: Some(q),
+            queries: q.as_mut().map(|(rows, every)| QueryRows {
+                rows,
+                every: *every,
+            }),
         });
         let kv = &mut self.kv[i];
         // The call's first `rows` tokens' queries into `queries`, keys and values into
@@ -1350,7 +1383,10 @@ impl<'m, T: Float, A: AttentionType> Sequence<'m, T, A> {
                     Some(StoreRows {
                         keys: &mut raw.keys.slice_mut(..kv_n),
                         values: &mut raw.values.slice_mut(..kv_n),
-                        queries: Some(&mut raw.queries.slice_mut(..n)),
+                        queries: Some(QueryRows {
+                            rows: &mut raw.queries.slice_mut(..n),
+                            every: 1,
+                        }),
                     }),
                 )?;
                 let called = self.attend_placed(
@@ -1664,7 +1700,10 @@ fn place_step_rows<T: Float, A: AttentionType>(
         Some(StoreRows {
             keys: &mut raw.keys.slice_mut(..rows * kv_dim),
             values: &mut raw.values.slice_mut(..rows * kv_dim),
-            queries: Some(&mut raw.queries.slice_mut(..rows * q_dim)),
+            queries: Some(QueryRows {
+                rows: &mut raw.queries.slice_mut(..rows * q_dim),
+                every: 1,
+            }),
         }),
     )?;
     Ok(())
@@ -2213,34 +2252,31 @@ impl<T: Float, A: AttentionType> Forward for Sequence<'_, T, A> {
         Ok(Some((keys, values)))
     }
 
-    fn take_queries(&mut self, layer: usize, rows: &[usize]) -> Result<Option<Vec<f16>>> {
+    fn take_queries(&mut self, layer: usize) -> Result<Option<SampledQueries>> {
         let gpu = &*self.model.gpu;
-        let c = &self.model.config;
+        let q_dim = self.model.config.n_heads * self.model.config.head_dim;
         let Some(chunk) = untaken(&mut self.stored, layer, |chunk| &mut chunk.queries_taken) else {
             return Ok(None);
         };
-        if let Some(&row) = rows.iter().find(|&&r| r >= chunk.tokens) {
-            return Err(ModelError::StoredRows {
-                start: row,
-                end: row + 1,
-                tokens: chunk.tokens,
-            });
+        if chunk.every == 0 {
+            return Ok(None);
         }
-        // Row by row (a sample: ingest takes one in 16), queued together, one wait.
-        let q_dim = c.n_heads * c.head_dim;
-        let mut queries = vec![0f32; rows.len() * q_dim];
-        let stream = gpu.stream();
-        for (&row, out) in rows.iter().zip(queries.chunks_exact_mut(q_dim)) {
-            let from = row * q_dim;
-            stream
-                .memcpy_dtoh(&chunk.queries.slice(from..from + q_dim), out)
+        // The sample's rows lie together: one copy (none where the chunk holds no sampled
+        // position).
+        let mut queries = vec![0f32; chunk.query_len(q_dim)];
+        if !queries.is_empty() {
+            gpu.stream()
+                .memcpy_dtoh(&chunk.queries.slice(..queries.len()), &mut queries)
                 .map_err(|e| KernelError::Driver {
                     op: "copying stored queries",
                     source: e,
                 })?;
+            gpu.synchronize()?;
         }
-        gpu.synchronize()?;
-        Ok(Some(queries.into_iter().map(f16::from_f32).collect()))
+        Ok(Some(SampledQueries {
+            positions: sampled_positions(chunk.start, chunk.tokens, chunk.every).collect(),
+            queries: queries.into_iter().map(f16::from_f32).collect(),
+        }))
     }
 }
 
@@ -2249,6 +2285,23 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     use super::*;
+
+    /// The GPU's stored sample holds as many rows as the positions the CPU samples: the
+    /// kernel's count and the host's positions follow one rule.
+    #[test]
+    fn sampled_rows_count_the_sampled_positions() {
+        for every in [1, 2, 16, 17] {
+            for start in [0, 1, 14, 15, 16, 31, 1000] {
+                for tokens in [0, 1, 15, 16, 33, 512] {
+                    assert_eq!(
+                        ops::sampled_rows(start, tokens, every),
+                        sampled_positions(start, tokens, every).count(),
+                        "every {every}, {tokens} tokens from {start}"
+                    );
+                }
+            }
+        }
+    }
 
     /// Stacked projections come out as the rows of each part in turn, each value rounded
     /// once (as converting a copy of it would), with zero biases for a part without one;

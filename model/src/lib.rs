@@ -47,8 +47,8 @@ pub use config::{
 };
 pub use error::{ModelError, Result};
 pub use forward::{
-    greedy_token, BackendSequence, CpuSequence, Forward, SequenceOptions, StoredKv,
-    CPU_PREFILL_CHUNK,
+    greedy_token, sampled_positions, BackendSequence, CpuSequence, Forward, SampledQueries,
+    SequenceOptions, StoredKv, CPU_PREFILL_CHUNK,
 };
 pub use gguf::GgufFile;
 #[cfg(feature = "gpu")]

@@ -370,7 +370,10 @@ mod on_gpu {
         let Some(gpu) = gpu("stored_keys_and_preload_match_the_cpu") else {
             return Ok(());
         };
-        let store = SequenceOptions { store_kv: true };
+        let store = SequenceOptions {
+            store_kv: true,
+            query_sample: 16,
+        };
         for (name, spec) in tiny_models() {
             let tokens = random_tokens(120, spec.vocab, 7);
             let (first, rest) = tokens.split_at(70);
@@ -389,22 +392,37 @@ mod on_gpu {
                     .take_stored(layer, all.clone())?
                     .expect("the CPU keeps them");
                 let (gk, gv) = ours.take_stored(layer, all)?.expect("the GPU keeps them");
-                // A sample of the queries, as ingest takes them, each taken once.
-                let sampled = [0, 15, 31, 69];
-                let cq = cpu
-                    .take_queries(layer, &sampled)?
-                    .expect("the CPU keeps them");
-                let gq = ours
-                    .take_queries(layer, &sampled)?
-                    .expect("the GPU keeps them");
-                ensure!(ours.take_queries(layer, &sampled)?.is_none());
+                // The sample of the queries ingest takes (positions 15, 31, 47 and 63 of 70),
+                // each taken once, of global layers only.
+                let (cq, gq) = (cpu.take_queries(layer)?, ours.take_queries(layer)?);
+                ensure!(
+                    ours.take_queries(layer)?.is_none(),
+                    "layer {layer} taken twice"
+                );
+                let global = config.layers[layer].kind == kvdb_model::LayerKind::Global;
+                let (cq, gq) = match (cq, gq) {
+                    (Some(cq), Some(gq)) if global => (cq, gq),
+                    (None, None) if !global => Default::default(),
+                    (cq, gq) => anyhow::bail!(
+                        "{name} layer {layer} (global: {global}): sampled on the CPU {}, on \
+                         the GPU {}",
+                        cq.is_some(),
+                        gq.is_some()
+                    ),
+                };
+                let expected = if global { vec![15, 31, 47, 63] } else { vec![] };
+                ensure!(cq.positions == expected && gq.positions == expected);
                 let (ck, cv, gk, gv) = (widen(ck), widen(cv), widen(gk), widen(gv));
-                let (cq, gq) = (widen(cq), widen(gq));
+                let (cq, gq) = (widen(cq.queries), widen(gq.queries));
+                ensure!(cq.len() == expected.len() * config.n_heads * config.head_dim);
                 for (what, a, b) in [
                     ("keys", &gk, &ck),
                     ("values", &gv, &cv),
                     ("queries", &gq, &cq),
                 ] {
+                    if b.is_empty() {
+                        continue; // a sliding-window layer's queries
+                    }
                     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
                     let e = a
                         .iter()
@@ -455,7 +473,10 @@ mod on_gpu {
             let (heads, d) = (config.n_kv_heads, config.head_dim);
             for precision in [Precision::F32, Precision::Bf16] {
                 let gpu_model = GpuModel::new(&model, gpu.clone(), precision)?;
-                let mut prefix = gpu_model.sequence(&SequenceOptions { store_kv: true })?;
+                let mut prefix = gpu_model.sequence(&SequenceOptions {
+                    store_kv: true,
+                    ..Default::default()
+                })?;
                 prefix.forward(first, &Logits::None)?;
                 let mut placed = gpu_model.sequence(&SequenceOptions::default())?;
                 let mut uploaded = gpu_model.sequence(&SequenceOptions::default())?;
