@@ -339,7 +339,8 @@ fn add_then_norm<O: Float>(
 /// 3. with `round_kv_to_f16`, keys and values are rounded to f16 (and back), so that the
 ///    GPU attends to exactly what the store keeps;
 /// 4. `store`, if given, receives those keys (before RoPE) and values as f16,
-///    `[tokens, kv_heads, head_dim]`;
+///    `[tokens, kv_heads, head_dim]`, and the queries of its sample before RoPE
+///    ([`QueryRows`]: a chunk's positions one in `every`, a batched step's every row);
 /// 5. queries and keys of token `i` are rotated at its position `p` (see [`KvPlacement`]);
 /// 6. queries go to `queries` (`[tokens, heads, head_dim]`), keys and values to their KV
 ///    buffer at slot `p % kv.tokens()` (row `h * kv.tokens() + slot`: a buffer smaller than
