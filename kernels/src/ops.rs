@@ -148,9 +148,11 @@ pub struct QueryRows<'a, 'b> {
 }
 
 /// How many of the positions `first..first + tokens` a sample of one in `every` keeps: those
-/// with `(p + 1) % every == 0` ([`QueryRows`]). `every` must be at least 1.
+/// with `(p + 1) % every == 0` ([`QueryRows`]); `every` 0 keeps none.
 pub fn sampled_rows(first: usize, tokens: usize, every: usize) -> usize {
-    (first + tokens) / every - first / every
+    (first + tokens)
+        .checked_div(every)
+        .map_or(0, |through| through - first / every)
 }
 
 /// `out` row `i` (f32, `[ids, hidden]`) = row `ids[i]` of `table` (`[vocab, hidden]`) times

@@ -113,13 +113,17 @@ pub struct SampledQueries {
     pub queries: Vec<f16>,
 }
 
-/// The positions of `start..start + tokens` a sample of one in `every` (at least 1) keeps:
-/// those `p` with `(p + 1) % every == 0`, so that a corpus's sample does not depend on how
-/// its ingest cut it into chunks (on the GPU, `kvdb_kernels::ops::sampled_rows` counts them
-/// and the attention inputs kernel picks the same).
+/// The positions of `start..start + tokens` a sample of one in `every` keeps: those `p` with
+/// `(p + 1) % every == 0`, so that a corpus's sample does not depend on how its ingest cut it
+/// into chunks (on the GPU, `kvdb_kernels::ops::sampled_rows` counts them and the attention
+/// inputs kernel picks the same). `every` 0 keeps none.
 pub fn sampled_positions(start: usize, tokens: usize, every: usize) -> impl Iterator<Item = usize> {
-    let first = (start + 1).div_ceil(every) * every - 1;
-    (first..start + tokens).step_by(every)
+    let (step, end) = match every {
+        0 => (1, 0),
+        every => (every, start + tokens),
+    };
+    let first = (start + 1).div_ceil(step) * step - 1;
+    (first..end).step_by(step)
 }
 
 /// One layer's keys and values for the store, as [`Forward::take_stored`] hands them over:
@@ -455,6 +459,11 @@ mod tests {
     /// of `every`.
     #[test]
     fn sampled_positions_do_not_depend_on_chunks() {
+        assert_eq!(
+            sampled_positions(5, 100, 0).count(),
+            0,
+            "one in 0 keeps none"
+        );
         for every in [1, 3, 16] {
             let whole: Vec<usize> = sampled_positions(0, 200, every).collect();
             assert!(whole.iter().all(|p| (p + 1).is_multiple_of(every)));

@@ -2290,7 +2290,7 @@ mod tests {
     /// kernel's count and the host's positions follow one rule.
     #[test]
     fn sampled_rows_count_the_sampled_positions() {
-        for every in [1, 2, 16, 17] {
+        for every in [0, 1, 2, 16, 17] {
             for start in [0, 1, 14, 15, 16, 31, 1000] {
                 for tokens in [0, 1, 15, 16, 33, 512] {
                     assert_eq!(
