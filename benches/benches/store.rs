@@ -8,6 +8,11 @@
 //! synced RocksDB write batch per chunk (what the store did before, and RocksDB's ordinary
 //! way). Throughput is of the blocks.
 //!
+//! `query_sample_commits` commits only the query sample a GPU ingest of 90,112 tokens of the
+//! Llama-3-8B shape keeps (one position in `QUERY_SAMPLE_STRIDE` of its 32 layers, 32 query
+//! heads of 128: 64 MiB a 4,096-token chunk, 22 commits, 1.4 GiB; its keys and values are 8
+//! times that), the rows as `Store::commit` writes them.
+//!
 //! `read_rows` reads the stored global layers back as a GPU upload does.
 //!
 //! `cargo bench -p kvdb-benches --bench store` (`KVDB_BENCH_DIR` picks the folder: the disk
@@ -18,7 +23,10 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use half::f16;
-use kvdb::store::{encode_f16, Access, BlockKey, Kv, ModelRecord, PrefillRecord, Store};
+use kvdb::store::{
+    encode_f16, Access, BlockKey, Kv, ModelRecord, PrefillRecord, QueryKey, Store,
+    QUERY_SAMPLE_STRIDE,
+};
 use rand::{Rng, SeedableRng};
 use rocksdb::{ColumnFamilyDescriptor, Options, WriteBatch, WriteOptions, DB};
 
@@ -31,6 +39,13 @@ const CHUNK_BLOCKS: u32 = 64;
 const WINDOW_BLOCKS: u32 = 9;
 /// Commits of one ingest.
 const CHUNKS: u32 = 30;
+
+/// The Llama-3-8B shape's sample: layers, query heads × head dimension, tokens a chunk and
+/// commits.
+const LLAMA_LAYERS: usize = 32;
+const LLAMA_QUERY_ROW: usize = 32 * 128;
+const LLAMA_CHUNK: usize = 4096;
+const LLAMA_CHUNKS: u32 = 22;
 
 /// The blocks chunk `chunk` writes, in key order.
 fn chunk_blocks(chunk: u32) -> impl Iterator<Item = BlockKey> {
@@ -56,9 +71,10 @@ fn ingest_bytes() -> u64 {
 }
 
 /// Times `iters` ingests, each into a fresh database that `open` makes in a folder of its
-/// own, committing every chunk with `commit` and ending with `flush`.
+/// own, committing each of `chunks` chunks with `commit` and ending with `flush`.
 fn time_ingests<D>(
     iters: u64,
+    chunks: u32,
     open: impl Fn(&Path) -> D,
     commit: impl Fn(&D, u32),
     flush: impl Fn(&D),
@@ -68,7 +84,7 @@ fn time_ingests<D>(
         let dir = bench_dir();
         let db = open(dir.path());
         let started = Instant::now();
-        for chunk in 0..CHUNKS {
+        for chunk in 0..chunks {
             commit(&db, chunk);
         }
         flush(&db);
@@ -111,6 +127,7 @@ fn commit(c: &mut Criterion) {
         b.iter_custom(|iters| {
             time_ingests(
                 iters,
+                CHUNKS,
                 |dir| Store::open(dir.join("s"), Access::Write).expect("a store"),
                 |store, chunk| {
                     let mut batch = store.batch();
@@ -129,6 +146,7 @@ fn commit(c: &mut Criterion) {
         b.iter_custom(|iters| {
             time_ingests(
                 iters,
+                CHUNKS,
                 raw_db,
                 |db, chunk| {
                     let (keys, values) = (
@@ -145,6 +163,44 @@ fn commit(c: &mut Criterion) {
                     db.write_opt(batch, &synced).expect("a write");
                 },
                 |db| db.flush().expect("a flush"),
+            )
+        })
+    });
+    group.finish();
+}
+
+fn query_sample(c: &mut Criterion) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+    let row: Vec<f16> = (0..LLAMA_QUERY_ROW)
+        .map(|_| f16::from_f32(rng.random_range(-4.0..4.0)))
+        .collect();
+    let rows_a_chunk = LLAMA_LAYERS * LLAMA_CHUNK / QUERY_SAMPLE_STRIDE;
+    let mut group = c.benchmark_group("query_sample_commits");
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .measurement_time(Duration::from_secs(5))
+        .throughput(Throughput::Bytes(
+            (u64::from(LLAMA_CHUNKS) * rows_a_chunk as u64) * (LLAMA_QUERY_ROW * 2) as u64,
+        ));
+    group.bench_function("store_commit", |b| {
+        b.iter_custom(|iters| {
+            time_ingests(
+                iters,
+                LLAMA_CHUNKS,
+                |dir| Store::open(dir.join("s"), Access::Write).expect("a store"),
+                |store, chunk| {
+                    let start = chunk as usize * LLAMA_CHUNK;
+                    let mut batch = store.batch();
+                    for layer in 0..LLAMA_LAYERS {
+                        let sampled = start + QUERY_SAMPLE_STRIDE - 1..start + LLAMA_CHUNK;
+                        for p in sampled.step_by(QUERY_SAMPLE_STRIDE) {
+                            batch.put_queries(QueryKey::new(1, layer, p), &row);
+                        }
+                    }
+                    store.commit(batch).expect("a commit");
+                },
+                |store| store.flush().expect("a flush"),
             )
         })
     });
@@ -204,5 +260,5 @@ fn read(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, commit, read);
+criterion_group!(benches, commit, query_sample, read);
 criterion_main!(benches);

@@ -6,7 +6,8 @@
 //!
 //! The first ingest of each damage test stops right after its last commit, so that its
 //! commits are in the log only (a finished ingest flushes them to SST files), all but their
-//! key and value blocks, which never go through the log (they are ingested as SST files).
+//! key and value blocks and query sample, which never go through the log (they are ingested
+//! as SST files).
 
 mod common;
 

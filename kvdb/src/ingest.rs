@@ -889,7 +889,7 @@ impl<'s> Committer<'s> {
                 .zip(sampled.queries.chunks_exact(row))
             {
                 self.batch
-                    .put_queries(QueryKey::new(id, layer, position), queries)?;
+                    .put_queries(QueryKey::new(id, layer, position), queries);
             }
             for (kv, key, rows) in blocks {
                 self.pending_bytes += rows.len() * 2;

@@ -11,7 +11,7 @@
 //! | `keys`   | corpus id u32, layer u16, KV head u16, block u32 (BE) | `[tokens, head_dim]` f16 LE, pre-RoPE |
 //! | `values` | as `keys`                                    | `[tokens, head_dim]` f16 LE          |
 //! | `index`  | corpus id u32, index number u16, layer u16, KV head u16 (BE) | `kvdb_index::save` bytes (structure only; the keys stay in `keys`) |
-//! | `queries` | corpus id u32, layer u16, position u32 (BE) | a retrieval layer's sampled query, `[n_heads, head_dim]` f16 LE, pre-RoPE ([`QUERY_SAMPLE_STRIDE`]; written with the manifest, through the log) |
+//! | `queries` | corpus id u32, layer u16, position u32 (BE) | a retrieval layer's sampled query, `[n_heads, head_dim]` f16 LE, pre-RoPE ([`QUERY_SAMPLE_STRIDE`]; ingested as SST files before the manifest commits, as blocks are) |
 //!
 //! Blocks hold `block_size` consecutive tokens (the last one of a corpus may be partial and
 //! is rewritten whole when tokens are appended). Big-endian keys keep a corpus's blocks in
@@ -19,12 +19,12 @@
 //! manifest update is the commit point: readers trust the manifest's token count and
 //! nothing past it.
 //!
-//! ## Key and value blocks bypass the log
+//! ## Key and value blocks and the query sample bypass the log
 //!
 //! They are most of what an ingest writes (a GPU prefills tens of megabytes of them a
 //! second), and RocksDB's ordinary write path would write each byte twice (log, then SST
-//! file) and pass it through a memtable. So a commit writes its blocks as one sorted SST file
-//! per family and has RocksDB ingest it (move it into the database, durably), then writes the
+//! file) and pass it through a memtable. So a commit writes its blocks and sampled query rows
+//! as one sorted SST file per family and has RocksDB ingest it (move it into the database, durably), then writes the
 //! rest of the batch (tokens, documents, the manifest) as one synced, atomic write to the log.
 //! Blocks therefore become visible just *before* the manifest that counts them, which is safe
 //! because nothing reads past the committed manifest: a crash in between leaves rows no
@@ -478,11 +478,15 @@ pub enum Access {
 /// not name), so that other writers can say who holds the lock.
 const OWNER_FILE: &str = "kvdb-owner";
 
-/// Where a commit writes its key or value blocks as an SST file before RocksDB ingests it
-/// (moves it into the database), beside the database: RocksDB ignores files it did not name.
-/// A writer removes what a crash left there when it opens: it was never ingested.
-fn ingest_file(store: &Path, kv: Kv) -> PathBuf {
-    store.join(format!("kvdb-ingest-{}.sst", kv.family()))
+/// The families a commit writes as SST files for RocksDB to ingest ([`Batch::put_block`],
+/// [`Batch::put_queries`]).
+const INGESTED_FAMILIES: [&str; 3] = ["keys", "values", "queries"];
+
+/// Where a commit writes one family's rows as an SST file before RocksDB ingests it (moves it
+/// into the database), beside the database: RocksDB ignores files it did not name. A writer
+/// removes what a crash left there when it opens: it was never ingested.
+fn ingest_file(store: &Path, family: &str) -> PathBuf {
+    store.join(format!("kvdb-ingest-{family}.sst"))
 }
 
 /// One RocksDB database holding any number of corpora.
@@ -567,8 +571,8 @@ impl Store {
                 // We hold the lock, so a note left by an owner that died is stale, and so are
                 // SST files a commit wrote but did not ingest.
                 let _ = std::fs::remove_file(path.join(OWNER_FILE));
-                for kv in [Kv::Keys, Kv::Values] {
-                    let _ = std::fs::remove_file(ingest_file(&path, kv));
+                for family in INGESTED_FAMILIES {
+                    let _ = std::fs::remove_file(ingest_file(&path, family));
                 }
                 (db, None)
             }
@@ -1085,17 +1089,24 @@ impl Store {
             store: self,
             batch: WriteBatch::default(),
             blocks: Default::default(),
+            queries: Default::default(),
         }
     }
 
-    /// Applies a batch durably (synced to disk). Its key and value blocks are ingested first
-    /// (see [`Batch::put_block`]); everything else is one atomic write: all of it or none of
-    /// it.
+    /// Applies a batch durably (synced to disk). Its key and value blocks and query rows are
+    /// ingested first (see [`Batch::put_block`]); everything else is one atomic write: all of
+    /// it or none of it.
     pub fn commit(&self, batch: Batch<'_>) -> Result<()> {
-        let Batch { batch, blocks, .. } = batch;
+        let Batch {
+            batch,
+            blocks,
+            queries,
+            ..
+        } = batch;
         for (kv, writes) in [Kv::Keys, Kv::Values].into_iter().zip(blocks) {
-            self.ingest_blocks(kv, writes)?;
+            self.ingest_sst(kv.family(), writes)?;
         }
+        self.ingest_sst("queries", queries)?;
         let mut opts = WriteOptions::default();
         opts.set_sync(true);
         self.db.write_opt(batch, &opts)?;
@@ -1103,16 +1114,17 @@ impl Store {
         Ok(())
     }
 
-    /// Writes `writes` to one SST file (sorted, uncompressed: f16 keys and values do not
-    /// compress) and has RocksDB ingest it into `kv`'s family, which moves the file into the
-    /// database and makes it durable: the blocks are written once, sequentially, instead of
-    /// to the log, a memtable and then an SST file (`benches/benches/store.rs`: 1.4x to 1.6x
-    /// the throughput of synced write batches on the disks measured, docs/benchmarks.md).
-    fn ingest_blocks(&self, kv: Kv, writes: BlockWrites) -> Result<()> {
+    /// Writes `writes` to one SST file (sorted, uncompressed: f16 rows do not compress) and
+    /// has RocksDB ingest it into `family`, which moves the file into the database and makes
+    /// it durable: the rows are written once, sequentially, instead of to the log, a memtable
+    /// and then an SST file (`benches/benches/store.rs`: 1.4x to 1.6x the throughput of synced
+    /// write batches for blocks on the disks measured, 2.4x for a GPU ingest's query sample,
+    /// docs/benchmarks.md).
+    fn ingest_sst<const N: usize>(&self, family: &str, writes: SstWrites<N>) -> Result<()> {
         if writes.puts.is_empty() && writes.deletes.is_empty() {
             return Ok(());
         }
-        let file = ingest_file(&self.path, kv);
+        let file = ingest_file(&self.path, family);
         let mut options = Options::default();
         options.set_compression_type(DBCompressionType::None);
         let mut writer = SstFileWriter::create(&options);
@@ -1127,7 +1139,7 @@ impl Store {
         let mut ingest = IngestExternalFileOptions::default();
         ingest.set_move_files(true);
         self.db
-            .ingest_external_file_cf_opts(self.cf(kv.family())?, &ingest, vec![&file])?;
+            .ingest_external_file_cf_opts(self.cf(family)?, &ingest, vec![&file])?;
         // RocksDB moved the file into the database, or copied it where it could not.
         match std::fs::remove_file(&file) {
             Err(source) if source.kind() != std::io::ErrorKind::NotFound => Err(Error::Io {
@@ -1196,15 +1208,16 @@ fn db_options() -> Options {
     opts
 }
 
-/// The options of one column family. `keys` and `values` hold almost every byte and are
-/// written as ingested SST files, one per commit, each spanning every layer (so they overlap
-/// and land in level 0): compacting them as soon as 4 are there (RocksDB's default) rewrites
-/// a corpus while it is being ingested, on the disk the ingest writes to; 16 let a GPU ingest
-/// of ~500K tokens of a 270M-class model finish first (the store bench's 30 commits: 20%
-/// faster than with 4). They are not compressed: f16 keys and values do not compress.
+/// The options of one column family. `keys` and `values` hold almost every byte and, like
+/// the query sample in `queries`, are written as ingested SST files, one per commit, each
+/// spanning every layer (so they overlap and land in level 0): compacting them as soon as 4
+/// are there (RocksDB's default) rewrites a corpus while it is being ingested, on the disk
+/// the ingest writes to; 16 let a GPU ingest of ~500K tokens of a 270M-class model finish
+/// first (the store bench's 30 commits: 20% faster than with 4). They are not compressed:
+/// f16 rows do not compress.
 fn family_options(name: &str) -> Options {
     let mut options = Options::default();
-    if matches!(name, "keys" | "values") {
+    if INGESTED_FAMILIES.contains(&name) {
         options.set_compression_type(DBCompressionType::None);
         options.set_level_zero_file_num_compaction_trigger(16);
         options.set_level_zero_slowdown_writes_trigger(32);
@@ -1542,15 +1555,25 @@ pub struct Batch<'a> {
     store: &'a Store,
     batch: WriteBatch,
     /// Key and value block writes (keys first), ingested as SST files at the commit.
-    blocks: [BlockWrites; 2],
+    blocks: [SstWrites<12>; 2],
+    /// Query sample rows, ingested as an SST file at the commit as blocks are.
+    queries: SstWrites<10>,
 }
 
-/// One family's block writes in a batch: puts sorted by key (an SST file's order; a later put
-/// of the same block replaces an earlier one) and range deletions.
-#[derive(Default)]
-struct BlockWrites {
-    puts: BTreeMap<[u8; 12], Vec<f16>>,
-    deletes: Vec<([u8; 12], [u8; 12])>,
+/// One family's writes of f16 rows in a batch, keyed by `N` bytes: puts sorted by key (an SST
+/// file's order; a later put of the same key replaces an earlier one) and range deletions.
+struct SstWrites<const N: usize> {
+    puts: BTreeMap<[u8; N], Vec<f16>>,
+    deletes: Vec<([u8; N], [u8; N])>,
+}
+
+impl<const N: usize> Default for SstWrites<N> {
+    fn default() -> Self {
+        Self {
+            puts: BTreeMap::new(),
+            deletes: Vec::new(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Batch<'_> {
@@ -1604,10 +1627,12 @@ impl Batch<'_> {
 
     /// Writes the sampled queries of one position of a layer, `[n_heads, head_dim]` f16 (a
     /// resumed ingest writes the same bytes again).
-    pub fn put_queries(&mut self, key: QueryKey, queries: &[f16]) -> Result<()> {
-        self.batch
-            .put_cf(self.store.cf("queries")?, key.bytes(), encode_f16(queries));
-        Ok(())
+    ///
+    /// Like [`Batch::put_block`], ingested as an SST file before the batch's other writes
+    /// commit, for the same reason it is safe: [`Store::query_sample`] reads no position at
+    /// or past the manifest's token count.
+    pub fn put_queries(&mut self, key: QueryKey, queries: &[f16]) {
+        self.queries.puts.insert(key.bytes(), queries.to_vec());
     }
 
     /// Writes one saved index.

@@ -8,8 +8,9 @@ mod support;
 use std::sync::Arc;
 
 use anyhow::{ensure, Result};
+use half::f16;
 use kvdb::ingest;
-use kvdb::store::{Access, Store, QUERY_SAMPLE_STRIDE};
+use kvdb::store::{Access, ModelRecord, PrefillRecord, QueryKey, Store, QUERY_SAMPLE_STRIDE};
 use kvdb::SourceDocument;
 use kvdb_index::IndexSpec;
 use kvdb_tests::gpl_text;
@@ -96,6 +97,50 @@ fn ingest_samples_queries_and_fit_indexes_use_them() -> Result<()> {
             info.built,
             info.warnings
         );
+    }
+    Ok(())
+}
+
+/// Query rows reach the store as an SST file before the manifest that counts them commits,
+/// as key and value blocks do: rows written past the committed tokens (an ingest that died
+/// between the two) are not read, a row written again (the resumed ingest) replaces the
+/// first, and they outlive the process without the write-ahead log.
+#[test]
+fn query_rows_past_the_manifest_are_not_read() -> Result<()> {
+    let (heads, d) = (4, 8);
+    let record = ModelRecord {
+        sha256: "0".repeat(64),
+        name: "rows".into(),
+        architecture: "gemma3".into(),
+        n_layers: 1,
+        n_heads: heads,
+        n_kv_heads: 2,
+        head_dim: d,
+        context_length: 4096,
+    };
+    let row = |x: f32| vec![f16::from_f32(x); heads * d];
+    let dir = tempfile::tempdir()?;
+    {
+        let store = Store::open(dir.path(), Access::Write)?;
+        let mut manifest =
+            store.create_corpus("c", record, vec![], 64, PrefillRecord::default())?;
+        manifest.tokens = 20;
+        let mut batch = store.batch();
+        batch.put_queries(QueryKey::new(manifest.id, 0, 15), &row(1.0));
+        batch.put_manifest(&manifest)?;
+        store.commit(batch)?;
+        // The next chunk's rows, and position 15 again, with no manifest after them.
+        let mut batch = store.batch();
+        batch.put_queries(QueryKey::new(manifest.id, 0, 15), &row(2.0));
+        batch.put_queries(QueryKey::new(manifest.id, 0, 31), &row(3.0));
+        store.commit(batch)?;
+    }
+    let store = Store::open(dir.path(), Access::Read)?;
+    let manifest = store.manifest("c")?;
+    for head in 0..2 {
+        let sample = store.query_sample(&manifest, 0, head)?;
+        ensure!(sample.positions == [15], "{:?}", sample.positions);
+        ensure!(sample.queries == vec![2.0; 2 * d], "{:?}", sample.queries);
     }
     Ok(())
 }
