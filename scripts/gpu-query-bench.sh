@@ -120,7 +120,7 @@ serve_questions() {
 text=${TEXT:-/usr/share/common-licenses/GPL-3}
 log=$out/query.log
 echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$log"
-for spec in "gemma3-270m:${COPIES_GEMMA:-4}:${IVF_GEMMA:-ivf256,np8,norope,all}" "llama3-8b:${COPIES_LLAMA:-1}:${IVF_LLAMA:-none}" \
+for spec in "gemma3-270m:${COPIES_GEMMA:-4}:${IVF_GEMMA:-ivf256,np8,hot8,norope,all}" "llama3-8b:${COPIES_LLAMA:-1}:${IVF_LLAMA:-none}" \
     "qwen2.5-7b-1m:${COPIES_QWEN:-0}:${IVF_QWEN:-none}"; do
     IFS=: read -r preset copies ivf <<<"$spec"
     [ "$copies" -gt 0 ] || continue

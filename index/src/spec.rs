@@ -27,7 +27,7 @@ index specs:
                                          InfiniteHiP multi-stage chunk pruning (presets: paper,
                                          <N>k for a final budget of N*1024 keys)
 a kind alone means its default (measured in docs/benchmarks.md, \"Default specs\"):
-  ivf = ivf256,np8,norope,all            hnsw = hnsw16,ef64,efc200
+  ivf = ivf256,np8,hot8,norope,all       hnsw = hnsw16,ef64,efc200
   lsh = lsh:L=64,K=4,min=3,seed=0        saap = saap256,l10
   hip = hip:k256,bq1,bk1                 ihip = ihip:lc=64/16/4,k=1024/256/64,refresh=16/8/4";
 
@@ -256,7 +256,7 @@ impl IndexSpec {
                 lists: 256,
                 probes: 8,
                 head_probes: 0,
-                hot_permille: 0,
+                hot_permille: 8,
                 norope: true,
                 all: true,
                 fit: false,
