@@ -21,10 +21,13 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{
+    criterion_group, criterion_main, BenchmarkGroup, Criterion, SamplingMode, Throughput,
+};
 use half::f16;
 use kvdb::store::{
-    encode_f16, Access, BlockKey, Kv, ModelRecord, PrefillRecord, QueryKey, Store,
+    encode_f16, Access, Batch, BlockKey, Kv, ModelRecord, PrefillRecord, QueryKey, Store,
     QUERY_SAMPLE_STRIDE,
 };
 use rand::{Rng, SeedableRng};
@@ -93,6 +96,34 @@ fn time_ingests<D>(
     total
 }
 
+/// Times `iters` ingests through [`Store::commit`], `fill` putting chunk `chunk`'s writes into
+/// its batch.
+fn time_store_ingests(iters: u64, chunks: u32, fill: impl Fn(&mut Batch<'_>, u32)) -> Duration {
+    time_ingests(
+        iters,
+        chunks,
+        |dir| Store::open(dir.join("s"), Access::Write).expect("a store"),
+        |store, chunk| {
+            let mut batch = store.batch();
+            fill(&mut batch, chunk);
+            store.commit(batch).expect("a commit");
+        },
+        |store| store.flush().expect("a flush"),
+    )
+}
+
+/// A group of whole ingests writing `bytes` each: every iteration is an ingest of seconds, so
+/// criterion's fewest samples, flat.
+fn ingest_group<'a>(c: &'a mut Criterion, name: &str, bytes: u64) -> BenchmarkGroup<'a, WallTime> {
+    let mut group = c.benchmark_group(name);
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .measurement_time(Duration::from_secs(5))
+        .throughput(Throughput::Bytes(bytes));
+    group
+}
+
 fn bench_dir() -> tempfile::TempDir {
     match std::env::var_os("KVDB_BENCH_DIR") {
         Some(dir) => tempfile::tempdir_in(dir),
@@ -117,29 +148,16 @@ fn commit(c: &mut Criterion) {
     let rows: Vec<f16> = (0..BLOCK_ROWS * HEAD_DIM)
         .map(|_| f16::from_f32(rng.random_range(-4.0..4.0)))
         .collect();
-    let mut group = c.benchmark_group("ingest_commits");
-    group
-        .sample_size(10)
-        .sampling_mode(SamplingMode::Flat)
-        .measurement_time(Duration::from_secs(5))
-        .throughput(Throughput::Bytes(ingest_bytes()));
+    let mut group = ingest_group(c, "ingest_commits", ingest_bytes());
     group.bench_function("store_commit", |b| {
         b.iter_custom(|iters| {
-            time_ingests(
-                iters,
-                CHUNKS,
-                |dir| Store::open(dir.join("s"), Access::Write).expect("a store"),
-                |store, chunk| {
-                    let mut batch = store.batch();
-                    for key in chunk_blocks(chunk) {
-                        for kv in [Kv::Keys, Kv::Values] {
-                            batch.put_block(kv, key, rows.clone());
-                        }
+            time_store_ingests(iters, CHUNKS, |batch, chunk| {
+                for key in chunk_blocks(chunk) {
+                    for kv in [Kv::Keys, Kv::Values] {
+                        batch.put_block(kv, key, rows.clone());
                     }
-                    store.commit(batch).expect("a commit");
-                },
-                |store| store.flush().expect("a flush"),
-            )
+                }
+            })
         })
     });
     group.bench_function("wal_write_batch", |b| {
@@ -175,33 +193,19 @@ fn query_sample(c: &mut Criterion) {
         .map(|_| f16::from_f32(rng.random_range(-4.0..4.0)))
         .collect();
     let rows_a_chunk = LLAMA_LAYERS * LLAMA_CHUNK / QUERY_SAMPLE_STRIDE;
-    let mut group = c.benchmark_group("query_sample_commits");
-    group
-        .sample_size(10)
-        .sampling_mode(SamplingMode::Flat)
-        .measurement_time(Duration::from_secs(5))
-        .throughput(Throughput::Bytes(
-            (u64::from(LLAMA_CHUNKS) * rows_a_chunk as u64) * (LLAMA_QUERY_ROW * 2) as u64,
-        ));
+    let bytes = (u64::from(LLAMA_CHUNKS) * rows_a_chunk as u64) * (LLAMA_QUERY_ROW * 2) as u64;
+    let mut group = ingest_group(c, "query_sample_commits", bytes);
     group.bench_function("store_commit", |b| {
         b.iter_custom(|iters| {
-            time_ingests(
-                iters,
-                LLAMA_CHUNKS,
-                |dir| Store::open(dir.join("s"), Access::Write).expect("a store"),
-                |store, chunk| {
-                    let start = chunk as usize * LLAMA_CHUNK;
-                    let mut batch = store.batch();
-                    for layer in 0..LLAMA_LAYERS {
-                        let sampled = start + QUERY_SAMPLE_STRIDE - 1..start + LLAMA_CHUNK;
-                        for p in sampled.step_by(QUERY_SAMPLE_STRIDE) {
-                            batch.put_queries(QueryKey::new(1, layer, p), &row);
-                        }
+            time_store_ingests(iters, LLAMA_CHUNKS, |batch, chunk| {
+                let start = chunk as usize * LLAMA_CHUNK;
+                for layer in 0..LLAMA_LAYERS {
+                    let sampled = start + QUERY_SAMPLE_STRIDE - 1..start + LLAMA_CHUNK;
+                    for p in sampled.step_by(QUERY_SAMPLE_STRIDE) {
+                        batch.put_queries(QueryKey::new(1, layer, p), &row);
                     }
-                    store.commit(batch).expect("a commit");
-                },
-                |store| store.flush().expect("a flush"),
-            )
+                }
+            })
         })
     });
     group.finish();
