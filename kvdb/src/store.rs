@@ -24,8 +24,9 @@
 //! They are most of what an ingest writes (a GPU prefills tens of megabytes of them a
 //! second), and RocksDB's ordinary write path would write each byte twice (log, then SST
 //! file) and pass it through a memtable. So a commit writes its blocks and sampled query rows
-//! as one sorted SST file per family and has RocksDB ingest it (move it into the database, durably), then writes the
-//! rest of the batch (tokens, documents, the manifest) as one synced, atomic write to the log.
+//! as one sorted SST file per family and has RocksDB ingest it (move it into the database,
+//! durably), then writes the rest of the batch (tokens, documents, the manifest) as one
+//! synced, atomic write to the log.
 //! Blocks therefore become visible just *before* the manifest that counts them, which is safe
 //! because nothing reads past the committed manifest: a crash in between leaves rows no
 //! manifest counts, and the resumed ingest writes the same rows again. The one write that
